@@ -1,0 +1,59 @@
+# rowrelay — two commands on a fresh machine:  make run  |  make test
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+UV_VERSION := 0.13.9
+ROWRELAY_HOME ?= $(HOME)/.cache/rowrelay
+export ROWRELAY_HOME
+STACK_ENV := $(ROWRELAY_HOME)/stack.env
+UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
+PY := .venv/bin/python
+# Load the stack's connection settings (written by `python -m stack up`) into a recipe's environment.
+WITH_ENV := set -a; source $(STACK_ENV); set +a;
+
+.PHONY: help install stack stack-down stack-status demo-tables run test test-unit test-faults lint bench clean
+
+help:
+	@echo "make run    - install, start the local stack, create demo tables + writer, serve the Dagster UI on :3000"
+	@echo "make test   - install, start the local stack, run the whole test suite"
+	@echo "make stack | stack-down | stack-status | lint | bench"
+
+$(UV):
+	python3 -m pip install --user --quiet "uv==$(UV_VERSION)" || python3 -m pip install --quiet "uv==$(UV_VERSION)"
+
+# The lock file pins every package; `uv sync --frozen` reproduces it exactly.
+.venv/.synced: pyproject.toml uv.lock | $(UV)
+	$(UV) sync --frozen
+	touch $@
+
+install: .venv/.synced
+
+stack: install
+	$(PY) -m stack up
+
+stack-down:
+	$(PY) -m stack down
+
+stack-status:
+	$(PY) -m stack status
+
+run: stack
+	$(WITH_ENV) $(PY) -m orchestration.demo setup
+	$(WITH_ENV) ./stack/run-demo.sh
+
+test: stack
+	$(WITH_ENV) $(PY) -m pytest -q tests
+
+test-unit: install
+	$(PY) -m pytest -q tests -m "not integration and not faults"
+
+test-faults: stack
+	$(WITH_ENV) $(PY) -m pytest -q tests -m faults
+
+lint: install
+	$(UV) run ruff check .
+
+bench: stack
+	$(WITH_ENV) $(PY) -m bench.run
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache .dagster_home

@@ -1,0 +1,1 @@
+"""Local stack (Kafka, PostgreSQL, MariaDB) that the project starts itself; see stack/local.py."""

@@ -1,0 +1,5 @@
+import sys
+
+from stack.local import main
+
+sys.exit(main())

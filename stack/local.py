@@ -1,0 +1,590 @@
+"""The project's own local stack: Kafka (KRaft), PostgreSQL and MariaDB on loopback.
+
+No Docker engine is assumed. Every service runs from a data directory under ``ROWRELAY_HOME``
+(default ``~/.cache/rowrelay``), outside any checkout, so a second clone finds and reuses the
+running stack instead of starting a competing one. ``up`` is idempotent; ``down`` stops only the
+processes whose pid files this module wrote.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+STACK_DIR = Path(__file__).resolve().parent
+USER = "rowrelay"
+# A throwaway local stack: the password only guards loopback ports. Real deployments pass their own.
+PASSWORD = "rowrelay-local"
+DAGSTER_DB = "dagster"
+DEMO_DB = "rowrelay_demo"
+
+
+class StackError(RuntimeError):
+    """A service could not be brought up; the message says what to read or change."""
+
+
+def home() -> Path:
+    return Path(os.environ.get("ROWRELAY_HOME", Path.home() / ".cache" / "rowrelay")).expanduser()
+
+
+def env_file() -> Path:
+    return home() / "stack.env"
+
+
+@dataclass(frozen=True)
+class Ports:
+    kafka: int
+    kafka_controller: int
+    postgres: int
+    mariadb: int
+
+    @classmethod
+    def from_env(cls) -> Ports:
+        # Defaults sit away from the services' usual ports so a system PostgreSQL/MySQL/Kafka can coexist.
+        return cls(
+            kafka=int(os.environ.get("ROWRELAY_KAFKA_PORT", 19092)),
+            kafka_controller=int(os.environ.get("ROWRELAY_KAFKA_CONTROLLER_PORT", 19093)),
+            postgres=int(os.environ.get("ROWRELAY_PG_PORT", 15432)),
+            mariadb=int(os.environ.get("ROWRELAY_MARIADB_PORT", 13306)),
+        )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def log(msg: str) -> None:
+    print(f"[stack] {msg}", flush=True)
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, logfile: Path, pid: int | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if pid is not None and not pid_alive(pid):
+            raise StackError(f"{what} exited during start-up; read {logfile}")
+        time.sleep(0.5)
+    raise StackError(f"{what} did not answer within {timeout:.0f}s; read {logfile}")
+
+
+def require_free_port(port: int, service: str, env_var: str) -> None:
+    if port_open(port):
+        raise StackError(
+            f"port {port} for {service} is already taken by a process this stack did not start; "
+            f"stop it or set {env_var} to a free port"
+        )
+
+
+def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)  # type: ignore[call-overload]
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def apt_install(*packages: str) -> None:
+    if not is_root():
+        raise StackError(f"missing system packages; run: sudo apt-get install -y {' '.join(packages)}")
+    log(f"installing Debian packages: {' '.join(packages)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=False, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-q", *packages], check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def ensure_tools() -> None:
+    missing = []
+    if not shutil.which("java"):
+        missing.append("openjdk-17-jre-headless")
+    if not shutil.which("mvn"):
+        missing.append("maven")
+    if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
+        missing.append("postgresql")
+    if not shutil.which("mariadbd") and not os.path.exists("/usr/sbin/mariadbd"):
+        missing.append("mariadb-server")
+    if missing:
+        apt_install(*missing)
+
+
+def pg_bin(tool: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{tool}"))
+    if not found:
+        raise StackError("PostgreSQL server binaries not found; run: apt-get install -y postgresql")
+    return found[-1]
+
+
+# --------------------------------------------------------------------------- jars
+
+
+def jar_dir(kind: str) -> Path:
+    return home() / "jars" / kind
+
+
+def fetch_jars(kind: str) -> Path:
+    """Copy a pom's runtime dependencies from Maven Central into the cache, once."""
+    target = jar_dir(kind)
+    marker = target / ".complete"
+    pom = STACK_DIR / "poms" / f"{kind}.xml"
+    if marker.exists() and marker.read_text() == pom.read_text():
+        return target
+    log(f"fetching {kind} jars from Maven Central into {target}")
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    try:
+        run(["mvn", "-q", "-B", "-f", str(pom), "dependency:copy-dependencies",
+             "-DincludeScope=runtime", f"-DoutputDirectory={target}"])
+    except subprocess.CalledProcessError as exc:
+        raise StackError(f"mvn could not fetch {kind} jars:\n{exc.stdout}\n{exc.stderr}") from exc
+    marker.write_text(pom.read_text())
+    return target
+
+
+def jdbc_jars() -> list[str]:
+    return sorted(str(p) for p in fetch_jars("jdbc").glob("*.jar"))
+
+
+# --------------------------------------------------------------------------- Kafka
+
+
+def kafka_classpath() -> str:
+    kafka_home = os.environ.get("KAFKA_HOME")
+    if kafka_home:
+        libs = Path(kafka_home) / "libs"
+        if not libs.is_dir():
+            raise StackError(f"KAFKA_HOME={kafka_home} has no libs/ folder")
+        return f"{libs}/*"
+    return f"{fetch_jars('kafka')}/*"
+
+
+KAFKA_LOG4J = """\
+status = warn
+appender.out.type = Console
+appender.out.name = STDOUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.out.ref = STDOUT
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+logger.state.name = state.change.logger
+logger.state.level = WARN
+"""
+
+
+def kafka_properties(ports: Ports, data: Path) -> str:
+    return f"""\
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:{ports.kafka_controller}
+listeners=PLAINTEXT://127.0.0.1:{ports.kafka},CONTROLLER://127.0.0.1:{ports.kafka_controller}
+advertised.listeners=PLAINTEXT://127.0.0.1:{ports.kafka},CONTROLLER://127.0.0.1:{ports.kafka_controller}
+inter.broker.listener.name=PLAINTEXT
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs={data}
+num.partitions=1
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=1
+transaction.abort.timed.out.transaction.cleanup.interval.ms=2000
+group.initial.rebalance.delay.ms=0
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+log.cleaner.backoff.ms=1000
+"""
+
+
+def kafka_ready(port: int) -> bool:
+    from confluent_kafka.admin import AdminClient
+
+    if not port_open(port):
+        return False
+    try:
+        md = AdminClient({"bootstrap.servers": f"127.0.0.1:{port}", "log_level": 0}).list_topics(timeout=2)
+        return bool(md.brokers)
+    except Exception:
+        return False
+
+
+def kafka_up(ports: Ports) -> None:
+    base = home() / "kafka"
+    pidfile, logfile = base / "kafka.pid", base / "kafka.log"
+    pid = read_pid(pidfile)
+    if pid_alive(pid) and kafka_ready(ports.kafka):
+        log(f"kafka: reusing broker pid {pid} on 127.0.0.1:{ports.kafka}")
+        return
+    if pid_alive(pid):
+        wait_until(lambda: kafka_ready(ports.kafka), 90, "kafka", logfile, pid)
+        return
+    require_free_port(ports.kafka, "kafka", "ROWRELAY_KAFKA_PORT")
+    require_free_port(ports.kafka_controller, "kafka controller", "ROWRELAY_KAFKA_CONTROLLER_PORT")
+    classpath = kafka_classpath()
+    data = base / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    props = base / "server.properties"
+    props.write_text(kafka_properties(ports, data))
+    log4j = base / "log4j2.properties"
+    log4j.write_text(KAFKA_LOG4J)
+    java = ["java", f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath]
+    if not (data / "meta.properties").exists():
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        try:
+            run([*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props), "--standalone"])
+        except subprocess.CalledProcessError as exc:
+            raise StackError(f"kafka storage format failed:\n{exc.stdout}\n{exc.stderr}") from exc
+    log(f"kafka: starting broker on 127.0.0.1:{ports.kafka} (log {logfile})")
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(
+            ["java", "-Xms256m", "-Xmx768m", "-XX:+UseG1GC", *java[1:], "kafka.Kafka", str(props)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    pidfile.write_text(str(proc.pid))
+    wait_until(lambda: kafka_ready(ports.kafka), 120, "kafka", logfile, proc.pid)
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+
+
+def _pg_user_prefix() -> list[str]:
+    # PostgreSQL refuses to run as root: as root, run it as the Debian 'postgres' user.
+    return ["runuser", "-u", "postgres", "--"] if is_root() else []
+
+
+def _make_traversable(path: Path) -> None:
+    """Let the 'postgres' user reach a data dir below root's home (search bit only, no listing)."""
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(parent, mode | 0o001)
+
+
+def pg_ready(port: int) -> bool:
+    if not port_open(port):
+        return False
+    import psycopg
+
+    try:
+        with psycopg.connect(host="127.0.0.1", port=port, user=USER, password=PASSWORD,
+                             dbname="postgres", connect_timeout=2):
+            return True
+    except Exception:
+        return False
+
+
+def postgres_up(ports: Ports) -> None:
+    base = home() / "postgres"
+    data, logfile = base / "data", base / "postgres.log"
+    pid = read_pid(data / "postmaster.pid")
+    if pid_alive(pid):
+        wait_until(lambda: pg_ready(ports.postgres), 60, "postgresql", logfile, pid)
+        log(f"postgresql: reusing server pid {pid} on 127.0.0.1:{ports.postgres}")
+        return
+    require_free_port(ports.postgres, "postgresql", "ROWRELAY_PG_PORT")
+    base.mkdir(parents=True, exist_ok=True)
+    if is_root():
+        _make_traversable(base)
+        pw = pwd.getpwnam("postgres")
+        os.chown(base, pw.pw_uid, pw.pw_gid)
+    if not (data / "PG_VERSION").exists():
+        log(f"postgresql: initdb {data}")
+        pwfile = base / "pwfile"
+        pwfile.write_text(PASSWORD + "\n")
+        if is_root():
+            os.chown(pwfile, pw.pw_uid, pw.pw_gid)
+        try:
+            run([*_pg_user_prefix(), pg_bin("initdb"), "-D", str(data), "-U", USER, "--pwfile", str(pwfile),
+                 "--auth=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8"])
+        except subprocess.CalledProcessError as exc:
+            raise StackError(f"initdb failed:\n{exc.stdout}\n{exc.stderr}") from exc
+        finally:
+            pwfile.unlink(missing_ok=True)
+    if not logfile.exists():
+        logfile.touch()
+    if is_root():
+        os.chown(logfile, pw.pw_uid, pw.pw_gid)
+    opts = (f"-p {ports.postgres} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
+            "-c max_connections=300 -c synchronous_commit=off -c shared_buffers=256MB")
+    log(f"postgresql: starting on 127.0.0.1:{ports.postgres} (log {logfile})")
+    try:
+        subprocess.run([*_pg_user_prefix(), pg_bin("pg_ctl"), "-D", str(data), "-l", str(logfile), "-o", opts,
+                        "-w", "-t", "60", "start"], check=True, capture_output=True, text=True,
+                       start_new_session=True)
+    except subprocess.CalledProcessError as exc:
+        raise StackError(f"postgresql did not start; read {logfile}\n{exc.stdout}{exc.stderr}") from exc
+    wait_until(lambda: pg_ready(ports.postgres), 60, "postgresql", logfile)
+    ensure_pg_database(ports.postgres, DAGSTER_DB)
+    ensure_pg_database(ports.postgres, DEMO_DB)
+
+
+def ensure_pg_database(port: int, name: str) -> None:
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(host="127.0.0.1", port=port, user=USER, password=PASSWORD, dbname="postgres",
+                         autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+
+def postgres_down() -> None:
+    data = home() / "postgres" / "data"
+    pid = read_pid(data / "postmaster.pid")
+    if pid_alive(pid):
+        log(f"postgresql: stopping pid {pid}")
+        subprocess.run([*_pg_user_prefix(), pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+                       check=False, capture_output=True)
+
+
+# --------------------------------------------------------------------------- MariaDB
+
+
+def mariadb_socket() -> Path:
+    return home() / "mariadb" / "mariadb.sock"
+
+
+def mariadb_ready(port: int) -> bool:
+    if not port_open(port):
+        return False
+    import pymysql
+
+    try:
+        pymysql.connect(host="127.0.0.1", port=port, user=USER, password=PASSWORD, connect_timeout=2).close()
+        return True
+    except Exception:
+        return False
+
+
+def mariadb_up(ports: Ports) -> None:
+    base = home() / "mariadb"
+    data, logfile, pidfile = base / "data", base / "mariadb.log", base / "mariadb.pid"
+    pid = read_pid(pidfile)
+    if pid_alive(pid):
+        wait_until(lambda: mariadb_ready(ports.mariadb), 60, "mariadb", logfile, pid)
+        log(f"mariadb: reusing server pid {pid} on 127.0.0.1:{ports.mariadb}")
+        return
+    require_free_port(ports.mariadb, "mariadb", "ROWRELAY_MARIADB_PORT")
+    base.mkdir(parents=True, exist_ok=True)
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    fresh = not (data / "mysql").exists()
+    if fresh:
+        log(f"mariadb: installing system tables in {data}")
+        try:
+            run(["mariadb-install-db", "--no-defaults", f"--datadir={data}", f"--user={user}",
+                 "--auth-root-authentication-method=socket", "--skip-test-db"])
+        except subprocess.CalledProcessError as exc:
+            raise StackError(f"mariadb-install-db failed:\n{exc.stdout}\n{exc.stderr}") from exc
+    mariadbd = shutil.which("mariadbd") or "/usr/sbin/mariadbd"
+    log(f"mariadb: starting on 127.0.0.1:{ports.mariadb} (log {logfile})")
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(
+            [mariadbd, "--no-defaults", f"--datadir={data}", f"--port={ports.mariadb}", "--bind-address=127.0.0.1",
+             f"--socket={mariadb_socket()}", f"--pid-file={pidfile}", f"--user={user}", "--skip-name-resolve",
+             "--innodb-buffer-pool-size=256M", "--innodb-flush-log-at-trx-commit=2", "--max-connections=300",
+             "--character-set-server=utf8mb4", "--collation-server=utf8mb4_unicode_ci",
+             "--max-allowed-packet=64M"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    pidfile.write_text(str(proc.pid))
+    wait_until(lambda: mariadb_socket().exists(), 60, "mariadb", logfile, proc.pid)
+    # The root account authenticates over the socket only; it creates the project's TCP user once.
+    sql_text = (
+        f"CREATE USER IF NOT EXISTS '{USER}'@'127.0.0.1' IDENTIFIED BY '{PASSWORD}';"
+        f"CREATE USER IF NOT EXISTS '{USER}'@'localhost' IDENTIFIED BY '{PASSWORD}';"
+        f"GRANT ALL PRIVILEGES ON *.* TO '{USER}'@'127.0.0.1' WITH GRANT OPTION;"
+        f"GRANT ALL PRIVILEGES ON *.* TO '{USER}'@'localhost' WITH GRANT OPTION;"
+        f"CREATE DATABASE IF NOT EXISTS {DEMO_DB};"
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        res = subprocess.run(["mariadb", "--no-defaults", f"--socket={mariadb_socket()}", "-uroot", "-e", sql_text],
+                             capture_output=True, text=True)
+        if res.returncode == 0:
+            break
+        if time.monotonic() > deadline or not pid_alive(proc.pid):
+            raise StackError(f"mariadb did not accept the set-up statements ({res.stderr.strip()}); read {logfile}")
+        time.sleep(0.5)
+    wait_until(lambda: mariadb_ready(ports.mariadb), 60, "mariadb", logfile, proc.pid)
+
+
+# --------------------------------------------------------------------------- stack
+
+
+def stop_pidfile(name: str, pidfile: Path, timeout: float = 30) -> None:
+    pid = read_pid(pidfile)
+    if not pid_alive(pid):
+        pidfile.unlink(missing_ok=True)
+        return
+    assert pid is not None
+    log(f"{name}: stopping pid {pid}")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    pidfile.unlink(missing_ok=True)
+
+
+def settings(ports: Ports | None = None, with_jars: bool = True) -> dict[str, str]:
+    p = ports or Ports.from_env()
+    values = {
+        "ROWRELAY_HOME": str(home()),
+        "ROWRELAY_KAFKA_BOOTSTRAP": f"127.0.0.1:{p.kafka}",
+        "ROWRELAY_PG_HOST": "127.0.0.1",
+        "ROWRELAY_PG_PORT": str(p.postgres),
+        "ROWRELAY_PG_USER": USER,
+        "ROWRELAY_PG_PASSWORD": PASSWORD,
+        "ROWRELAY_MARIADB_HOST": "127.0.0.1",
+        "ROWRELAY_MARIADB_PORT": str(p.mariadb),
+        "ROWRELAY_MARIADB_USER": USER,
+        "ROWRELAY_MARIADB_PASSWORD": PASSWORD,
+        "DAGSTER_PG_HOST": "127.0.0.1",
+        "DAGSTER_PG_PORT": str(p.postgres),
+        "DAGSTER_PG_USER": USER,
+        "DAGSTER_PG_PASSWORD": PASSWORD,
+        "DAGSTER_PG_DB": DAGSTER_DB,
+    }
+    if with_jars:
+        values["ROWRELAY_JDBC_JARS"] = ",".join(jdbc_jars())
+    return values
+
+
+def write_env_file(values: dict[str, str]) -> Path:
+    path = env_file()
+    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    return path
+
+
+def load_env_file() -> dict[str, str]:
+    path = env_file()
+    if not path.exists():
+        raise StackError(f"{path} not found: run `python -m stack up` (or `make stack`) first")
+    out = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            k, v = line.split("=", 1)
+            out[k] = v
+    return out
+
+
+def preflight(ports: Ports) -> None:
+    """Fail fast, before any install or download, when a port we need belongs to someone else."""
+    ours = [
+        (read_pid(home() / "kafka" / "kafka.pid"), [(ports.kafka, "kafka", "ROWRELAY_KAFKA_PORT"),
+         (ports.kafka_controller, "kafka controller", "ROWRELAY_KAFKA_CONTROLLER_PORT")]),
+        (read_pid(home() / "postgres" / "data" / "postmaster.pid"), [(ports.postgres, "postgresql", "ROWRELAY_PG_PORT")]),
+        (read_pid(home() / "mariadb" / "mariadb.pid"), [(ports.mariadb, "mariadb", "ROWRELAY_MARIADB_PORT")]),
+    ]
+    for pid, checks in ours:
+        if pid_alive(pid):
+            continue
+        for port, service, var in checks:
+            require_free_port(port, service, var)
+
+
+def up() -> dict[str, str]:
+    home().mkdir(parents=True, exist_ok=True)
+    ports = Ports.from_env()
+    preflight(ports)
+    ensure_tools()
+    fetch_jars("jdbc")
+    postgres_up(ports)
+    mariadb_up(ports)
+    kafka_up(ports)
+    values = settings(ports)
+    path = write_env_file(values)
+    log(f"stack is up; settings in {path}")
+    return values
+
+
+def down() -> None:
+    stop_pidfile("kafka", home() / "kafka" / "kafka.pid")
+    stop_pidfile("mariadb", home() / "mariadb" / "mariadb.pid")
+    postgres_down()
+
+
+def status() -> int:
+    ports = Ports.from_env()
+    rows = [
+        ("kafka", read_pid(home() / "kafka" / "kafka.pid"), ports.kafka, kafka_ready, home() / "kafka" / "kafka.log"),
+        ("postgresql", read_pid(home() / "postgres" / "data" / "postmaster.pid"), ports.postgres, pg_ready,
+         home() / "postgres" / "postgres.log"),
+        ("mariadb", read_pid(home() / "mariadb" / "mariadb.pid"), ports.mariadb, mariadb_ready,
+         home() / "mariadb" / "mariadb.log"),
+    ]
+    all_up = True
+    for name, pid, port, ready, logfile in rows:
+        alive = pid_alive(pid)
+        answering = alive and ready(port)
+        all_up &= answering
+        state = "up" if answering else ("starting/unhealthy" if alive else "down")
+        print(f"{name:<11} {state:<18} pid={pid if alive else '-':<8} 127.0.0.1:{port:<6} log={logfile}")
+    print(f"settings    {env_file()}")
+    return 0 if all_up else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    cmd = args[0] if args else "status"
+    try:
+        if cmd == "up":
+            up()
+            return 0
+        if cmd == "down":
+            down()
+            return 0
+        if cmd == "status":
+            return status()
+        if cmd == "env":
+            print(env_file())
+            return 0
+    except StackError as exc:
+        print(f"[stack] error: {exc}", file=sys.stderr)
+        return 1
+    print("usage: python -m stack up|down|status|env", file=sys.stderr)
+    return 2

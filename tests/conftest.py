@@ -1,0 +1,162 @@
+"""Session fixtures on real services.
+
+Default: the project's local stack (`python -m stack up`, settings in ~/.cache/rowrelay/stack.env).
+With ROWRELAY_TEST_CONTAINERS=1 and a reachable Docker engine: Kafka, PostgreSQL and MariaDB from
+testcontainers instead. Every test gets its own databases, tables and topics (unique names), so tests
+never see each other's data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL, Engine
+
+
+@dataclass(frozen=True)
+class Services:
+    kafka_bootstrap: str
+    pg_host: str
+    pg_port: int
+    pg_user: str
+    pg_password: str
+    mariadb_host: str
+    mariadb_port: int
+    mariadb_user: str
+    mariadb_password: str
+    jdbc_jars: str
+
+    def pg_url(self, database: str = "postgres") -> URL:
+        return URL.create("postgresql+psycopg", self.pg_user, self.pg_password, self.pg_host, self.pg_port, database)
+
+    def mariadb_url(self, database: str | None = None) -> URL:
+        return URL.create("mysql+pymysql", self.mariadb_user, self.mariadb_password, self.mariadb_host,
+                          self.mariadb_port, database)
+
+
+def _docker_reachable() -> bool:
+    if not shutil.which("docker"):
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+
+
+def _containers() -> Iterator[Services]:
+    from testcontainers.kafka import KafkaContainer
+    from testcontainers.mysql import MySqlContainer
+    from testcontainers.postgres import PostgresContainer
+
+    from stack.local import jdbc_jars
+
+    with KafkaContainer().with_kraft() as kafka, \
+            PostgresContainer("postgres:16", username="rowrelay", password="rowrelay-local") as pg, \
+            MySqlContainer("mariadb:11", username="root", password="rowrelay-local") as maria:
+        yield Services(
+            kafka_bootstrap=kafka.get_bootstrap_server(),
+            pg_host=pg.get_container_host_ip(), pg_port=int(pg.get_exposed_port(5432)),
+            pg_user="rowrelay", pg_password="rowrelay-local",
+            mariadb_host=maria.get_container_host_ip(), mariadb_port=int(maria.get_exposed_port(3306)),
+            mariadb_user="root", mariadb_password="rowrelay-local",
+            jdbc_jars=",".join(jdbc_jars()),
+        )
+
+
+def _local_stack() -> Services:
+    from stack.local import StackError, load_env_file
+
+    try:
+        env = load_env_file()
+    except StackError as exc:
+        pytest.exit(f"local stack not set up: {exc}", returncode=2)
+    return Services(
+        kafka_bootstrap=env["ROWRELAY_KAFKA_BOOTSTRAP"],
+        pg_host=env["ROWRELAY_PG_HOST"], pg_port=int(env["ROWRELAY_PG_PORT"]),
+        pg_user=env["ROWRELAY_PG_USER"], pg_password=env["ROWRELAY_PG_PASSWORD"],
+        mariadb_host=env["ROWRELAY_MARIADB_HOST"], mariadb_port=int(env["ROWRELAY_MARIADB_PORT"]),
+        mariadb_user=env["ROWRELAY_MARIADB_USER"], mariadb_password=env["ROWRELAY_MARIADB_PASSWORD"],
+        jdbc_jars=env["ROWRELAY_JDBC_JARS"],
+    )
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Services]:
+    if os.environ.get("ROWRELAY_TEST_CONTAINERS") == "1":
+        if not _docker_reachable():
+            pytest.exit("ROWRELAY_TEST_CONTAINERS=1 but no Docker engine answers `docker info`", returncode=2)
+        yield from _containers()
+    else:
+        yield _local_stack()
+
+
+def unique(prefix: str = "t") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def name() -> str:
+    """A fresh lower-case identifier for a table, topic or database."""
+    return unique()
+
+
+@pytest.fixture
+def pg_database(services: Services) -> Iterator[URL]:
+    """A fresh PostgreSQL database for one test; dropped afterwards."""
+    db = unique("db")
+    admin = create_engine(services.pg_url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{db}"'))
+    yield services.pg_url(db)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def mariadb_database(services: Services) -> Iterator[URL]:
+    """A fresh MariaDB database for one test; dropped afterwards."""
+    db = unique("db")
+    admin = create_engine(services.mariadb_url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE `{db}`"))
+    yield services.mariadb_url(db)
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS `{db}`"))
+    admin.dispose()
+
+
+@pytest.fixture
+def pg_engine(pg_database: URL) -> Iterator[Engine]:
+    engine = create_engine(pg_database)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def mariadb_engine(mariadb_database: URL) -> Iterator[Engine]:
+    engine = create_engine(mariadb_database)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def spark(services: Services):  # -> SparkSession
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("rowrelay-tests")
+        .config("spark.jars", services.jdbc_jars)
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.memory", "1g")
+        .getOrCreate()
+    )
+    yield session
+    session.stop()
