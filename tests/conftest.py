@@ -160,3 +160,37 @@ def spark(services: Services):  # -> SparkSession
     )
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def dagster_instance(services: Services, tmp_path_factory: pytest.TempPathFactory):
+    """A Dagster instance whose run/event/schedule storage is a fresh PostgreSQL database."""
+    from dagster import DagsterInstance
+
+    db = unique("dagster")
+    admin = create_engine(services.pg_url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{db}"'))
+    home = tmp_path_factory.mktemp("dagster_home")
+    (home / "dagster.yaml").write_text(f"""
+storage:
+  postgres:
+    postgres_db:
+      username: {services.pg_user}
+      password: {services.pg_password}
+      hostname: {services.pg_host}
+      db_name: {db}
+      port: {services.pg_port}
+concurrency:
+  pools:
+    granularity: run
+    default_limit: 1
+telemetry:
+  enabled: false
+""")
+    instance = DagsterInstance.from_config(str(home))
+    yield instance
+    instance.dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
+    admin.dispose()

@@ -1,0 +1,170 @@
+"""rowrelay.yaml: load, interpolate, validate. Errors name the offending key.
+
+Secrets stay as `${VAR}` templates in what Dagster stores and shows; they are resolved only where a
+connection is made (see `resolve_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+
+
+class ConfigError(ValueError):
+    """rowrelay.yaml is invalid; the message names the key and what to change."""
+
+
+def resolve_env(template: str) -> str:
+    """Replace ${VAR} and ${VAR:-default}; a missing variable is an error naming it."""
+
+    def sub(m: re.Match[str]) -> str:
+        value = os.environ.get(m.group(1), m.group(2))
+        if value is None:
+            raise ConfigError(f"environment variable {m.group(1)} is not set (used in rowrelay configuration)")
+        return value
+
+    return _ENV.sub(sub, template)
+
+
+def env_names(template: str) -> list[str]:
+    return [m.group(1) for m in _ENV.finditer(template)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SourceConfig(_Strict):
+    url: str = Field(description="SQLAlchemy URL: postgresql://…, mysql://… / mariadb://…, sqlite:///path")
+
+    @field_validator("url")
+    @classmethod
+    def _known_dialect(cls, v: str) -> str:
+        scheme = v.split(":", 1)[0].split("+", 1)[0]
+        if scheme not in ("postgresql", "postgres", "mysql", "mariadb", "sqlite", "singlestoredb"):
+            raise ValueError(f"unsupported database {scheme!r}: use postgresql, mysql/mariadb or sqlite")
+        return v
+
+
+class TableConfig(_Strict):
+    source: str
+    table: str = Field(description="[schema.]table")
+    watermark: str = Field(description="integer column that only grows, e.g. an auto-increment id")
+    topic: str | None = None
+    key: list[str] | Literal["hash_row", "none"] = "none"
+    columns: list[str] | None = None
+    slice_max_rows: int = Field(100_000, ge=1, le=50_000_000)
+    start_after: int | Literal["latest"] = 0
+    envelope: bool = False
+    topic_partitions: int = Field(1, ge=1, le=10_000)
+    settle_seconds: float = Field(3.0, ge=0, le=3600, description="MariaDB/MySQL/SQLite: wait before a new "
+                                  "max watermark counts as final")
+    sensor_interval_seconds: int = Field(5, ge=1, le=86_400)
+    skip_watermarks: list[int] = Field(default_factory=list, description="rows never to send (runbook)")
+
+    @field_validator("table")
+    @classmethod
+    def _table_name(cls, v: str) -> str:
+        parts = v.split(".")
+        if not 1 <= len(parts) <= 2 or not all(parts):
+            raise ValueError(f"{v!r} is not [schema.]table")
+        return v
+
+    @field_validator("topic")
+    @classmethod
+    def _topic_name(cls, v: str | None) -> str | None:
+        if v is not None and not _TOPIC.match(v):
+            raise ValueError(f"{v!r} is not a valid Kafka topic name (letters, digits, . _ -; at most 249)")
+        return v
+
+    @property
+    def schema_name(self) -> str | None:
+        return self.table.split(".")[0] if "." in self.table else None
+
+    @property
+    def table_name(self) -> str:
+        return self.table.split(".")[-1]
+
+    @property
+    def table_id(self) -> str:
+        """<source>.<schema>.<table>: the table's identity in Kafka (progress topic, transactional id)."""
+        return f"{self.source}.{self.schema_name or 'default'}.{self.table_name}"
+
+    @property
+    def topic_name(self) -> str:
+        return self.topic or self.table_id
+
+    @property
+    def dagster_name(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_]", "_", self.table_id)
+
+
+class KafkaConfig(_Strict):
+    bootstrap_servers: str
+    producer: dict[str, Any] = Field(default_factory=dict, description="extra librdkafka settings")
+    transactional_id_prefix: str = "rowrelay"
+
+
+class SparkConfig(_Strict):
+    master: str = "local[*]"
+    remote: str | None = Field(None, description="Spark Connect URL, e.g. sc://host:15002")
+    conf: dict[str, str] = Field(default_factory=dict)
+
+
+class RelayConfig(_Strict):
+    sources: dict[str, SourceConfig]
+    tables: list[TableConfig]
+    kafka: KafkaConfig
+    spark: SparkConfig = SparkConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RelayConfig:
+        seen: set[str] = set()
+        for i, t in enumerate(self.tables):
+            if t.source not in self.sources:
+                raise ValueError(f"tables[{i}].source: {t.source!r} is not one of sources: {sorted(self.sources)}")
+            if t.table_id in seen:
+                raise ValueError(f"tables[{i}]: table {t.table_id} is configured twice")
+            seen.add(t.table_id)
+        return self
+
+
+def _format_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        lines.append(f"  {loc or '(top level)'}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, origin: str = "rowrelay.yaml") -> RelayConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping with sources, tables and kafka")
+    try:
+        return RelayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{origin} is invalid:\n{_format_error(exc)}") from None
+
+
+def config_path() -> Path:
+    return Path(os.environ.get("ROWRELAY_CONFIG", "rowrelay.yaml"))
+
+
+def load_config(path: str | Path | None = None) -> RelayConfig:
+    p = Path(path) if path is not None else config_path()
+    if not p.exists():
+        raise ConfigError(f"configuration file {p} not found (set ROWRELAY_CONFIG to its path)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+    return parse_config(data, str(p))

@@ -1,0 +1,159 @@
+"""One sensor per table: cut new slices up to the safe high watermark, add them as partitions, request runs."""
+
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from dagster import (
+    DagsterRunStatus,
+    DefaultSensorStatus,
+    DynamicPartitionsDefinition,
+    RunRequest,
+    RunsFilter,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    sensor,
+)
+from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+
+from assets.relay import channel_for, partitions_for, source_resource_key, table_shape
+from orchestration.config import TableConfig
+from resources.exactly_once import ProgressRecord, SlicePublisher, read_committed_progress
+from resources.kafka_io_manager import KafkaIOManager
+from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
+from resources.source_database import SourceDatabaseResource
+
+ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
+          DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
+
+
+@dataclass
+class SensorState:
+    """The sensor cursor: max watermarks seen that are not yet known to be final."""
+
+    pending: list[WatermarkCandidate] = field(default_factory=list)
+
+    def to_cursor(self) -> str:
+        return json.dumps({"pending": [[c.watermark, c.marker] for c in self.pending]})
+
+    @classmethod
+    def from_cursor(cls, cursor: str | None) -> "SensorState":
+        if not cursor:
+            return cls()
+        data = json.loads(cursor)
+        return cls([WatermarkCandidate(int(w), float(m)) for w, m in data.get("pending", [])])
+
+
+@dataclass
+class TickPlan:
+    slices: list[SliceRange]
+    state: SensorState
+    safe_hi: int | None
+    cut_after: int
+
+
+def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int, state: SensorState,
+              limit: int = 500) -> TickPlan:
+    """Observe the table, settle pending candidates, cut slices above `cut_after` up to the safe watermark."""
+    shape = table_shape(source, table)
+    if source.has_null_watermarks(shape):
+        raise ValueError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
+                         "sent; make the column NOT NULL or fill it")
+    candidates = list(state.pending)
+    seen = source.observe(shape)
+    if seen is not None and seen.watermark > cut_after and all(seen.watermark > c.watermark for c in candidates):
+        candidates.append(seen)
+    safe_hi, pending = settle(candidates, lambda c: source.is_final(c, table.settle_seconds))
+    pending = [c for c in pending if c.watermark > cut_after]
+    slices: list[SliceRange] = []
+    if safe_hi is not None and safe_hi > cut_after:
+        slices = cut_slices(
+            cut_after, safe_hi, table.slice_max_rows,
+            nth_watermark=lambda lo, n, upto: source.nth_watermark(shape, lo, n, upto),
+            max_watermark=lambda lo, upto: source.max_watermark(shape, upto=upto, after=lo),
+            limit=limit,
+        )
+        if slices and slices[-1].hi < safe_hi and len(slices) == limit:
+            # More to cut next tick: keep the settled value as an already-final candidate.
+            pending.insert(0, WatermarkCandidate(safe_hi, float("-inf")))
+    return TickPlan(slices=slices, state=SensorState(pending), safe_hi=safe_hi, cut_after=cut_after)
+
+
+def starting_point(table: TableConfig, partitions: DynamicPartitionsDefinition, context: SensorEvaluationContext,
+                   io_manager: KafkaIOManager, source: SourceDatabaseResource) -> int:
+    """Where new slices start: after the last partition; with none, after Kafka's committed progress."""
+    keys = context.instance.get_dynamic_partitions(partitions.name)
+    if keys:
+        return max(SliceRange.from_key(k).hi for k in keys)
+    channel = channel_for(table, io_manager.transactional_id_prefix)
+    progress = read_committed_progress(io_manager.kafka_conf(), channel)
+    if progress is not None:
+        return progress.hi
+    if table.start_after == "latest":
+        seen = source.observe(table_shape(source, table))
+        hi = seen.watermark if seen else 0
+        # Recorded in Kafka like any progress, so a lost orchestrator database cannot re-send old rows.
+        publisher = SlicePublisher(channel, io_manager.kafka_conf())
+        publisher.publish_progress_only(ProgressRecord(channel.table, f"baseline-{hi}", hi, hi, 0, 0, "",
+                                                       channel.topic, transactional_id=channel.transactional_id))
+        publisher.close()
+        return hi
+    return int(table.start_after)
+
+
+def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[str], committed_hi: int
+                  ) -> RunRequest | None:
+    """Self-healing: re-request the first uncommitted slice if no run for it is active (retries exhausted,
+    worker lost, daemon restarted)."""
+    first = next((k for k in keys if SliceRange.from_key(k).lo == committed_hi), None)
+    if first is None:
+        return None
+    records = context.instance.get_run_records(RunsFilter(job_name=job_name, tags={"dagster/partition": first}),
+                                               limit=50)
+    if any(r.dagster_run.status in ACTIVE for r in records):
+        return None
+    ended = max((r.end_time or 0.0 for r in records), default=0.0)
+    # Back off so a slice that keeps failing (bad row) is retried ever more rarely, not every tick.
+    if records and time.time() - ended < min(600.0, 15.0 * 2 ** min(len(records), 6)):
+        return None
+    return RunRequest(partition_key=first, run_key=f"{first}#resume-{len(records)}",
+                      tags={"rowrelay/resume": "true"})
+
+
+def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") -> SensorDefinition:
+    partitions = partitions_for(table)
+    source_key = source_resource_key(table.source)
+
+    @sensor(
+        name=f"{table.dagster_name}_slices",
+        job=job,
+        minimum_interval_seconds=table.sensor_interval_seconds,
+        required_resource_keys={source_key, "kafka_io_manager"},
+        default_status=DefaultSensorStatus.RUNNING,
+        description=f"Cuts new watermark slices of {table.table_id} and requests their runs in order.",
+    )
+    def slice_sensor(context: SensorEvaluationContext) -> SensorResult | SkipReason:
+        source: SourceDatabaseResource = getattr(context.resources, source_key)
+        io_manager: KafkaIOManager = context.resources.kafka_io_manager
+        cut_after = starting_point(table, partitions, context, io_manager, source)
+        plan = plan_tick(source, table, cut_after, SensorState.from_cursor(context.cursor))
+        keys = [s.key for s in plan.slices]
+        requests = [RunRequest(partition_key=k, run_key=k) for k in keys]
+        if not requests:
+            existing = list(context.instance.get_dynamic_partitions(partitions.name))
+            channel = channel_for(table, io_manager.transactional_id_prefix)
+            progress = read_committed_progress(io_manager.kafka_conf(), channel)
+            committed_hi = progress.hi if progress else channel.start_after
+            resume = stalled_slice(context, job.name, existing, committed_hi)
+            if resume is not None:
+                requests.append(resume)
+        return SensorResult(
+            run_requests=requests,
+            dynamic_partitions_requests=[partitions.build_add_request(keys)] if keys else [],
+            cursor=plan.state.to_cursor(),
+        )
+
+    return slice_sensor

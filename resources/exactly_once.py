@@ -1,0 +1,514 @@
+"""The exactly-once protocol between a table's slices and Kafka. Deliberately free of Dagster.
+
+One table has one *channel*: a data topic, a single-partition compacted progress topic of its own and
+one stable ``transactional.id``. Publishing a slice is:
+
+1. ``init_transactions()``: takes a new producer epoch for the table. Kafka aborts (or finishes) any
+   transaction a previous instance left open and fences that instance: its next produce/commit fails.
+2. Read the table's committed progress, read_committed. Because (1) came first, no older transaction of
+   ours can still change it, and because the progress topic belongs to this table alone, no other
+   table's open transaction holds its last stable offset.
+3. Progress already at or beyond the slice's ``hi`` -> the slice is committed: publish nothing.
+   Progress not equal to the slice's ``lo`` -> an earlier slice is missing: refuse (slices commit in
+   watermark order, so a gap can never be skipped).
+4. One transaction: every row of the slice in watermark order, flush, then the progress record (with
+   the offsets the rows got), then commit. Rows and progress become visible together or not at all.
+
+A crash anywhere before the commit leaves nothing visible; a crash after it leaves the progress record
+saying so, and the retry publishes nothing. Kafka, not the orchestrator, is the record of what was sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from resources.slices import SliceRange
+
+
+class RelayError(Exception):
+    """Base class: a slice could not be published. The message says what to do."""
+
+
+class SliceOutOfOrder(RelayError):
+    """The slice does not start where the table's committed progress ends."""
+
+
+class PublisherFenced(RelayError):
+    """A newer publisher took over this table's transactional id; this one must stop."""
+
+
+class BadRowError(RelayError):
+    """A row cannot be sent (too large, unserializable). Nothing of the slice is visible."""
+
+    def __init__(self, message: str, *, table: str, watermark: int | None, column: str | None = None) -> None:
+        super().__init__(message)
+        self.table = table
+        self.watermark = watermark
+        self.column = column
+
+
+class KafkaUnavailable(RelayError):
+    """Transient: the broker did not answer in time. Retrying later is safe."""
+
+
+@dataclass(frozen=True)
+class TableChannel:
+    """Where one table's rows and progress go in Kafka."""
+
+    table: str  # "<source>.<schema>.<table>", the table's identity
+    topic: str
+    progress_topic: str
+    transactional_id: str
+    start_after: int = 0  # watermark below which nothing is ever published
+    topic_partitions: int = 1
+    replication_factor: int = -1  # -1: the broker's default
+
+    @classmethod
+    def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
+                  replication_factor: int = -1, prefix: str = "rowrelay") -> TableChannel:
+        return cls(table=table, topic=topic, progress_topic=f"_{prefix}.progress.{table}",
+                   transactional_id=f"{prefix}.{table}", start_after=start_after,
+                   topic_partitions=topic_partitions, replication_factor=replication_factor)
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    key: bytes | None
+    value: bytes
+    watermark: int
+    checksum: str  # sha256 hex of value
+
+
+@dataclass
+class ProgressRecord:
+    """What one committed transaction published; the last one is the table's committed progress."""
+
+    table: str
+    slice: str
+    lo: int
+    hi: int
+    rows: int
+    bytes: int
+    checksum: str
+    topic: str
+    offsets: dict[str, list[int]] = field(default_factory=dict)  # partition -> [first, last]
+    transactional_id: str = ""
+    committed_at: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ProgressRecord:
+        return cls(**json.loads(raw))
+
+    @property
+    def slice_range(self) -> SliceRange:
+        return SliceRange(self.lo, self.hi)
+
+
+@dataclass
+class PublishResult:
+    progress: ProgressRecord
+    already_committed: bool
+    duration_s: float
+    attempts: int = 1
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.progress.rows / self.duration_s if self.duration_s > 0 and not self.already_committed else 0.0
+
+
+# A stage hook lets tests pause or crash the publisher at exact points of the protocol.
+StageHook = Callable[[str], None]
+STAGES = ("initialized", "progress_read", "begun", "rows_produced", "flushed", "before_commit", "committed")
+
+
+def env_failpoint(stage: str) -> None:
+    """Fault injection for crash tests: ROWRELAY_FAILPOINT=<stage> kills this process at that stage."""
+    target = os.environ.get("ROWRELAY_FAILPOINT")
+    if target and target == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fatal_message(err: KafkaError) -> str:
+    return f"{err.name()}: {err.str()}"
+
+
+def _is_fenced(err: KafkaError) -> bool:
+    return err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
+
+
+class _AbortAndRedo(Exception):
+    """Internal: the transaction must be aborted and the slice sent again."""
+
+
+def base_conf(kafka_conf: dict[str, Any]) -> dict[str, Any]:
+    """Client settings shared by producer, consumer and admin (bootstrap, security); producer-only keys dropped."""
+    shared_prefixes = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.",
+                       "metadata.", "reconnect.", "log_level", "debug")
+    return {k: v for k, v in kafka_conf.items() if k.startswith(shared_prefixes)}
+
+
+def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> None:
+    admin = AdminClient(base_conf(kafka_conf))
+    try:
+        existing = admin.list_topics(timeout=timeout).topics
+    except KafkaException as exc:
+        raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')}: {exc}") from exc
+    wanted = []
+    if channel.topic not in existing:
+        wanted.append(NewTopic(channel.topic, channel.topic_partitions, channel.replication_factor))
+    if channel.progress_topic not in existing:
+        wanted.append(NewTopic(channel.progress_topic, 1, channel.replication_factor,
+                               config={"cleanup.policy": "compact", "min.insync.replicas": "1"}))
+    if not wanted:
+        return
+    for topic, fut in admin.create_topics(wanted, request_timeout=timeout).items():
+        try:
+            fut.result(timeout=timeout)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise RelayError(f"cannot create topic {topic}: {exc.args[0].str()}") from exc
+
+
+def _consumer(kafka_conf: dict[str, Any]) -> Consumer:
+    return Consumer({**base_conf(kafka_conf), "group.id": f"rowrelay-reader-{uuid.uuid4().hex}",
+                     "isolation.level": "read_committed", "enable.auto.commit": False,
+                     "enable.partition.eof": False, "auto.offset.reset": "earliest"})
+
+
+def _read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout: float
+                ) -> Iterator[Any]:
+    """Committed messages of one partition with offsets in [start, end), in order."""
+    if start >= end:
+        return
+    consumer.assign([TopicPartition(tp.topic, tp.partition, start)])
+    deadline = time.monotonic() + timeout
+    while True:
+        # position() also moves past transaction markers and aborted messages, which take offsets.
+        pos = consumer.position([TopicPartition(tp.topic, tp.partition)])[0].offset
+        if pos >= end:
+            return
+        if time.monotonic() > deadline:
+            raise KafkaUnavailable(
+                f"reading {tp.topic}[{tp.partition}] stalled at offset {pos} of {end}; an open transaction "
+                "may be holding the last stable offset")
+        msg = consumer.poll(0.5)
+        if msg is None:
+            continue
+        if msg.error():
+            if msg.error().code() == KafkaError._PARTITION_EOF:
+                continue
+            raise KafkaUnavailable(f"reading {tp.topic}: {msg.error().str()}")
+        if msg.offset() >= end:
+            return
+        deadline = time.monotonic() + timeout
+        yield msg
+
+
+def read_progress_history(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
+                          ) -> list[ProgressRecord]:
+    """Every committed progress record of the table still in the (compacted) progress topic, oldest first."""
+    consumer = _consumer(kafka_conf)
+    try:
+        tp = TopicPartition(channel.progress_topic, 0)
+        low, high = _watermarks(consumer, tp, timeout)
+        return [ProgressRecord.from_json(m.value()) for m in _read_range(consumer, tp, low, high, timeout)]
+    finally:
+        consumer.close()
+
+
+def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float) -> tuple[int, int]:
+    try:
+        return consumer.get_watermark_offsets(tp, timeout=timeout)
+    except KafkaException as exc:
+        err = exc.args[0]
+        if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC):
+            return 0, 0
+        raise KafkaUnavailable(f"cannot read offsets of {tp.topic}: {err.str()}") from exc
+
+
+def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
+                            ) -> ProgressRecord | None:
+    """The table's last committed progress record, reading only the tail of its progress topic."""
+    consumer = _consumer(kafka_conf)
+    try:
+        tp = TopicPartition(channel.progress_topic, 0)
+        low, high = _watermarks(consumer, tp, timeout)
+        window = 8
+        while True:
+            start = max(low, high - window)
+            last = None
+            for msg in _read_range(consumer, tp, start, high, timeout):
+                last = msg
+            if last is not None:
+                return ProgressRecord.from_json(last.value())
+            if start <= low:
+                return None
+            window *= 4  # only markers/aborted records in the tail: look further back
+    finally:
+        consumer.close()
+
+
+def find_slice_progress(kafka_conf: dict[str, Any], channel: TableChannel, slice_range: SliceRange
+                        ) -> ProgressRecord | None:
+    for record in reversed(read_progress_history(kafka_conf, channel)):
+        if record.lo == slice_range.lo and record.hi == slice_range.hi:
+            return record
+    return None
+
+
+def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float = 30.0
+                            ) -> Iterator[Any]:
+    """The messages one committed slice published, bounded by its recorded offsets, read_committed."""
+    consumer = _consumer(kafka_conf)
+    try:
+        for partition, (first, last) in sorted(record.offsets.items(), key=lambda kv: int(kv[0])):
+            tp = TopicPartition(record.topic, int(partition))
+            yield from _read_range(consumer, tp, first, last + 1, timeout)
+    finally:
+        consumer.close()
+
+
+class SlicePublisher:
+    """Publishes one table's slices through one transactional producer (one epoch)."""
+
+    def __init__(self, channel: TableChannel, kafka_conf: dict[str, Any], *,
+                 on_stage: StageHook | None = None, max_attempts: int = 3,
+                 transaction_timeout_ms: int = 600_000, init_timeout_s: float = 60.0) -> None:
+        self.channel = channel
+        self.kafka_conf = kafka_conf
+        self.on_stage = on_stage or env_failpoint
+        self.max_attempts = max_attempts
+        self.init_timeout_s = init_timeout_s
+        producer_conf = {
+            # librdkafka's own retries handle transient broker errors inside a transaction.
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 50,
+            "compression.type": "lz4",
+            "queue.buffering.max.messages": 500_000,
+            "queue.buffering.max.kbytes": 1_048_576,
+            "batch.size": 1_000_000,
+            **kafka_conf,
+            "transactional.id": channel.transactional_id,
+            "transaction.timeout.ms": transaction_timeout_ms,
+        }
+        self.max_message_bytes = int(producer_conf.get("message.max.bytes", 1_000_000))
+        self.producer = Producer(producer_conf)
+        self._initialized = False
+
+    # -- protocol steps ---------------------------------------------------------------------------
+
+    def init(self) -> None:
+        ensure_topics(self.kafka_conf, self.channel)
+        try:
+            self.producer.init_transactions(self.init_timeout_s)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.retriable() or err.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
+                raise KafkaUnavailable(f"init_transactions for {self.channel.transactional_id}: {err.str()}") from exc
+            raise RelayError(f"init_transactions for {self.channel.transactional_id}: {_fatal_message(err)}") from exc
+        self._initialized = True
+        self.on_stage("initialized")
+
+    def committed_progress(self) -> ProgressRecord | None:
+        return read_committed_progress(self.kafka_conf, self.channel)
+
+    def publish(self, slice_range: SliceRange, batches: Callable[[], Iterable[Sequence[OutgoingMessage]]],
+                ) -> PublishResult:
+        """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them."""
+        started = time.monotonic()
+        if not self._initialized:
+            self.init()
+        committed = self.committed_progress()
+        self.on_stage("progress_read")
+        committed_hi = committed.hi if committed else self.channel.start_after
+        if committed_hi >= slice_range.hi:
+            record = committed if committed and committed.hi == slice_range.hi else find_slice_progress(
+                self.kafka_conf, self.channel, slice_range)
+            if record is None:  # covered by progress but not a slice of its own (e.g. start_after)
+                record = ProgressRecord(self.channel.table, slice_range.key, slice_range.lo, slice_range.hi, 0, 0,
+                                        "", self.channel.topic)
+            return PublishResult(record, already_committed=True, duration_s=time.monotonic() - started)
+        if committed_hi != slice_range.lo:
+            raise SliceOutOfOrder(
+                f"{self.channel.table}: slice {slice_range} cannot commit yet: committed progress ends at "
+                f"{committed_hi}, so the slice ({committed_hi}, {slice_range.lo}] must commit first")
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                record = self._transaction(slice_range, batches())
+                return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
+                                     attempts=attempt)
+            except _AbortAndRedo as exc:
+                self._abort()
+                if attempt >= self.max_attempts:
+                    raise KafkaUnavailable(
+                        f"{self.channel.table}: slice {slice_range} aborted {attempt} times: {exc}") from exc
+                time.sleep(min(2.0 * attempt, 10.0))
+            except BadRowError:
+                self._abort()
+                raise
+
+    def publish_progress_only(self, record: ProgressRecord) -> None:
+        """Commit a progress record with no rows (a baseline, e.g. start_after=latest)."""
+        if not self._initialized:
+            self.init()
+        self.producer.begin_transaction()
+        self.producer.produce(self.channel.progress_topic, key=record.slice.encode(), value=record.to_json())
+        self._commit()
+
+    def close(self) -> None:
+        self.producer.flush(5)
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _transaction(self, slice_range: SliceRange, batches: Iterable[Sequence[OutgoingMessage]]) -> ProgressRecord:
+        ch = self.channel
+        offsets: dict[int, list[int]] = {}
+        errors: list[tuple[KafkaError, int | None]] = []
+
+        def delivered(err: KafkaError | None, msg: Any) -> None:
+            if err is not None:
+                wm = next((int(v) for k, v in (msg.headers() or []) if k == "rowrelay.watermark"), None)
+                errors.append((err, wm))
+                return
+            span = offsets.setdefault(msg.partition(), [msg.offset(), msg.offset()])
+            span[0] = min(span[0], msg.offset())
+            span[1] = max(span[1], msg.offset())
+
+        digest = hashlib.sha256()
+        rows = nbytes = 0
+        table_header = ch.table.encode()
+        slice_header = slice_range.key.encode()
+        self._call(self.producer.begin_transaction)
+        self.on_stage("begun")
+        for batch in batches:
+            for m in batch:
+                if m.watermark <= slice_range.lo or m.watermark > slice_range.hi:
+                    raise BadRowError(f"{ch.table}: row with watermark {m.watermark} is outside slice {slice_range}",
+                                      table=ch.table, watermark=m.watermark)
+                size = len(m.value) + (len(m.key) if m.key else 0)
+                if size > self.max_message_bytes:
+                    raise BadRowError(
+                        f"{ch.table}: row with watermark {m.watermark} is {size} bytes as a message, over the "
+                        f"producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on the "
+                        "producer and the topic (max.message.bytes), or skip the row (see README, runbook)",
+                        table=ch.table, watermark=m.watermark)
+                headers = [("rowrelay.table", table_header), ("rowrelay.watermark", str(m.watermark).encode()),
+                           ("rowrelay.slice", slice_header), ("rowrelay.checksum", m.checksum.encode())]
+                self._produce(ch.topic, m.key, m.value, headers, delivered, m.watermark)
+                digest.update(m.checksum.encode())
+                rows += 1
+                nbytes += size
+            self.producer.poll(0)
+            if errors:
+                break
+        self.on_stage("rows_produced")
+        # Delivery of every row (uncommitted) before the progress record, so it can carry their offsets.
+        remaining = self.producer.flush(600)
+        if remaining:
+            raise _AbortAndRedo(f"{remaining} messages not delivered within 600 s")
+        self.on_stage("flushed")
+        if errors:
+            err, wm = errors[0]
+            if err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE,
+                              KafkaError.INVALID_RECORD):
+                raise BadRowError(
+                    f"{ch.table}: the broker rejected the row with watermark {wm}: {err.str()}; raise the topic's "
+                    "max.message.bytes (and the producer's message.max.bytes) or skip the row (see README, runbook)",
+                    table=ch.table, watermark=wm)
+            if _is_fenced(err) or err.fatal():
+                raise PublisherFenced(f"{ch.table}: {_fatal_message(err)}")
+            raise _AbortAndRedo(_fatal_message(err))
+        record = ProgressRecord(
+            table=ch.table, slice=slice_range.key, lo=slice_range.lo, hi=slice_range.hi, rows=rows, bytes=nbytes,
+            checksum=digest.hexdigest(), topic=ch.topic,
+            offsets={str(p): span for p, span in sorted(offsets.items())},
+            transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
+        )
+        self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None)
+        self.on_stage("before_commit")
+        self._commit()
+        self.on_stage("committed")
+        return record
+
+    def _produce(self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]] | None,
+                 callback: Callable[..., None] | None, watermark: int | None) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=callback)
+                return
+            except BufferError:
+                self.producer.poll(0.05)  # local queue full: let deliveries drain
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise BadRowError(
+                        f"{self.channel.table}: row with watermark {watermark} is too large for Kafka "
+                        f"({len(value)} bytes); raise message.max.bytes or skip the row (see README, runbook)",
+                        table=self.channel.table, watermark=watermark) from exc
+                self._raise_for(err)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                return fn(*args)
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.retriable() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    continue
+                self._raise_for(err)
+
+    def _commit(self) -> None:
+        self._call(self.producer.commit_transaction, 120)
+
+    def _raise_for(self, err: KafkaError) -> None:
+        if _is_fenced(err):
+            raise PublisherFenced(
+                f"{self.channel.table}: another publisher took over transactional id "
+                f"{self.channel.transactional_id} ({err.str()}); this one stops without publishing")
+        if err.txn_requires_abort():
+            raise _AbortAndRedo(_fatal_message(err))
+        if err.fatal():
+            raise RelayError(f"{self.channel.table}: fatal Kafka error {_fatal_message(err)}")
+        if err.retriable() or err.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
+            raise _AbortAndRedo(_fatal_message(err))
+        raise RelayError(f"{self.channel.table}: Kafka error {_fatal_message(err)}")
+
+    def _abort(self) -> None:
+        try:
+            self.producer.abort_transaction(60)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if _is_fenced(err) or err.fatal():
+                raise PublisherFenced(f"{self.channel.table}: {_fatal_message(err)}") from exc
+            # Not in a transaction, or the broker is away: the transaction times out on its own.
+
+
+def publish_slice(channel: TableChannel, kafka_conf: dict[str, Any], slice_range: SliceRange,
+                  batches: Callable[[], Iterable[Sequence[OutgoingMessage]]], *,
+                  on_stage: StageHook | None = None) -> PublishResult:
+    """Publish one slice exactly once: init (fence), check progress, one transaction with rows + progress."""
+    publisher = SlicePublisher(channel, kafka_conf, on_stage=on_stage)
+    try:
+        return publisher.publish(slice_range, batches)
+    finally:
+        publisher.close()

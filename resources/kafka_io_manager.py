@@ -1,0 +1,119 @@
+"""Kafka IO manager: publishes a slice exactly once (resources/exactly_once.py) and loads it back by offsets."""
+
+
+from typing import TYPE_CHECKING, Any
+
+from dagster import ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
+from pydantic import Field
+
+from orchestration.config import resolve_env
+from resources.exactly_once import (
+    BadRowError,
+    ProgressRecord,
+    PublisherFenced,
+    RelayError,
+    SlicePublisher,
+    TableChannel,
+    find_slice_progress,
+    read_published_messages,
+)
+from resources.messages import SliceFrame
+from resources.slices import SliceRange
+from resources.spark import SparkResource
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+CHANNEL_METADATA = ("rowrelay/table", "rowrelay/topic", "rowrelay/progress_topic", "rowrelay/transactional_id",
+                    "rowrelay/start_after")
+
+
+def channel_metadata(channel: TableChannel) -> dict[str, Any]:
+    """Definition metadata an asset carries so load_input can find its channel."""
+    return {"rowrelay/table": channel.table, "rowrelay/topic": channel.topic,
+            "rowrelay/progress_topic": channel.progress_topic,
+            "rowrelay/transactional_id": channel.transactional_id, "rowrelay/start_after": channel.start_after}
+
+
+class KafkaIOManager(ConfigurableIOManager):
+    """Stores a table asset's partition (one watermark slice) as messages of one Kafka transaction."""
+
+    bootstrap_servers: str
+    producer: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings; ${VAR} allowed")
+    transactional_id_prefix: str = "rowrelay"
+    chunk_rows: int = Field(100_000, description="rows fetched from Spark per Arrow batch while streaming a slice")
+    spark: SparkResource
+
+    def kafka_conf(self) -> dict[str, Any]:
+        conf: dict[str, Any] = {k: resolve_env(str(v)) for k, v in self.producer.items()}
+        conf["bootstrap.servers"] = resolve_env(self.bootstrap_servers)
+        return conf
+
+    def publisher(self, channel: TableChannel) -> SlicePublisher:
+        return SlicePublisher(channel, self.kafka_conf())
+
+    def handle_output(self, context: OutputContext, obj: SliceFrame) -> None:
+        if not isinstance(obj, SliceFrame):
+            raise TypeError(f"KafkaIOManager stores SliceFrame outputs, got {type(obj).__name__}")
+        publisher = self.publisher(obj.channel)
+        try:
+            result = publisher.publish(obj.slice, lambda: obj.iter_batches(self.chunk_rows))
+        except BadRowError as exc:
+            # Retrying cannot help: the slice stays unpublished and later slices wait behind it.
+            raise Failure(description=str(exc), allow_retries=False,
+                          metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
+                          ) from exc
+        except PublisherFenced as exc:
+            raise Failure(description=str(exc), allow_retries=False) from exc
+        except RelayError:
+            raise
+        finally:
+            publisher.close()
+        p = result.progress
+        context.add_output_metadata({
+            "already_committed": result.already_committed,
+            "status": MetadataValue.text("already committed: published nothing" if result.already_committed
+                                         else "published"),
+            "rows": p.rows,
+            "bytes": p.bytes,
+            "topic": p.topic,
+            "offsets": MetadataValue.json(p.offsets),
+            "watermark_lo": p.lo,
+            "watermark_hi": p.hi,
+            "checksum": p.checksum,
+            "duration_s": round(result.duration_s, 3),
+            "rows_per_s": round(result.rows_per_s, 1),
+            "transactional_id": obj.channel.transactional_id,
+            "committed_at": p.committed_at,
+        })
+
+    def load_input(self, context: InputContext) -> "DataFrame":
+        """The published messages of the upstream slice(s), read_committed and bounded by recorded offsets."""
+        import pandas as pd
+
+        upstream = context.upstream_output
+        meta = upstream.definition_metadata if upstream is not None else {}
+        missing = [k for k in CHANNEL_METADATA if k not in meta]
+        if missing:
+            raise Failure(f"upstream asset has no rowrelay channel metadata {missing}")
+        channel = TableChannel(table=meta["rowrelay/table"], topic=meta["rowrelay/topic"],
+                               progress_topic=meta["rowrelay/progress_topic"],
+                               transactional_id=meta["rowrelay/transactional_id"],
+                               start_after=int(meta["rowrelay/start_after"]))
+        keys = context.asset_partition_keys if context.has_asset_partitions else []
+        if not keys:
+            raise Failure("load_input reads published slices: select at least one partition")
+        rows: list[dict[str, Any]] = []
+        conf = self.kafka_conf()
+        for key in keys:
+            record: ProgressRecord | None = find_slice_progress(conf, channel, SliceRange.from_key(key))
+            if record is None:
+                raise Failure(f"{channel.table}: slice {key} has not been published (no progress record)")
+            for msg in read_published_messages(conf, record):
+                headers = dict(msg.headers() or [])
+                rows.append({"slice": key, "partition": msg.partition(), "offset": msg.offset(),
+                             "key": msg.key().decode() if msg.key() is not None else None,
+                             "value": msg.value().decode(),
+                             "watermark": int(headers["rowrelay.watermark"])})
+        frame = pd.DataFrame(rows, columns=["slice", "partition", "offset", "key", "value", "watermark"])
+        return self.spark.get_session().createDataFrame(frame)

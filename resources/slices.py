@@ -1,0 +1,94 @@
+"""Watermark slices and how new ones are cut. Pure logic: no Dagster, no Kafka, no database."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+KEY_DIGITS = 12
+_KEY = re.compile(r"^(-?\d+)-(-?\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class SliceRange:
+    """The half-open watermark range (lo, hi]: rows with lo < watermark <= hi."""
+
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if self.hi <= self.lo:
+            raise ValueError(f"empty slice: hi {self.hi} must exceed lo {self.lo}")
+
+    @property
+    def key(self) -> str:
+        """Dagster partition key: zero-padded so keys sort as their ranges do (up to 10**12)."""
+        return f"{self.lo:0{KEY_DIGITS}d}-{self.hi:0{KEY_DIGITS}d}"
+
+    @classmethod
+    def from_key(cls, key: str) -> SliceRange:
+        m = _KEY.match(key)
+        if not m:
+            raise ValueError(f"not a slice partition key: {key!r} (expected LO-HI, e.g. 000000000000-000000100000)")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    def __str__(self) -> str:
+        return f"({self.lo}, {self.hi}]"
+
+
+# The n-th watermark value above `after` (n >= 1), among rows with watermark <= `upto`; None if fewer rows.
+NthWatermark = Callable[[int, int, int], int | None]
+# The largest watermark in (after, upto]; None if no rows.
+MaxWatermark = Callable[[int, int], int | None]
+
+
+def cut_slices(after: int, safe_hi: int, max_rows: int, nth_watermark: NthWatermark,
+               max_watermark: MaxWatermark, limit: int = 500) -> list[SliceRange]:
+    """Cut the rows in (after, safe_hi] into consecutive slices of at most `max_rows` rows.
+
+    Boundaries are real watermark values, so slices hold exactly `max_rows` rows (more only when one
+    watermark value repeats across the boundary) and the last slice ends at the last row present.
+    At most `limit` slices per call keep one sensor tick short; the rest come on the next tick.
+    """
+    if max_rows < 1:
+        raise ValueError("max_rows must be >= 1")
+    slices: list[SliceRange] = []
+    lo = after
+    while lo < safe_hi and len(slices) < limit:
+        boundary = nth_watermark(lo, max_rows, safe_hi)
+        if boundary is None:
+            last = max_watermark(lo, safe_hi)
+            if last is not None and last > lo:
+                slices.append(SliceRange(lo, last))
+            break
+        slices.append(SliceRange(lo, boundary))
+        lo = boundary
+    return slices
+
+
+@dataclass(frozen=True)
+class WatermarkCandidate:
+    """A max watermark seen at one moment, with what must be true later for it to be final.
+
+    `marker` is database specific: for PostgreSQL the xmax of the snapshot it was seen in (every
+    transaction with a smaller id must have ended); for MariaDB/SQLite the database clock in seconds.
+    """
+
+    watermark: int
+    marker: float
+
+
+def settle(candidates: list[WatermarkCandidate], is_final: Callable[[WatermarkCandidate], bool]
+           ) -> tuple[int | None, list[WatermarkCandidate]]:
+    """Split pending candidates into the highest one now final and those still pending."""
+    safe: int | None = None
+    pending: list[WatermarkCandidate] = []
+    for cand in candidates:
+        if is_final(cand):
+            safe = cand.watermark if safe is None else max(safe, cand.watermark)
+        else:
+            pending.append(cand)
+    if safe is not None:
+        pending = [c for c in pending if c.watermark > safe]
+    return safe, pending

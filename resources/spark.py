@@ -1,0 +1,130 @@
+"""Spark resource: one SparkSession per process (local, cluster master or Spark Connect) and JDBC slice reads."""
+
+from __future__ import annotations
+
+import os
+import threading
+from math import ceil
+from typing import TYPE_CHECKING, Any
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from orchestration.config import resolve_env
+from resources.slices import SliceRange
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from resources.source_database import SourceDatabaseResource, TableShape
+
+_lock = threading.Lock()
+
+
+def default_jars() -> str:
+    """JDBC driver jars: ROWRELAY_JDBC_JARS, else the local stack's Maven cache."""
+    jars = os.environ.get("ROWRELAY_JDBC_JARS")
+    if jars:
+        return jars
+    from stack.local import jar_dir
+
+    found = sorted(str(p) for p in jar_dir("jdbc").glob("*.jar"))
+    return ",".join(found)
+
+
+SQL_CONF = {
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.chunkBase64String.enabled": "false",  # base64() would otherwise insert line breaks
+}
+
+
+def _with_sql_conf(session: SparkSession) -> SparkSession:
+    for key, value in SQL_CONF.items():
+        session.conf.set(key, value)
+    return session
+
+
+def custom_schema_for(frame: DataFrame) -> str:
+    """Columns Spark's default JDBC mapping would not read exactly, re-read as text (customSchema).
+
+    PostgreSQL unconstrained numeric becomes decimal(38,18) (overflows, no NaN); float4 through Java 17's
+    Float.toString is not the shortest text, so read PostgreSQL's own text and cast to double.
+    """
+    from pyspark.sql.types import DecimalType
+
+    out = []
+    for f in frame.schema.fields:
+        md = f.metadata or {}
+        client_type = md.get("jdbcClientType", "")
+        if client_type == "numeric" and isinstance(f.dataType, DecimalType) and md.get("scale") != f.dataType.scale or client_type == "float4":
+            out.append(f"`{f.name}` STRING")
+    return ", ".join(out)
+
+
+class SparkResource(ConfigurableResource):
+    """Reads slices over JDBC. `remote` (sc://host:15002) uses a Spark Connect server instead of a local JVM."""
+
+    master: str = "local[*]"
+    remote: str | None = None
+    conf: dict[str, str] = Field(default_factory=dict)
+    jars: str | None = Field(None, description="comma-separated JDBC driver jars (default: the stack's cache)")
+    rows_per_partition: int = Field(250_000, description="JDBC partitioned read: rows per Spark partition")
+    max_partitions: int = Field(4, description="cap on parallel JDBC connections per slice read")
+    fetchsize: int = 10_000
+
+    def get_session(self) -> SparkSession:
+        from pyspark.sql import SparkSession
+
+        with _lock:
+            if self.remote:
+                return _with_sql_conf(SparkSession.builder.remote(resolve_env(self.remote)).getOrCreate())
+            active = SparkSession.getActiveSession()
+            if active is not None:
+                return active
+            builder = (
+                SparkSession.builder.master(self.master).appName("rowrelay")
+                # Timestamps are read and formatted in UTC whatever the machine's zone.
+                .config("spark.driver.extraJavaOptions", "-Duser.timezone=UTC")
+                .config("spark.executor.extraJavaOptions", "-Duser.timezone=UTC")
+                .config("spark.ui.enabled", "false")
+                .config("spark.sql.shuffle.partitions", "4")
+                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+                .config("spark.jars", self.jars or default_jars())
+            )
+            for key, value in self.conf.items():
+                builder = builder.config(key, resolve_env(value))
+            return _with_sql_conf(builder.getOrCreate())
+
+    def read_slice(self, source: SourceDatabaseResource, shape: TableShape, slice_range: SliceRange,
+                   expected_rows: int) -> DataFrame:
+        """The slice's rows (lo < watermark <= hi), ordered by watermark within each ordered partition."""
+        from pyspark.sql import functions as F
+
+        preparer = source.engine.dialect.identifier_preparer
+        qualified = preparer.quote(shape.name)
+        if shape.schema:
+            qualified = f"{preparer.quote_schema(shape.schema)}.{qualified}"
+        options: dict[str, Any] = {**source.jdbc_options(), "dbtable": qualified, "fetchsize": str(self.fetchsize)}
+        partitions = max(1, min(self.max_partitions, ceil(expected_rows / self.rows_per_partition)))
+        if partitions > 1:
+            # Bounds only set the stride; the filter below is what limits rows to the slice.
+            options.update(partitionColumn=shape.watermark, lowerBound=str(slice_range.lo + 1),
+                           upperBound=str(slice_range.hi + 1), numPartitions=str(partitions))
+        if shape.dialect == "postgresql":
+            options["preferTimestampNTZ"] = "true"  # timestamp -> NTZ (no offset), timestamptz -> instant
+        session = self.get_session()
+
+        def load(extra: dict[str, Any]) -> DataFrame:
+            reader = session.read.format("jdbc")
+            for key, value in {**options, **extra}.items():
+                reader = reader.option(key, value)
+            return reader.load()
+
+        frame = load({})
+        custom = custom_schema_for(frame)
+        if custom:
+            frame = load({"customSchema": custom})
+        wm = F.col(f"`{shape.watermark}`")
+        return (frame.select(*[F.col(f"`{c}`") for c in shape.column_names])
+                .where((wm > F.lit(slice_range.lo)) & (wm <= F.lit(slice_range.hi)))
+                .sortWithinPartitions(wm))
