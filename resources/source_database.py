@@ -18,7 +18,7 @@ from resources.slices import WatermarkCandidate
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
 SUPPORTED_TYPES: tuple[type, ...] = (
     sa.Integer, sa.Numeric, sa.Float, sa.Boolean, sa.String, sa.Text, sa.Enum, sa.DateTime, sa.Date,
-    sa.LargeBinary, sa.JSON, sa.Uuid,
+    sa.types._Binary, sa.JSON, sa.Uuid,
 )
 
 

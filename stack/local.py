@@ -488,6 +488,8 @@ def settings(ports: Ports | None = None, with_jars: bool = True) -> dict[str, st
         "DAGSTER_PG_USER": USER,
         "DAGSTER_PG_PASSWORD": PASSWORD,
         "DAGSTER_PG_DB": DAGSTER_DB,
+        # dagster.yaml puts local artifacts and compute logs here, so nothing Dagster writes lands in a checkout.
+        "ROWRELAY_DAGSTER_DIR": str(home() / "dagster"),
     }
     if with_jars:
         values["ROWRELAY_JDBC_JARS"] = ",".join(jdbc_jars())

@@ -63,20 +63,33 @@ class Harness:
         job = self.defs.resolve_job_def(job_name(table))
         return job.execute_in_process(partition_key=key, instance=self.instance, raise_on_error=raise_on_error)
 
-    def drain(self, table: TableConfig, ticks: int = 30, pause: float = 0.5) -> list[str]:
-        """Tick and run until a tick requests nothing new (after the writers stopped)."""
+    def drain(self, table: TableConfig, until_hi: int | None = None, timeout: float = 120.0,
+              pause: float = 0.3) -> list[str]:
+        """Tick and run like the daemon until committed progress reaches `until_hi` (default: the table's
+        current max watermark). Returns the slice keys run, in order."""
+        if until_hi is None:
+            until_hi = self.max_watermark(table)
         done: list[str] = []
-        idle = 0
-        for _ in range(ticks):
-            keys = self.tick(table)
-            for k in keys:
+        deadline = time.monotonic() + timeout
+        while True:
+            for k in self.tick(table):
                 self.run(table, k)
-            done += keys
-            idle = idle + 1 if not keys else 0
-            if idle >= 3:
-                break
+                done.append(k)
+            progress = self.progress(table)
+            if progress is not None and progress.hi >= until_hi:
+                return done
+            assert time.monotonic() < deadline, f"progress {progress and progress.hi} never reached {until_hi}"
             time.sleep(pause)
-        return done
+
+    def max_watermark(self, table: TableConfig) -> int:
+        from assets.relay import table_shape
+        from resources.source_database import SourceDatabaseResource
+
+        source = SourceDatabaseResource(url=self.config.sources[table.source].url)
+        try:
+            return source.max_watermark(table_shape(source, table)) or 0
+        finally:
+            source.dispose()
 
     def materialization(self, table: TableConfig, key: str) -> dict[str, Any]:
         from assets.relay import asset_key

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `make run`: the demo config (stack/demo.yaml), a background row writer, and `dagster dev` on 127.0.0.1:3000.
+# Expects the stack's env (stack.env); `make run` loads it and runs `python -m orchestration.demo setup` first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+
+if [[ -z "${ROWRELAY_PG_PASSWORD:-}" ]]; then
+  env_file="${ROWRELAY_HOME:-$HOME/.cache/rowrelay}/stack.env"
+  [[ -f "$env_file" ]] || { echo "run-demo: $env_file not found; run \`make stack\` first" >&2; exit 1; }
+  set -a; source "$env_file"; set +a
+fi
+
+export ROWRELAY_CONFIG="$ROOT/stack/demo.yaml"
+# dagster.yaml lives in the checkout; the dirs it points Dagster's own files at live under ROWRELAY_HOME.
+export DAGSTER_HOME="$ROOT"
+export ROWRELAY_DAGSTER_DIR="${ROWRELAY_DAGSTER_DIR:-${ROWRELAY_HOME:-$HOME/.cache/rowrelay}/dagster}"
+mkdir -p "$ROWRELAY_DAGSTER_DIR"
+
+if [[ ! -d "$ROOT/.venv" ]]; then
+  echo "run-demo: no .venv; run \`make install\` first" >&2
+  exit 1
+fi
+
+# --exit-with-parent: after the exec below this shell *is* dagster, so the writer stops when dagster does.
+"$ROOT/.venv/bin/python" -m orchestration.demo write --rate "${ROWRELAY_DEMO_RATE:-3}" --exit-with-parent &
+writer=$!
+# Covers a failure before the exec (the trap does not survive exec).
+trap 'kill "$writer" 2>/dev/null || true' EXIT
+
+echo "rowrelay demo: Dagster UI at http://127.0.0.1:3000 (config $ROWRELAY_CONFIG, Dagster files in $ROWRELAY_DAGSTER_DIR)"
+exec "$ROOT/.venv/bin/dagster" dev -w "$ROOT/workspace.yaml" -h 127.0.0.1 -p 3000

@@ -1,0 +1,145 @@
+"""Each common type round-trips exactly, PostgreSQL and MariaDB: source row -> Kafka JSON -> same value."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, date, datetime
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import text
+
+from tests.pipeline import Harness, read_topic, relay_config
+
+pytestmark = pytest.mark.integration
+
+PG_DDL = """CREATE TABLE {t} (
+  id bigserial PRIMARY KEY, c_small smallint, c_int integer, c_big bigint,
+  c_num numeric(12,2), c_hp numeric(38,10), c_numu numeric, c_f4 real, c_f8 double precision, c_bool boolean,
+  c_text text, c_vc varchar(50), c_ts timestamp, c_tstz timestamptz, c_date date, c_bytea bytea,
+  c_json json, c_jsonb jsonb, c_uuid uuid)"""
+
+PG_ROWS = [
+    "(-32768, 2147483647, 9223372036854775807, 12.30, 1234567890123456789012345678.0123456789, 1.50, 0.1, 0.1,"
+    " true, E'h\\u00e9llo \"quoted\" \\\\ back \\n', 'Z\\u00fcrich', '2024-01-02 03:04:05.123456',"
+    " '2024-01-02 03:04:05.123456+02', '2024-01-02', '\\x00ff10616263', '{\"b\": 1.10, \"a\": [1, 2.50]}',"
+    " '{\"a\": 12345678901234567890123, \"n\": null}', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11')",
+    "(0, 0, 0, 0.00, -0.0000000001, 0, 3.4e38, 1e23, false, '', '', '0001-01-01 00:00:00', '9999-12-31 23:59:59.999999+00',"
+    " '9999-12-31', '\\x', '[]', '{}', '00000000-0000-0000-0000-000000000000')",
+    "(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)",
+]
+PG_COLS = ("c_small, c_int, c_big, c_num, c_hp, c_numu, c_f4, c_f8, c_bool, c_text, c_vc, c_ts, c_tstz, c_date, "
+           "c_bytea, c_json, c_jsonb, c_uuid")
+
+
+def _expected(value: object) -> object:
+    """The JSON form rowrelay promises for a value as the Python driver returns it."""
+    if isinstance(value, Decimal):
+        return format(value, "f")  # plain notation, scale kept
+    if isinstance(value, datetime):
+        if value.tzinfo is not None:
+            return value.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "+00:00"
+        return value.isoformat(timespec="microseconds")
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, bytes | memoryview):
+        return base64.b64encode(bytes(value)).decode()
+    if hasattr(value, "hex") and type(value).__name__ == "UUID":
+        return str(value)
+    return value
+
+
+def _run_table(services, url, dagster_instance, table: str, rows: int) -> list[dict]:
+    cfg = relay_config(services, {"src": url}, [{"source": "src", "table": table, "watermark": "id",
+                                                 "settle_seconds": 0.5}])
+    h = Harness(cfg, dagster_instance)
+    h.drain(h.table(), until_hi=rows)
+    return [m.value for m in read_topic(services.kafka_bootstrap, h.table().topic_name)]
+
+
+def test_postgres_types_round_trip(services, pg_database, pg_engine, dagster_instance, spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(PG_DDL.format(t=name)))
+        for row in PG_ROWS:
+            conn.execute(text(f"INSERT INTO {name} ({PG_COLS}) VALUES {row}".replace(":", "\\:")))
+    with pg_engine.connect() as conn:
+        conn.execute(text("SET TIME ZONE 'UTC'"))
+        raw_json = {r[0]: (r[1], r[2]) for r in conn.execute(text(f"SELECT id, c_json::text, c_jsonb::text FROM {name}"))}
+        expected_rows = [dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name} ORDER BY id"))]
+    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 3)
+    assert [g["id"] for g in got] == [1, 2, 3]
+    for exp, value in zip(expected_rows, got, strict=True):
+        assert list(value) == list(exp), "fields in column order"
+        for col, v in exp.items():
+            if col in ("c_json", "c_jsonb"):
+                continue
+            want = _expected(v)
+            if col == "c_numu" and v is not None:
+                want = format(v, "f")
+            assert value[col] == want, f"{col}: {value[col]!r} != {want!r}"
+        # JSON columns are embedded, not strings, exactly as the database renders them.
+        json_text, jsonb_text = raw_json[exp["id"]]
+        for col, source_text in (("c_json", json_text), ("c_jsonb", jsonb_text)):
+            if source_text is None:
+                assert value[col] is None
+            else:
+                assert value[col] == json.loads(source_text, parse_float=Decimal) or value[col] == json.loads(source_text)
+    first = got[0]
+    assert first["c_num"] == "12.30" and first["c_hp"] == "1234567890123456789012345678.0123456789"
+    assert first["c_tstz"] == "2024-01-02T01:04:05.123456+00:00"
+    assert first["c_ts"] == "2024-01-02T03:04:05.123456"
+    assert first["c_bytea"] == "AP8QYWJj"
+    assert first["c_json"] == {"b": 1.1, "a": [1, 2.5]}
+    assert first["c_f4"] == pytest.approx(0.1, rel=1e-7) and first["c_f8"] == 0.1
+    assert got[2]["c_text"] is None and "c_text" in got[2]
+
+
+def test_postgres_json_text_is_spliced_verbatim(services, pg_database, pg_engine, dagster_instance, spark, name):
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, doc json)"))
+        conn.execute(text(f"""INSERT INTO {name} (doc) VALUES ('{{"b": 1.10, "a": 123456789012345678901234567890}}')"""))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id"}])
+    h = Harness(cfg, dagster_instance)
+    h.drain(h.table(), until_hi=1)
+    msgs = read_topic(services.kafka_bootstrap, h.table().topic_name)
+    # Key order and decimal scale are the source's own (VARIANT would give {"a":...,"b":1.1}).
+    raw = json.loads(json.dumps(msgs[0].value))
+    assert list(raw["doc"]) == ["b", "a"]
+    assert raw["doc"]["a"] == 123456789012345678901234567890
+
+
+MARIA_DDL = """CREATE TABLE {t} (
+  id bigint AUTO_INCREMENT PRIMARY KEY, c_tiny tinyint, c_tiny1 tinyint(1), c_small smallint, c_int int,
+  c_big bigint, c_num decimal(12,2), c_hp decimal(38,10), c_d double, c_text text, c_vc varchar(50),
+  c_dt datetime(6), c_ts timestamp(6) NULL, c_date date, c_blob blob, c_vb varbinary(10), c_json json)"""
+
+
+def test_mariadb_types_round_trip(services, mariadb_database, mariadb_engine, dagster_instance, spark, name) -> None:
+    with mariadb_engine.begin() as conn:
+        conn.execute(text("SET time_zone = '+00:00'"))
+        conn.execute(text(MARIA_DDL.format(t=name)))
+        conn.execute(text(
+            f"INSERT INTO {name} (c_tiny, c_tiny1, c_small, c_int, c_big, c_num, c_hp, c_d, c_text, c_vc, c_dt, c_ts,"
+            " c_date, c_blob, c_vb, c_json) VALUES (-128, 5, -32768, 2147483647, 9223372036854775807, 12.30,"
+            " 1234567890123456789012345678.0123456789, 0.1, 'h\u00e9llo \"q\" \\\\ \\n', 'Z\u00fcrich',"
+            " '1000-01-01 00:00:00.000001', '2024-01-02 03:04:05.123456', '2024-01-02', x'00ff10616263', x'00ff',"
+            " '{\"b\": 1.10, \"a\": [1, 2.50]}')"))
+        conn.execute(text(f"INSERT INTO {name} (c_tiny) VALUES (NULL)"))
+    with mariadb_engine.connect() as conn:
+        conn.execute(text("SET time_zone = '+00:00'"))
+        expected_rows = [dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name} ORDER BY id"))]
+    got = _run_table(services, mariadb_database, dagster_instance, name, 2)
+    assert [g["id"] for g in got] == [1, 2]
+    for exp, value in zip(expected_rows, got, strict=True):
+        assert list(value) == list(exp)
+        for col, v in exp.items():
+            if col == "c_json":
+                assert value[col] == (json.loads(v) if v is not None else None)
+            elif col == "c_ts" and v is not None:
+                assert value[col] == v.strftime("%Y-%m-%dT%H:%M:%S.%f+00:00")
+            else:
+                assert value[col] == _expected(v), f"{col}: {value[col]!r} != {_expected(v)!r}"
+    assert got[0]["c_tiny1"] == 5 and got[0]["c_num"] == "12.30"
+    assert got[0]["c_dt"] == "1000-01-01T00:00:00.000001"
+    assert got[0]["c_blob"] == "AP8QYWJj"
