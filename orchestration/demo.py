@@ -2,6 +2,7 @@
 
     python -m orchestration.demo setup               # create + seed the tables (idempotent)
     python -m orchestration.demo write [--rate N]    # insert ~N rows/s per table until killed
+    python -m orchestration.demo pools               # create the tables' Dagster pools (needs DAGSTER_HOME)
 
 Connection settings come from the ROWRELAY_* env vars (stack.env); missing ones are read from stack.env.
 """
@@ -145,6 +146,32 @@ def setup() -> None:
             conn.close()
 
 
+# --------------------------------------------------------------------------- pools
+
+
+def init_pools() -> None:
+    """Create each configured table's pool on the instance (DAGSTER_HOME) before the daemon starts.
+
+    The run queue creates a pool's default limit only when it first sees a queued run of that pool, and
+    in that same pass it does not enforce the limit yet, so two runs of one table could start together.
+    """
+    from dagster import DagsterInstance
+
+    from assets.relay import pool_name
+    from orchestration.config import load_config
+
+    config = load_config()
+    with DagsterInstance.get() as instance:
+        existing = instance.event_log_storage.get_concurrency_keys()
+        for table in config.tables:
+            pool = pool_name(table)
+            # Only for a new pool: on PostgreSQL, Dagster's initializer fails on an existing one.
+            if pool not in existing:
+                instance.event_log_storage.initialize_concurrency_limit_to_default(pool)
+            info = instance.event_log_storage.get_concurrency_info(pool)
+            log(f"pool {pool}: limit {info.limit}")
+
+
 # --------------------------------------------------------------------------- writer
 
 
@@ -208,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--rate", type=float, default=3.0, help="rows per second per table (default 3)")
     w.add_argument("--writers", type=int, default=2, help="concurrent writers per table (default 2)")
     w.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process exits")
+    sub.add_parser("pools", help="create the configured tables' pools on the Dagster instance (DAGSTER_HOME)")
     args = parser.parse_args(argv)
     if args.cmd == "setup":
         setup()
+    elif args.cmd == "pools":
+        init_pools()
     else:
         write(args.rate, max(1, args.writers), args.exit_with_parent)
     return 0

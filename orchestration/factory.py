@@ -34,4 +34,5 @@ def build_definitions(config: RelayConfig) -> Definitions:
                                            spark=spark),
         **{source_resource_key(name): SourceDatabaseResource(url=src.url) for name, src in config.sources.items()},
     }
-    return Definitions(assets=assets, jobs=jobs, sensors=sensors, resources=resources)
+    # In-process for every job, the implicit asset job of `dagster asset materialize` included.
+    return Definitions(assets=assets, jobs=jobs, sensors=sensors, resources=resources, executor=in_process_executor)

@@ -22,6 +22,9 @@ if [[ ! -d "$ROOT/.venv" ]]; then
   exit 1
 fi
 
+# Pools must exist before the daemon's first dequeue, else it may start two runs of one table at once.
+"$ROOT/.venv/bin/python" -m orchestration.demo pools
+
 # --exit-with-parent: after the exec below this shell *is* dagster, so the writer stops when dagster does.
 "$ROOT/.venv/bin/python" -m orchestration.demo write --rate "${ROWRELAY_DEMO_RATE:-3}" --exit-with-parent &
 writer=$!

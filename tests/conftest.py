@@ -14,6 +14,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -163,10 +164,8 @@ def spark(services: Services):  # -> SparkSession
 
 
 @pytest.fixture(scope="session")
-def dagster_instance(services: Services, tmp_path_factory: pytest.TempPathFactory):
-    """A Dagster instance whose run/event/schedule storage is a fresh PostgreSQL database."""
-    from dagster import DagsterInstance
-
+def dagster_home(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """DAGSTER_HOME of a Dagster instance whose storage is a fresh PostgreSQL database."""
     db = unique("dagster")
     admin = create_engine(services.pg_url(), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
@@ -188,9 +187,16 @@ concurrency:
 telemetry:
   enabled: false
 """)
-    instance = DagsterInstance.from_config(str(home))
-    yield instance
-    instance.dispose()
+    yield home
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def dagster_instance(dagster_home: Path):
+    from dagster import DagsterInstance
+
+    instance = DagsterInstance.from_config(str(dagster_home))
+    yield instance
+    instance.dispose()

@@ -1,0 +1,207 @@
+"""Exactly once under crashes, races and out-of-order commits, on the real broker and databases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from confluent_kafka import Consumer, TopicPartition
+from sqlalchemy import text
+
+from orchestration.config import RelayConfig
+from resources.exactly_once import (
+    OutgoingMessage,
+    PublisherFenced,
+    RelayError,
+    SlicePublisher,
+    TableChannel,
+    publish_slice,
+    read_committed_progress,
+)
+from resources.slices import SliceRange
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(lo: int, hi: int):
+    def batches():
+        yield [OutgoingMessage(str(i).encode(), f'{{"id":{i}}}'.encode(), i, f"{i:064d}") for i in range(lo + 1, hi + 1)]
+    return batches
+
+
+def test_racing_publishers_one_is_fenced_no_duplicate(services, name) -> None:
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    channel = TableChannel.for_table(f"race.public.{name}", name)
+    paused, resume = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def hold(stage: str) -> None:
+        if stage == "rows_produced":
+            paused.set()
+            resume.wait(60)
+
+    def first() -> None:
+        try:
+            outcome["a"] = SlicePublisher(channel, conf, on_stage=hold).publish(SliceRange(0, 500), _rows(0, 500))
+        except Exception as exc:  # noqa: BLE001 - the outcome is asserted below
+            outcome["a"] = exc
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert paused.wait(60), "publisher A never reached its open transaction"
+    # B takes over the table while A holds an open transaction with all 500 rows produced.
+    b = publish_slice(channel, conf, SliceRange(0, 500), _rows(0, 500))
+    resume.set()
+    a.join(60)
+    assert not b.already_committed and b.progress.rows == 500
+    assert isinstance(outcome["a"], PublisherFenced | RelayError), outcome["a"]
+    msgs = read_topic(services.kafka_bootstrap, name)
+    assert sorted(int(m.key) for m in msgs) == list(range(1, 501))
+    assert read_committed_progress(conf, channel).hi == 500
+
+
+def test_slices_commit_in_order_and_repeat_is_a_no_op(services, name) -> None:
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    channel = TableChannel.for_table(f"order.public.{name}", name)
+    with pytest.raises(RelayError, match=r"\(0, 100\] must commit first"):
+        publish_slice(channel, conf, SliceRange(100, 200), _rows(100, 200))
+    publish_slice(channel, conf, SliceRange(0, 100), _rows(0, 100))
+    again = publish_slice(channel, conf, SliceRange(0, 100), _rows(0, 100))
+    assert again.already_committed and again.progress.rows == 100
+    publish_slice(channel, conf, SliceRange(100, 200), _rows(100, 200))
+    assert [int(m.key) for m in read_topic(services.kafka_bootstrap, name)] == list(range(1, 201))
+
+
+# --------------------------------------------------------------------------- crashes of a real run
+
+
+def _write_config(tmp_path: Path, cfg: RelayConfig) -> Path:
+    path = tmp_path / "rowrelay.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    return path
+
+
+def _materialize_cli(dagster_home: Path, config_file: Path, asset: str, key: str, failpoint: str
+                     ) -> subprocess.CompletedProcess:
+    """`dagster asset materialize` in its own process, SIGKILLed by the publisher at `failpoint`."""
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "ROWRELAY_CONFIG": str(config_file),
+           "ROWRELAY_FAILPOINT": failpoint}
+    return subprocess.run([sys.executable, "-m", "dagster", "asset", "materialize", "--select", asset,
+                           "--partition", key, "-m", "orchestration.definitions"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _visible_now(bootstrap: str, topic: str, seconds: float = 3.0) -> int:
+    """Messages a read_committed consumer receives within a few seconds (an open transaction blocks the rest)."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"peek-{uuid.uuid4().hex}",
+                  "isolation.level": "read_committed", "auto.offset.reset": "earliest"})
+    try:
+        c.assign([TopicPartition(topic, 0, 0)])
+        n, deadline = 0, time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is not None and not msg.error():
+                n += 1
+        return n
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def crash_table(services, pg_database, pg_engine, dagster_instance, tmp_path, name):
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT md5(g::text) FROM generate_series(1, 3000) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 3000}])
+    h = Harness(cfg, dagster_instance)
+    keys = h.tick(h.table())
+    assert keys == ["000000000000-000000003000"]
+    return h, keys[0], _write_config(tmp_path, cfg), f"src/public/{name}"
+
+
+def test_killed_after_kafka_commit_retry_publishes_nothing(services, spark, dagster_home, crash_table) -> None:
+    h, key, config_file, asset = crash_table
+    table = h.table()
+    res = _materialize_cli(dagster_home, config_file, asset, key, failpoint="committed")
+    assert res.returncode == -9, res.stderr[-3000:]
+    # Kafka has the slice; Dagster never heard of it.
+    assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 3000
+    assert h.progress(table).hi == 3000
+    with pytest.raises(AssertionError, match="no materialization"):
+        h.materialization(table, key)
+    retry = h.run(table, key)
+    assert retry.success
+    meta = h.materialization(table, key)
+    assert meta["already_committed"] is True and meta["rows"] == 3000
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 3001)))
+
+
+def test_killed_mid_transaction_nothing_visible_retry_publishes_once(services, spark, dagster_home, crash_table):
+    h, key, config_file, asset = crash_table
+    table = h.table()
+    res = _materialize_cli(dagster_home, config_file, asset, key, failpoint="rows_produced")
+    assert res.returncode == -9, res.stderr[-3000:]
+    assert _visible_now(services.kafka_bootstrap, table.topic_name) == 0
+    assert h.progress(table) is None
+    retry = h.run(table, key)  # its init_transactions aborts the dead run's open transaction
+    assert retry.success
+    assert h.materialization(table, key)["already_committed"] is False
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 3001)))
+
+
+# --------------------------------------------------------------------------- out-of-order commits
+
+
+def _out_of_order(h: Harness, engine, table_sql: str, insert_one: str, insert_many: str) -> None:
+    table = h.table()
+    with engine.begin() as conn:
+        conn.execute(text(insert_many))  # ids 1..20, committed
+    h.drain(table, until_hi=20)
+    holder = engine.connect()
+    tx = holder.begin()
+    res = holder.execute(text(insert_one))
+    low_id = res.scalar() if res.returns_rows else res.lastrowid
+    with engine.begin() as conn:
+        conn.execute(text(insert_many))  # higher ids commit while the low one is still open
+    with engine.connect() as conn:
+        high = conn.execute(text(f"SELECT max(id) FROM {table_sql}")).scalar()
+    assert high > low_id
+    for _ in range(4):  # the sensor keeps ticking while the low id is uncommitted
+        for key in h.tick(table):
+            assert SliceRange.from_key(key).hi < low_id, f"slice {key} cut across uncommitted id {low_id}"
+            h.run(table, key)
+        time.sleep(0.7)
+    tx.commit()
+    holder.close()
+    h.drain(table, until_hi=high)
+    assert_exactly_once(read_topic(h.config.kafka.bootstrap_servers, table.topic_name), list(range(1, high + 1)))
+    assert h.progress(table).hi == high
+
+
+def test_out_of_order_commits_lose_nothing_postgres(services, pg_database, pg_engine, dagster_instance, spark, name):
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v int)"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id"}])
+    _out_of_order(Harness(cfg, dagster_instance), pg_engine, name,
+                  f"INSERT INTO {name} (v) VALUES (0) RETURNING id",
+                  f"INSERT INTO {name} (v) SELECT g FROM generate_series(1, 20) g")
+
+
+def test_out_of_order_commits_lose_nothing_mariadb(services, mariadb_database, mariadb_engine, dagster_instance,
+                                                   spark, name):
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
+    cfg = relay_config(services, {"src": mariadb_database}, [{"source": "src", "table": name, "watermark": "id",
+                                                              "settle_seconds": 0.5}])
+    many = f"INSERT INTO {name} (v) VALUES " + ",".join(f"({i})" for i in range(20))
+    _out_of_order(Harness(cfg, dagster_instance), mariadb_engine, name, f"INSERT INTO {name} (v) VALUES (0)", many)

@@ -1,0 +1,106 @@
+"""Pure logic: slice keys, cutting slices, settling watermarks, configuration validation."""
+
+from __future__ import annotations
+
+import bisect
+
+import pytest
+
+from orchestration.config import ConfigError, parse_config, resolve_env
+from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
+
+
+def test_slice_key_round_trip_and_sorts_like_ranges() -> None:
+    slices = [SliceRange(0, 100), SliceRange(100, 2_000), SliceRange(2_000, 10_000_000)]
+    assert [SliceRange.from_key(s.key) for s in slices] == slices
+    assert sorted(s.key for s in slices) == [s.key for s in slices]
+    assert SliceRange(0, 100).key == "000000000000-000000000100"
+    with pytest.raises(ValueError):
+        SliceRange(5, 5)
+    with pytest.raises(ValueError, match="not a slice partition key"):
+        SliceRange.from_key("2024-01-01")
+
+
+def _table(ids: list[int]):
+    ids = sorted(ids)
+
+    def nth(after: int, n: int, upto: int) -> int | None:
+        i = bisect.bisect_right(ids, after) + n - 1
+        return ids[i] if i < len(ids) and ids[i] <= upto else None
+
+    def mx(after: int, upto: int) -> int | None:
+        within = [i for i in ids if after < i <= upto]
+        return max(within) if within else None
+
+    return nth, mx
+
+
+def test_cut_slices_by_row_count_with_gaps() -> None:
+    ids = [1, 2, 3, 10, 11, 50, 51, 52, 53, 1000]
+    nth, mx = _table(ids)
+    slices = cut_slices(0, 1000, 3, nth, mx)
+    assert slices == [SliceRange(0, 3), SliceRange(3, 50), SliceRange(50, 53), SliceRange(53, 1000)]
+    # Every id lands in exactly one slice.
+    assert sorted(i for s in slices for i in ids if s.lo < i <= s.hi) == ids
+
+
+def test_cut_slices_stops_at_safe_watermark_and_limit() -> None:
+    nth, mx = _table(list(range(1, 101)))
+    assert cut_slices(0, 45, 10, nth, mx) == [SliceRange(0, 10), SliceRange(10, 20), SliceRange(20, 30),
+                                               SliceRange(30, 40), SliceRange(40, 45)]
+    assert cut_slices(0, 100, 10, nth, mx, limit=2) == [SliceRange(0, 10), SliceRange(10, 20)]
+    assert cut_slices(100, 100, 10, nth, mx) == []
+    assert cut_slices(100, 150, 10, nth, mx) == []  # safe but no rows above 100
+
+
+def test_settle_keeps_unfinished_candidates() -> None:
+    cands = [WatermarkCandidate(10, 1.0), WatermarkCandidate(20, 2.0), WatermarkCandidate(30, 3.0)]
+    safe, pending = settle(cands, lambda c: c.marker <= 2.0)
+    assert safe == 20
+    assert pending == [WatermarkCandidate(30, 3.0)]
+    assert settle(cands, lambda c: False) == (None, cands)
+
+
+BASE = {
+    "sources": {"shop": {"url": "postgresql://u:${PW}@h/db"}},
+    "tables": [{"source": "shop", "table": "public.orders", "watermark": "id"}],
+    "kafka": {"bootstrap_servers": "k:9092"},
+}
+
+
+def test_config_defaults_and_names() -> None:
+    cfg = parse_config(BASE)
+    t = cfg.tables[0]
+    assert t.topic_name == "shop.public.orders"
+    assert t.slice_max_rows == 100_000 and t.start_after == 0 and t.key == "none"
+    assert cfg.spark.master == "local[*]"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda c: c["tables"][0].pop("watermark"), "tables[0].watermark: Field required"),
+    (lambda c: c["tables"][0].update(source="nope"), "tables[0].source: 'nope' is not one of"),
+    (lambda c: c["tables"][0].update(slice_max_rows=0), "tables[0].slice_max_rows"),
+    (lambda c: c["tables"][0].update(key="random"), "tables[0].key"),
+    (lambda c: c["tables"][0].update(topic="bad topic!"), "not a valid Kafka topic name"),
+    (lambda c: c["tables"][0].update(colour="red"), "tables[0].colour: Extra inputs are not permitted"),
+    (lambda c: c["sources"]["shop"].update(url="oracle://x"), "unsupported database 'oracle'"),
+    (lambda c: c.pop("kafka"), "kafka: Field required"),
+    (lambda c: c["tables"].append(dict(c["tables"][0])), "configured twice"),
+])
+def test_config_errors_name_the_key(change, message) -> None:
+    import copy
+
+    data = copy.deepcopy(BASE)
+    change(data)
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert message in str(info.value)
+
+
+def test_env_interpolation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PW", "s3cret")
+    assert resolve_env("postgresql://u:${PW}@h/db") == "postgresql://u:s3cret@h/db"
+    assert resolve_env("${MISSING_VAR_X:-fallback}") == "fallback"
+    monkeypatch.delenv("PW")
+    with pytest.raises(ConfigError, match="PW is not set"):
+        resolve_env("${PW}")
