@@ -11,7 +11,7 @@ from dagster import (
 )
 
 from orchestration.config import TableConfig
-from resources.exactly_once import TableChannel
+from resources.exactly_once import SliceOutOfOrder, TableChannel, read_committed_progress
 from resources.kafka_io_manager import channel_metadata
 from resources.messages import SliceFrame, message_columns
 from resources.slices import SliceRange
@@ -71,7 +71,7 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         partitions_def=partitions_for(table),
         pool=pool_name(table),
         io_manager_key="kafka_io_manager",
-        required_resource_keys={"spark", source_key},
+        required_resource_keys={"spark", source_key, "kafka_io_manager"},
         group_name=table.source,
         kinds={"spark", "kafka"},
         description=f"Rows of {table.table} (source {table.source}) -> Kafka topic {channel.topic}, "
@@ -81,6 +81,15 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
     def relay_table(context: AssetExecutionContext) -> SliceFrame:
         slice_range = SliceRange.from_key(context.partition_key)
         source: SourceDatabaseResource = getattr(context.resources, source_key)
+        # Cheap early answer from Kafka before any Spark work; the IO manager re-checks after fencing.
+        committed = read_committed_progress(context.resources.kafka_io_manager.kafka_conf(), channel)
+        committed_hi = committed.hi if committed else channel.start_after
+        if committed_hi >= slice_range.hi:
+            context.log.info(f"slice {slice_range} is already committed; nothing to read")
+            return SliceFrame(channel=channel, slice=slice_range, messages=None, expected_rows=0)
+        if committed_hi != slice_range.lo:
+            raise SliceOutOfOrder(f"{channel.table}: slice {slice_range} cannot commit yet: the slice "
+                                  f"({committed_hi}, {slice_range.lo}] must commit first; the run retries")
         try:
             return build_slice_frame(source, context.resources.spark, table, channel, slice_range)
         except SourceError as exc:

@@ -159,15 +159,13 @@ def init_pools() -> None:
 
     from assets.relay import pool_name
     from orchestration.config import load_config
+    from orchestration.sensors import ensure_pool
 
     config = load_config()
     with DagsterInstance.get() as instance:
-        existing = instance.event_log_storage.get_concurrency_keys()
         for table in config.tables:
             pool = pool_name(table)
-            # Only for a new pool: on PostgreSQL, Dagster's initializer fails on an existing one.
-            if pool not in existing:
-                instance.event_log_storage.initialize_concurrency_limit_to_default(pool)
+            ensure_pool(instance, pool)
             info = instance.event_log_storage.get_concurrency_info(pool)
             log(f"pool {pool}: limit {info.limit}")
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from dagster import (
+    DagsterInstance,
     DagsterRunStatus,
     DefaultSensorStatus,
     DynamicPartitionsDefinition,
@@ -19,7 +20,7 @@ from dagster import (
 )
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from assets.relay import channel_for, partitions_for, source_resource_key, table_shape
+from assets.relay import channel_for, partitions_for, pool_name, source_resource_key, table_shape
 from orchestration.config import TableConfig
 from resources.exactly_once import ProgressRecord, SlicePublisher, read_committed_progress
 from resources.kafka_io_manager import KafkaIOManager
@@ -120,7 +121,23 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
     if records and time.time() - ended < min(600.0, 15.0 * 2 ** min(len(records), 6)):
         return None
     return RunRequest(partition_key=first, run_key=f"{first}#resume-{len(records)}",
-                      tags={"rowrelay/resume": "true"})
+                      tags={"rowrelay/resume": "true", **slice_tags(SliceRange.from_key(first))})
+
+
+def slice_tags(slice_range: SliceRange) -> dict[str, str]:
+    """Lower slices first in the run queue; a retried run keeps its tags, so it keeps its place."""
+    return {"dagster/priority": str(-slice_range.lo)}
+
+
+def ensure_pool(instance: DagsterInstance, pool: str) -> None:
+    """Give the table's pool its limit of 1 before any run of it is queued.
+
+    Dagster creates a pool's default limit lazily, in the same pass that first sees its queued runs, and
+    that pass does not enforce it: two runs of one table could start together.
+    """
+    storage = instance.event_log_storage
+    if pool not in storage.get_concurrency_keys():
+        storage.set_concurrency_slots(pool, 1)
 
 
 def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") -> SensorDefinition:
@@ -138,10 +155,16 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
     def slice_sensor(context: SensorEvaluationContext) -> SensorResult | SkipReason:
         source: SourceDatabaseResource = getattr(context.resources, source_key)
         io_manager: KafkaIOManager = context.resources.kafka_io_manager
+        ensure_pool(context.instance, pool_name(table))
+        active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
+        if active:
+            # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
+            # time a run takes, instead of the queue growing without bound.
+            return SkipReason(f"{active} run(s) of {table.table_id} still queued or running")
         cut_after = starting_point(table, partitions, context, io_manager, source)
         plan = plan_tick(source, table, cut_after, SensorState.from_cursor(context.cursor))
         keys = [s.key for s in plan.slices]
-        requests = [RunRequest(partition_key=k, run_key=k) for k in keys]
+        requests = [RunRequest(partition_key=s.key, run_key=s.key, tags=slice_tags(s)) for s in plan.slices]
         if not requests:
             existing = list(context.instance.get_dynamic_partitions(partitions.name))
             channel = channel_for(table, io_manager.transactional_id_prefix)

@@ -182,6 +182,15 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise RelayError(f"cannot create topic {topic}: {exc.args[0].str()}") from exc
+    # Wait until the new topics have leaders, so the first read or produce does not race their creation.
+    deadline = time.monotonic() + timeout
+    names = [t.topic for t in wanted]
+    while time.monotonic() < deadline:
+        topics = admin.list_topics(timeout=timeout).topics
+        if all(n in topics and topics[n].partitions and all(p.leader >= 0 for p in topics[n].partitions.values())
+               for n in names):
+            return
+        time.sleep(0.2)
 
 
 def _consumer(kafka_conf: dict[str, Any]) -> Consumer:
@@ -225,20 +234,30 @@ def read_progress_history(kafka_conf: dict[str, Any], channel: TableChannel, tim
     consumer = _consumer(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
-        low, high = _watermarks(consumer, tp, timeout)
+        low, high = _watermarks(consumer, tp, timeout, kafka_conf)
         return [ProgressRecord.from_json(m.value()) for m in _read_range(consumer, tp, low, high, timeout)]
     finally:
         consumer.close()
 
 
-def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float) -> tuple[int, int]:
-    try:
-        return consumer.get_watermark_offsets(tp, timeout=timeout)
-    except KafkaException as exc:
-        err = exc.args[0]
-        if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC):
-            return 0, 0
-        raise KafkaUnavailable(f"cannot read offsets of {tp.topic}: {err.str()}") from exc
+def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_conf: dict[str, Any]
+                ) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return consumer.get_watermark_offsets(tp, timeout=timeout)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION,
+                              KafkaError._UNKNOWN_TOPIC):
+                return 0, 0
+            # A new topic's leader takes a moment to be known; a broker restart too.
+            if (err.retriable() or err.code() in (KafkaError.NOT_LEADER_FOR_PARTITION,
+                                                  KafkaError.LEADER_NOT_AVAILABLE)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+                raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')} to read offsets "
+                                   f"of {tp.topic}: {err.str()}") from exc
 
 
 def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
@@ -247,7 +266,7 @@ def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, t
     consumer = _consumer(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
-        low, high = _watermarks(consumer, tp, timeout)
+        low, high = _watermarks(consumer, tp, timeout, kafka_conf)
         window = 8
         while True:
             start = max(low, high - window)
@@ -288,8 +307,10 @@ class SlicePublisher:
 
     def __init__(self, channel: TableChannel, kafka_conf: dict[str, Any], *,
                  on_stage: StageHook | None = None, max_attempts: int = 3,
-                 transaction_timeout_ms: int = 600_000, init_timeout_s: float = 60.0) -> None:
+                 transaction_timeout_ms: int = 600_000, init_timeout_s: float = 60.0,
+                 flush_timeout_s: float = 300.0) -> None:
         self.channel = channel
+        self.flush_timeout_s = flush_timeout_s
         self.kafka_conf = kafka_conf
         self.on_stage = on_stage or env_failpoint
         self.max_attempts = max_attempts
@@ -385,8 +406,7 @@ class SlicePublisher:
 
         def delivered(err: KafkaError | None, msg: Any) -> None:
             if err is not None:
-                wm = next((int(v) for k, v in (msg.headers() or []) if k == "rowrelay.watermark"), None)
-                errors.append((err, wm))
+                errors.append((err, None))
                 return
             span = offsets.setdefault(msg.partition(), [msg.offset(), msg.offset()])
             span[0] = min(span[0], msg.offset())
@@ -394,6 +414,7 @@ class SlicePublisher:
 
         digest = hashlib.sha256()
         rows = nbytes = 0
+        largest = (0, None)  # (size, watermark): names the culprit if the broker refuses a message as too large
         table_header = ch.table.encode()
         slice_header = slice_range.key.encode()
         self._call(self.producer.begin_transaction)
@@ -416,22 +437,28 @@ class SlicePublisher:
                 digest.update(m.checksum.encode())
                 rows += 1
                 nbytes += size
+                if size > largest[0]:
+                    largest = (size, m.watermark)
             self.producer.poll(0)
             if errors:
                 break
         self.on_stage("rows_produced")
         # Delivery of every row (uncommitted) before the progress record, so it can carry their offsets.
-        remaining = self.producer.flush(600)
-        if remaining:
-            raise _AbortAndRedo(f"{remaining} messages not delivered within 600 s")
+        # Short flushes: a failed delivery ends the wait at once instead of after the whole timeout.
+        deadline = time.monotonic() + self.flush_timeout_s
+        while self.producer.flush(1.0) and not errors:
+            if time.monotonic() > deadline:
+                raise _AbortAndRedo(f"messages not delivered within {self.flush_timeout_s:.0f} s")
         self.on_stage("flushed")
         if errors:
-            err, wm = errors[0]
+            err, _ = errors[0]
             if err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE,
                               KafkaError.INVALID_RECORD):
+                size, wm = largest
                 raise BadRowError(
-                    f"{ch.table}: the broker rejected the row with watermark {wm}: {err.str()}; raise the topic's "
-                    "max.message.bytes (and the producer's message.max.bytes) or skip the row (see README, runbook)",
+                    f"{ch.table}: the broker rejected a message as too large ({err.str()}); the largest row of slice "
+                    f"{slice_range} has watermark {wm} ({size} bytes). Raise the topic's max.message.bytes (and the "
+                    "producer's message.max.bytes) or skip the row (see README, runbook)",
                     table=ch.table, watermark=wm)
             if _is_fenced(err) or err.fatal():
                 raise PublisherFenced(f"{ch.table}: {_fatal_message(err)}")

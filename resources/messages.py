@@ -124,7 +124,7 @@ class SliceFrame:
 
     channel: TableChannel
     slice: SliceRange
-    messages: DataFrame  # key, value, watermark, checksum; ordered by watermark
+    messages: DataFrame | None  # key, value, watermark, checksum; ordered by watermark. None: already committed
     expected_rows: int
 
     def sub_ranges(self, chunk_rows: int) -> list[SliceRange]:
@@ -138,6 +138,8 @@ class SliceFrame:
         """Stream the slice in watermark order, one Arrow batch of one sub-range at a time (flat memory)."""
         from pyspark.sql import functions as F
 
+        if self.messages is None:
+            raise RuntimeError(f"{self.channel.table}: slice {self.slice} was read as committed but is not")
         wm = F.col("watermark")
         last = self.slice.lo
         for sub in self.sub_ranges(chunk_rows):

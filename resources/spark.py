@@ -56,7 +56,9 @@ def custom_schema_for(frame: DataFrame) -> str:
     for f in frame.schema.fields:
         md = f.metadata or {}
         client_type = md.get("jdbcClientType", "")
-        if client_type == "numeric" and isinstance(f.dataType, DecimalType) and md.get("scale") != f.dataType.scale or client_type == "float4":
+        unconstrained = client_type == "numeric" and isinstance(f.dataType, DecimalType) \
+            and md.get("scale") != f.dataType.scale
+        if unconstrained or client_type == "float4":
             out.append(f"`{f.name}` STRING")
     return ", ".join(out)
 

@@ -519,7 +519,8 @@ def preflight(ports: Ports) -> None:
     ours = [
         (read_pid(home() / "kafka" / "kafka.pid"), [(ports.kafka, "kafka", "ROWRELAY_KAFKA_PORT"),
          (ports.kafka_controller, "kafka controller", "ROWRELAY_KAFKA_CONTROLLER_PORT")]),
-        (read_pid(home() / "postgres" / "data" / "postmaster.pid"), [(ports.postgres, "postgresql", "ROWRELAY_PG_PORT")]),
+        (read_pid(home() / "postgres" / "data" / "postmaster.pid"),
+         [(ports.postgres, "postgresql", "ROWRELAY_PG_PORT")]),
         (read_pid(home() / "mariadb" / "mariadb.pid"), [(ports.mariadb, "mariadb", "ROWRELAY_MARIADB_PORT")]),
     ]
     for pid, checks in ours:

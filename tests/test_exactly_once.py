@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _rows(lo: int, hi: int):
     def batches():
-        yield [OutgoingMessage(str(i).encode(), f'{{"id":{i}}}'.encode(), i, f"{i:064d}") for i in range(lo + 1, hi + 1)]
+        yield [OutgoingMessage(str(i).encode(), f'{{"id":{i}}}'.encode(), i, f"{i:064d}")
+               for i in range(lo + 1, hi + 1)]
     return batches
 
 
@@ -191,7 +192,8 @@ def _out_of_order(h: Harness, engine, table_sql: str, insert_one: str, insert_ma
 def test_out_of_order_commits_lose_nothing_postgres(services, pg_database, pg_engine, dagster_instance, spark, name):
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v int)"))
-    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id"}])
+    cfg = relay_config(services, {"src": pg_database},
+                       [{"source": "src", "table": f"public.{name}", "watermark": "id"}])
     _out_of_order(Harness(cfg, dagster_instance), pg_engine, name,
                   f"INSERT INTO {name} (v) VALUES (0) RETURNING id",
                   f"INSERT INTO {name} (v) SELECT g FROM generate_series(1, 20) g")

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.integration
 def test_postgres_table_reaches_kafka_exactly_once(services, pg_database, pg_engine, dagster_instance, spark, name):
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, label text, amount numeric(12,2))"))
-        conn.execute(text(f"INSERT INTO {name} (label, amount) SELECT 'r' || g, g / 100.0 FROM generate_series(1, 2500) g"))
+        conn.execute(text(f"INSERT INTO {name} (label, amount) "
+                          "SELECT 'r' || g, g / 100.0 FROM generate_series(1, 2500) g"))
     cfg = relay_config(services, {"shop": pg_database}, [
         {"source": "shop", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 1000, "key": ["id"]}])
     h = Harness(cfg, dagster_instance)

@@ -122,7 +122,8 @@ def test_spark_reads_postgres_and_mariadb(spark, services: Services, pg_engine, 
     maria_db = mariadb_engine.url.database
     pg_ids = _jdbc_count(spark, f"jdbc:postgresql://{services.pg_host}:{services.pg_port}/{pg_db}", "items",
                          services.pg_user, services.pg_password, "org.postgresql.Driver")
-    maria_ids = _jdbc_count(spark, # jdbc:mysql (with permitMysqlScheme) makes Spark pick its MySQL dialect, which quotes with backticks.
+    # jdbc:mysql (with permitMysqlScheme) makes Spark pick its MySQL dialect, which quotes with backticks.
+    maria_ids = _jdbc_count(spark,
                             f"jdbc:mysql://{services.mariadb_host}:{services.mariadb_port}/{maria_db}?permitMysqlScheme",
                             "items", services.mariadb_user, services.mariadb_password, "org.mariadb.jdbc.Driver")
     assert pg_ids == list(range(1, 1001))

@@ -1,0 +1,126 @@
+"""Bad input gets a clear error and loses nothing: nothing visible in Kafka, progress unchanged."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from resources.slices import SliceRange
+from tests.pipeline import Harness, read_topic, relay_config
+
+pytestmark = pytest.mark.integration
+
+
+def failure_text(result) -> str:
+    """Every error message (and cause) of a failed run, as a user would read them in the UI."""
+    parts = []
+    for event in result.all_events:
+        if event.is_step_failure or event.is_failure:
+            err = event.event_specific_data.error if hasattr(event.event_specific_data, "error") else None
+            while err is not None:
+                parts.append(err.message)
+                err = err.cause
+    return "\n".join(parts)
+
+
+def _assert_nothing_published(h: Harness, services) -> None:
+    table = h.table()
+    assert read_topic(services.kafka_bootstrap, table.topic_name) == []
+    assert h.progress(table) is None
+
+
+def _run_manual_slice(h: Harness, key: str = "000000000000-000000000010"):
+    h.instance.add_dynamic_partitions(f"{h.table().dagster_name}__slices", [key])
+    return h.run(h.table(), key, raise_on_error=False)
+
+
+@pytest.mark.parametrize(("ddl", "table_cfg", "message"), [
+    ("CREATE TABLE {t} (id bigserial PRIMARY KEY, v text)", {"table": "public.{t}_nope"},
+     "table '{t}_nope' not found"),
+    ("CREATE TABLE {t} (id bigserial PRIMARY KEY, v text)", {"watermark": "seq"},
+     "watermark column 'seq' does not exist"),
+    ("CREATE TABLE {t} (id text PRIMARY KEY, v text)", {},
+     "watermark column 'id' has type TEXT, but must be an integer"),
+    ("CREATE TABLE {t} (id bigserial PRIMARY KEY, v text)", {"columns": ["id", "missing"]},
+     "configured columns ['missing'] do not exist"),
+    ("CREATE TABLE {t} (id bigserial PRIMARY KEY, v interval)", {},
+     "column 'v' has type INTERVAL, which rowrelay cannot serialize"),
+])
+def test_bad_table_config_is_a_clear_error(services, pg_database, pg_engine, dagster_instance, spark, name,
+                                           ddl, table_cfg, message) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(ddl.format(t=name)))
+    cfg_table = {"source": "src", "table": f"public.{name}", "watermark": "id"}
+    cfg_table.update({k: (v.format(t=name) if isinstance(v, str) else v) for k, v in table_cfg.items()})
+    h = Harness(relay_config(services, {"src": pg_database}, [cfg_table]), dagster_instance)
+    expected = message.format(t=name)
+    with pytest.raises(Exception, match=None) as info:
+        h.tick(h.table())
+    assert expected in str(info.value)
+    result = _run_manual_slice(h)
+    assert not result.success
+    assert expected in failure_text(result)
+    _assert_nothing_published(h, services)
+
+
+def test_null_watermarks_are_refused(services, pg_database, pg_engine, dagster_instance, spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (seq bigint, v text)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 'a'), (NULL, 'lost?'), (2, 'b')"))
+    h = Harness(relay_config(services, {"src": pg_database},
+                             [{"source": "src", "table": f"public.{name}", "watermark": "seq"}]), dagster_instance)
+    with pytest.raises(Exception, match="NULL in watermark column 'seq'"):
+        h.tick(h.table())
+    result = _run_manual_slice(h)
+    assert not result.success and "NULL in watermark column 'seq'" in failure_text(result)
+    _assert_nothing_published(h, services)
+
+
+def test_row_larger_than_broker_limit_stops_slice_and_later_slices(services, pg_database, pg_engine,
+                                                                  dagster_instance, spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        # Random hex: lz4 cannot shrink it below the broker's limit (the limit applies to compressed batches).
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT CASE WHEN g = 7 THEN (SELECT string_agg(md5(random()::text),"
+                          " '') FROM generate_series(1, 60000)) ELSE 'ok' END FROM generate_series(1, 20) g"))
+    # The producer would accept 5 MB; the broker's default message.max.bytes (1 MB) refuses the row.
+    cfg = relay_config(services, {"src": pg_database},
+                       [{"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 10}],
+                       producer={"message.max.bytes": 5_000_000})
+    h = Harness(cfg, dagster_instance)
+    keys = h.tick(h.table())
+    assert keys == [SliceRange(0, 10).key, SliceRange(10, 20).key]
+    first = h.run(h.table(), keys[0], raise_on_error=False)
+    assert not first.success
+    text_ = failure_text(first)
+    assert "watermark 7" in text_ and "max.message.bytes" in text_ and name in text_
+    second = h.run(h.table(), keys[1], raise_on_error=False)
+    assert not second.success and "must commit first" in failure_text(second)
+    _assert_nothing_published(h, services)
+
+
+def test_row_larger_than_producer_limit(services, pg_database, pg_engine, dagster_instance, spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('ok'), (repeat('y', 2000000)), ('ok')"))
+    h = Harness(relay_config(services, {"src": pg_database},
+                             [{"source": "src", "table": f"public.{name}", "watermark": "id"}]), dagster_instance)
+    (key,) = h.tick(h.table())
+    result = h.run(h.table(), key, raise_on_error=False)
+    assert not result.success and "watermark 2" in failure_text(result)
+    _assert_nothing_published(h, services)
+
+
+def test_unreachable_broker_fails_clearly(services, pg_database, pg_engine, dagster_instance, spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b')"))
+    cfg = relay_config(services, {"src": pg_database},
+                       [{"source": "src", "table": f"public.{name}", "watermark": "id"}])
+    dead = cfg.model_copy(update={"kafka": cfg.kafka.model_copy(update={"bootstrap_servers": "127.0.0.1:1"})})
+    h = Harness(dead, dagster_instance)
+    result = _run_manual_slice(h, SliceRange(0, 2).key)
+    assert not result.success
+    assert "cannot reach Kafka at 127.0.0.1:1" in failure_text(result)
+    good = Harness(cfg, dagster_instance)
+    _assert_nothing_published(good, services)
