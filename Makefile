@@ -5,7 +5,8 @@ UV_VERSION := 0.13.9
 ROWRELAY_HOME ?= $(HOME)/.cache/rowrelay
 export ROWRELAY_HOME
 STACK_ENV := $(ROWRELAY_HOME)/stack.env
-UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
+# uv through the interpreter that installed it: works whether pip put it in ~/.local/bin, a pyenv or a venv.
+UV := python3 -m uv
 PY := .venv/bin/python
 # Load the stack's connection settings (written by `python -m stack up`) into a recipe's environment.
 WITH_ENV := set -a; source $(STACK_ENV); set +a;
@@ -17,11 +18,9 @@ help:
 	@echo "make test   - install, start the local stack, run the whole test suite"
 	@echo "make stack | stack-down | stack-status | lint | bench"
 
-$(UV):
-	python3 -m pip install --user --quiet "uv==$(UV_VERSION)" || python3 -m pip install --quiet "uv==$(UV_VERSION)"
-
 # The lock file pins every package; `uv sync --frozen` reproduces it exactly.
-.venv/.synced: pyproject.toml uv.lock | $(UV)
+.venv/.synced: pyproject.toml uv.lock
+	$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet "uv==$(UV_VERSION)"
 	$(UV) sync --frozen
 	touch $@
 
@@ -41,6 +40,7 @@ run: stack
 	$(WITH_ENV) ./stack/run-demo.sh
 
 test: stack
+	$(PY) -m ruff check .
 	$(WITH_ENV) $(PY) -m pytest -q tests
 
 test-unit: install
@@ -50,7 +50,7 @@ test-faults: stack
 	$(WITH_ENV) $(PY) -m pytest -q tests -m faults
 
 lint: install
-	$(UV) run ruff check .
+	$(PY) -m ruff check .
 
 bench: stack
 	$(WITH_ENV) $(PY) -m bench.run

@@ -242,22 +242,34 @@ def read_progress_history(kafka_conf: dict[str, Any], channel: TableChannel, tim
 
 def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_conf: dict[str, Any]
                 ) -> tuple[int, int]:
+    """(low, high) offsets of a partition; (0, 0) if its topic does not exist yet.
+
+    Metadata first, with a bounded timeout: after an all-brokers-down error a repeated
+    get_watermark_offsets() call was seen to block far past its own timeout.
+    """
+    bootstrap = kafka_conf.get("bootstrap.servers")
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return consumer.get_watermark_offsets(tp, timeout=timeout)
+            md = consumer.list_topics(tp.topic, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
         except KafkaException as exc:
-            err = exc.args[0]
-            if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION,
-                              KafkaError._UNKNOWN_TOPIC):
-                return 0, 0
-            # A new topic's leader takes a moment to be known; a broker restart too.
-            if (err.retriable() or err.code() in (KafkaError.NOT_LEADER_FOR_PARTITION,
-                                                  KafkaError.LEADER_NOT_AVAILABLE)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-                continue
-                raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')} to read offsets "
-                                   f"of {tp.topic}: {err.str()}") from exc
+            raise KafkaUnavailable(f"cannot reach Kafka at {bootstrap}: {exc.args[0].str()}") from exc
+        topic = md.topics.get(tp.topic)
+        if topic is None or (topic.error is not None and topic.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+            return 0, 0
+        part = topic.partitions.get(tp.partition)
+        if part is None:
+            return 0, 0
+        if topic.error is None and part.leader >= 0:
+            break
+        if time.monotonic() > deadline:  # a new topic's leader takes a moment to be known
+            raise KafkaUnavailable(f"{tp.topic}[{tp.partition}] has no leader on {bootstrap}")
+        time.sleep(0.2)
+    try:
+        return consumer.get_watermark_offsets(tp, timeout=timeout)
+    except KafkaException as exc:
+        raise KafkaUnavailable(f"cannot reach Kafka at {bootstrap} to read offsets of {tp.topic}: "
+                               f"{exc.args[0].str()}") from exc
 
 
 def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
