@@ -1,5 +1,7 @@
 """One Dagster asset per configured table, dynamically partitioned into watermark slices."""
 
+import os
+import socket
 
 from dagster import (
     AssetExecutionContext,
@@ -17,6 +19,9 @@ from resources.messages import SliceFrame, message_columns
 from resources.slices import SliceRange
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape
 from resources.spark import SparkResource
+
+WORKER_PID_TAG = "rowrelay/worker_pid"
+WORKER_HOST_TAG = "rowrelay/worker_host"
 
 
 def source_resource_key(source: str) -> str:
@@ -80,6 +85,9 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
     )
     def relay_table(context: AssetExecutionContext) -> SliceFrame:
         slice_range = SliceRange.from_key(context.partition_key)
+        # Lets the table's sensor tell a run whose worker died (SIGKILL, OOM) from one still working.
+        context.instance.add_run_tags(context.run_id, {WORKER_PID_TAG: str(os.getpid()),
+                                                       WORKER_HOST_TAG: socket.gethostname()})
         source: SourceDatabaseResource = getattr(context.resources, source_key)
         # Cheap early answer from Kafka before any Spark work; the IO manager re-checks after fencing.
         committed = read_committed_progress(context.resources.kafka_io_manager.kafka_conf(), channel)

@@ -2,6 +2,8 @@
 
 
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +22,15 @@ from dagster import (
 )
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from assets.relay import channel_for, partitions_for, pool_name, source_resource_key, table_shape
+from assets.relay import (
+    WORKER_HOST_TAG,
+    WORKER_PID_TAG,
+    channel_for,
+    partitions_for,
+    pool_name,
+    source_resource_key,
+    table_shape,
+)
 from orchestration.config import TableConfig
 from resources.exactly_once import ProgressRecord, SlicePublisher, read_committed_progress
 from resources.kafka_io_manager import KafkaIOManager
@@ -124,6 +134,37 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
                       tags={"rowrelay/resume": "true", **slice_tags(SliceRange.from_key(first))})
 
 
+def _worker_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def fail_dead_runs(context: SensorEvaluationContext, job_name: str) -> list[str]:
+    """Mark STARTED runs whose worker process is gone as failed, so run retries and the sensor move on.
+
+    Dagster's default run launcher has no worker health check: a worker killed by SIGKILL or the OOM killer
+    would leave its run STARTED forever and hold the table's pool. Only workers on this host are judged.
+    """
+    failed = []
+    host = socket.gethostname()
+    for run in context.instance.get_runs(RunsFilter(job_name=job_name, statuses=[DagsterRunStatus.STARTED])):
+        pid = run.tags.get(WORKER_PID_TAG)
+        if pid is None or run.tags.get(WORKER_HOST_TAG) != host or _worker_alive(int(pid)):
+            continue
+        context.instance.report_run_failed(run, f"run worker pid {pid} is gone (killed?); marked failed by {host}")
+        failed.append(run.run_id)
+    return failed
+
+
 def slice_tags(slice_range: SliceRange) -> dict[str, str]:
     """Lower slices first in the run queue; a retried run keeps its tags, so it keeps its place."""
     return {"dagster/priority": str(-slice_range.lo)}
@@ -156,6 +197,7 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         source: SourceDatabaseResource = getattr(context.resources, source_key)
         io_manager: KafkaIOManager = context.resources.kafka_io_manager
         ensure_pool(context.instance, pool_name(table))
+        fail_dead_runs(context, job.name)
         active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
         if active:
             # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the

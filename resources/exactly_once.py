@@ -137,10 +137,15 @@ STAGES = ("initialized", "progress_read", "begun", "rows_produced", "flushed", "
 
 
 def env_failpoint(stage: str) -> None:
-    """Fault injection for crash tests: ROWRELAY_FAILPOINT=<stage> kills this process at that stage."""
+    """Fault injection for crash tests: ROWRELAY_FAILPOINT=<stage> kills this process at that stage;
+    ROWRELAY_FAILPOINT=stop:<stage> freezes it there (SIGSTOP) until someone sends SIGCONT: a zombie."""
     target = os.environ.get("ROWRELAY_FAILPOINT")
-    if target and target == stage:
+    if not target:
+        return
+    if target == stage:
         os.kill(os.getpid(), signal.SIGKILL)
+    elif target == f"stop:{stage}":
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _fatal_message(err: KafkaError) -> str:

@@ -49,6 +49,7 @@ class Ports:
     kafka_controller: int
     postgres: int
     mariadb: int
+    spark_connect: int
 
     @classmethod
     def from_env(cls) -> Ports:
@@ -58,6 +59,7 @@ class Ports:
             kafka_controller=int(os.environ.get("ROWRELAY_KAFKA_CONTROLLER_PORT", 19093)),
             postgres=int(os.environ.get("ROWRELAY_PG_PORT", 15432)),
             mariadb=int(os.environ.get("ROWRELAY_MARIADB_PORT", 13306)),
+            spark_connect=int(os.environ.get("ROWRELAY_SPARK_CONNECT_PORT", 15102)),
         )
 
 
@@ -451,6 +453,55 @@ def mariadb_up(ports: Ports) -> None:
     wait_until(lambda: mariadb_ready(ports.mariadb), 60, "mariadb", logfile, proc.pid)
 
 
+# --------------------------------------------------------------------------- Spark Connect
+
+
+def spark_home() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).resolve().parent
+
+
+def spark_connect_ready(port: int) -> bool:
+    return port_open(port)
+
+
+def spark_connect_up(ports: Ports) -> None:
+    """A warm Spark (Connect server, local[2]) that runs can share instead of starting a JVM each."""
+    base = home() / "spark-connect"
+    pidfile, logfile = base / "spark-connect.pid", base / "spark-connect.log"
+    pid = read_pid(pidfile)
+    if pid_alive(pid):
+        wait_until(lambda: spark_connect_ready(ports.spark_connect), 120, "spark connect", logfile, pid)
+        log(f"spark connect: reusing server pid {pid} on 127.0.0.1:{ports.spark_connect}")
+        return
+    require_free_port(ports.spark_connect, "spark connect", "ROWRELAY_SPARK_CONNECT_PORT")
+    base.mkdir(parents=True, exist_ok=True)
+    sh = spark_home()
+    conf = {
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(ports.spark_connect),
+        "spark.sql.session.timeZone": "UTC",
+        "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.local.dir": str(base / "tmp"),
+        "spark.sql.warehouse.dir": str(base / "warehouse"),
+    }
+    cmd = [str(sh / "bin" / "spark-submit"), "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+           "--name", "rowrelay-spark-connect", "--master", os.environ.get("ROWRELAY_SPARK_CONNECT_MASTER", "local[2]"),
+           "--driver-memory", "1g", "--jars", ",".join(jdbc_jars())]
+    for key, value in conf.items():
+        cmd += ["--conf", f"{key}={value}"]
+    log(f"spark connect: starting on sc://127.0.0.1:{ports.spark_connect} (log {logfile})")
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(cmd + ["spark-internal"], cwd=base, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "SPARK_HOME": str(sh)})
+    pidfile.write_text(str(proc.pid))
+    wait_until(lambda: spark_connect_ready(ports.spark_connect), 180, "spark connect", logfile, proc.pid)
+
+
 # --------------------------------------------------------------------------- stack
 
 
@@ -490,6 +541,7 @@ def settings(ports: Ports | None = None, with_jars: bool = True) -> dict[str, st
         "DAGSTER_PG_DB": DAGSTER_DB,
         # dagster.yaml puts local artifacts and compute logs here, so nothing Dagster writes lands in a checkout.
         "ROWRELAY_DAGSTER_DIR": str(home() / "dagster"),
+        "ROWRELAY_SPARK_REMOTE": f"sc://127.0.0.1:{p.spark_connect}",
     }
     if with_jars:
         values["ROWRELAY_JDBC_JARS"] = ",".join(jdbc_jars())
@@ -522,6 +574,8 @@ def preflight(ports: Ports) -> None:
         (read_pid(home() / "postgres" / "data" / "postmaster.pid"),
          [(ports.postgres, "postgresql", "ROWRELAY_PG_PORT")]),
         (read_pid(home() / "mariadb" / "mariadb.pid"), [(ports.mariadb, "mariadb", "ROWRELAY_MARIADB_PORT")]),
+        (read_pid(home() / "spark-connect" / "spark-connect.pid"),
+         [(ports.spark_connect, "spark connect", "ROWRELAY_SPARK_CONNECT_PORT")]),
     ]
     for pid, checks in ours:
         if pid_alive(pid):
@@ -539,6 +593,7 @@ def up() -> dict[str, str]:
     postgres_up(ports)
     mariadb_up(ports)
     kafka_up(ports)
+    spark_connect_up(ports)
     values = settings(ports)
     path = write_env_file(values)
     log(f"stack is up; settings in {path}")
@@ -546,6 +601,7 @@ def up() -> dict[str, str]:
 
 
 def down() -> None:
+    stop_pidfile("spark connect", home() / "spark-connect" / "spark-connect.pid")
     stop_pidfile("kafka", home() / "kafka" / "kafka.pid")
     stop_pidfile("mariadb", home() / "mariadb" / "mariadb.pid")
     postgres_down()
@@ -559,6 +615,8 @@ def status() -> int:
          home() / "postgres" / "postgres.log"),
         ("mariadb", read_pid(home() / "mariadb" / "mariadb.pid"), ports.mariadb, mariadb_ready,
          home() / "mariadb" / "mariadb.log"),
+        ("spark", read_pid(home() / "spark-connect" / "spark-connect.pid"), ports.spark_connect,
+         spark_connect_ready, home() / "spark-connect" / "spark-connect.log"),
     ]
     all_up = True
     for name, pid, port, ready, logfile in rows:

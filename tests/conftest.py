@@ -33,6 +33,7 @@ class Services:
     mariadb_user: str
     mariadb_password: str
     jdbc_jars: str
+    spark_remote: str | None = None  # the stack's Spark Connect server
 
     def pg_url(self, database: str = "postgres") -> URL:
         return URL.create("postgresql+psycopg", self.pg_user, self.pg_password, self.pg_host, self.pg_port, database)
@@ -82,6 +83,7 @@ def _local_stack() -> Services:
         mariadb_host=env["ROWRELAY_MARIADB_HOST"], mariadb_port=int(env["ROWRELAY_MARIADB_PORT"]),
         mariadb_user=env["ROWRELAY_MARIADB_USER"], mariadb_password=env["ROWRELAY_MARIADB_PASSWORD"],
         jdbc_jars=env["ROWRELAY_JDBC_JARS"],
+        spark_remote=env.get("ROWRELAY_SPARK_REMOTE"),
     )
 
 

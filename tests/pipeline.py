@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import yaml
 from confluent_kafka import Consumer, TopicPartition
 from dagster import DagsterInstance, Definitions, build_sensor_context
 from sqlalchemy.engine import URL
@@ -23,13 +28,32 @@ def source_url(url: URL) -> str:
 
 
 def relay_config(services: Services, sources: dict[str, URL], tables: list[dict[str, Any]],
-                 producer: dict[str, Any] | None = None) -> RelayConfig:
+                 producer: dict[str, Any] | None = None, spark_remote: bool = False) -> RelayConfig:
+    """A config on the test services; Spark in-process (local[2]) or the stack's Spark Connect server."""
+    if spark_remote and not services.spark_remote:
+        import pytest
+
+        pytest.skip("no Spark Connect server in this test environment")
+    spark = {"remote": services.spark_remote} if spark_remote else {"master": "local[2]"}
     return parse_config({
         "sources": {name: {"url": source_url(u)} for name, u in sources.items()},
         "tables": tables,
         "kafka": {"bootstrap_servers": services.kafka_bootstrap, "producer": producer or {}},
-        "spark": {"master": "local[2]"},
+        "spark": spark,
     })
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class CliRun:
+    returncode: int
+    output: str
+
+    @property
+    def success(self) -> bool:
+        return self.returncode == 0
 
 
 @dataclass
@@ -60,8 +84,31 @@ class Harness:
         return [r.partition_key for r in data.run_requests or []]
 
     def run(self, table: TableConfig, key: str, raise_on_error: bool = True) -> Any:
+        """One run of the table's job for a slice: in-process with local Spark; with Spark Connect in a
+        `dagster asset materialize` process (one process cannot hold a classic and a remote session)."""
+        if self.config.spark.remote:
+            result = self.run_cli(table, key)
+            if raise_on_error:
+                assert result.success, result.output[-4000:]
+            return result
         job = self.defs.resolve_job_def(job_name(table))
         return job.execute_in_process(partition_key=key, instance=self.instance, raise_on_error=raise_on_error)
+
+    def config_file(self) -> Path:
+        path = Path(self.instance.root_directory) / f"rowrelay-{abs(hash(self.config.model_dump_json()))}.yaml"
+        path.write_text(yaml.safe_dump(self.config.model_dump(mode="json", exclude_none=True)))
+        return path
+
+    def run_cli(self, table: TableConfig, key: str, env: dict[str, str] | None = None) -> CliRun:
+        from assets.relay import asset_key
+
+        proc = subprocess.run(
+            [sys.executable, "-m", "dagster", "asset", "materialize", "--select", "/".join(asset_key(table).path),
+             "--partition", key, "-m", "orchestration.definitions"],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+            env={**os.environ, "DAGSTER_HOME": self.instance.root_directory,
+                 "ROWRELAY_CONFIG": str(self.config_file()), **(env or {})})
+        return CliRun(proc.returncode, proc.stdout + proc.stderr)
 
     def drain(self, table: TableConfig, until_hi: int | None = None, timeout: float = 120.0,
               pause: float = 0.3) -> list[str]:

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 from confluent_kafka import Consumer, TopicPartition
 from sqlalchemy import text
 
-from orchestration.config import RelayConfig
 from resources.exactly_once import (
     OutgoingMessage,
     PublisherFenced,
@@ -85,22 +80,6 @@ def test_slices_commit_in_order_and_repeat_is_a_no_op(services, name) -> None:
 # --------------------------------------------------------------------------- crashes of a real run
 
 
-def _write_config(tmp_path: Path, cfg: RelayConfig) -> Path:
-    path = tmp_path / "rowrelay.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
-    return path
-
-
-def _materialize_cli(dagster_home: Path, config_file: Path, asset: str, key: str, failpoint: str
-                     ) -> subprocess.CompletedProcess:
-    """`dagster asset materialize` in its own process, SIGKILLed by the publisher at `failpoint`."""
-    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "ROWRELAY_CONFIG": str(config_file),
-           "ROWRELAY_FAILPOINT": failpoint}
-    return subprocess.run([sys.executable, "-m", "dagster", "asset", "materialize", "--select", asset,
-                           "--partition", key, "-m", "orchestration.definitions"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
 def _visible_now(bootstrap: str, topic: str, seconds: float = 3.0) -> int:
     """Messages a read_committed consumer receives within a few seconds (an open transaction blocks the rest)."""
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"peek-{uuid.uuid4().hex}",
@@ -122,36 +101,37 @@ def crash_table(services, pg_database, pg_engine, dagster_instance, tmp_path, na
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
         conn.execute(text(f"INSERT INTO {name} (v) SELECT md5(g::text) FROM generate_series(1, 3000) g"))
+    # The run worker is a separate `dagster` process: Spark Connect spares it a JVM start.
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
-                                                         "slice_max_rows": 3000}])
+                                                         "slice_max_rows": 3000}], spark_remote=True)
     h = Harness(cfg, dagster_instance)
     keys = h.tick(h.table())
     assert keys == ["000000000000-000000003000"]
-    return h, keys[0], _write_config(tmp_path, cfg), f"src/public/{name}"
+    return h, keys[0]
 
 
-def test_killed_after_kafka_commit_retry_publishes_nothing(services, spark, dagster_home, crash_table) -> None:
-    h, key, config_file, asset = crash_table
+def test_killed_after_kafka_commit_retry_publishes_nothing(services, crash_table) -> None:
+    h, key = crash_table
     table = h.table()
-    res = _materialize_cli(dagster_home, config_file, asset, key, failpoint="committed")
-    assert res.returncode == -9, res.stderr[-3000:]
+    res = h.run_cli(table, key, env={"ROWRELAY_FAILPOINT": "committed"})
+    assert res.returncode == -9, res.output[-3000:]
     # Kafka has the slice; Dagster never heard of it.
     assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 3000
     assert h.progress(table).hi == 3000
     with pytest.raises(AssertionError, match="no materialization"):
         h.materialization(table, key)
-    retry = h.run(table, key)
+    retry = h.run(table, key)  # a new worker process, as a run retry would be
     assert retry.success
     meta = h.materialization(table, key)
     assert meta["already_committed"] is True and meta["rows"] == 3000
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 3001)))
 
 
-def test_killed_mid_transaction_nothing_visible_retry_publishes_once(services, spark, dagster_home, crash_table):
-    h, key, config_file, asset = crash_table
+def test_killed_mid_transaction_nothing_visible_retry_publishes_once(services, crash_table):
+    h, key = crash_table
     table = h.table()
-    res = _materialize_cli(dagster_home, config_file, asset, key, failpoint="rows_produced")
-    assert res.returncode == -9, res.stderr[-3000:]
+    res = h.run_cli(table, key, env={"ROWRELAY_FAILPOINT": "rows_produced"})
+    assert res.returncode == -9, res.output[-3000:]
     assert _visible_now(services.kafka_bootstrap, table.topic_name) == 0
     assert h.progress(table) is None
     retry = h.run(table, key)  # its init_transactions aborts the dead run's open transaction

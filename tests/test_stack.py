@@ -152,7 +152,8 @@ def test_taken_port_gives_clear_error_not_hang(tmp_path: Path) -> None:
         taken = blocker.getsockname()[1]
         started = time.monotonic()
         ports = {"ROWRELAY_KAFKA_PORT": _free_port(), "ROWRELAY_KAFKA_CONTROLLER_PORT": _free_port(),
-                 "ROWRELAY_PG_PORT": taken, "ROWRELAY_MARIADB_PORT": _free_port()}
+                 "ROWRELAY_PG_PORT": taken, "ROWRELAY_MARIADB_PORT": _free_port(),
+                 "ROWRELAY_SPARK_CONNECT_PORT": _free_port()}
         res = _stack(tmp_path / "home", ports, "up", timeout=60)
     assert res.returncode == 1
     assert f"port {taken}" in res.stderr and "ROWRELAY_PG_PORT" in res.stderr
@@ -164,7 +165,8 @@ def test_second_stack_up_twice_then_down(tmp_path: Path) -> None:
     """A private stack on other ports: `up` is idempotent, `status` sees it, `down` leaves no process."""
     home = tmp_path / "home"
     ports = {"ROWRELAY_KAFKA_PORT": _free_port(), "ROWRELAY_KAFKA_CONTROLLER_PORT": _free_port(),
-             "ROWRELAY_PG_PORT": _free_port(), "ROWRELAY_MARIADB_PORT": _free_port()}
+             "ROWRELAY_PG_PORT": _free_port(), "ROWRELAY_MARIADB_PORT": _free_port(),
+             "ROWRELAY_SPARK_CONNECT_PORT": _free_port()}
     try:
         first = _stack(home, ports, "up")
         assert first.returncode == 0, first.stderr + first.stdout
@@ -172,10 +174,11 @@ def test_second_stack_up_twice_then_down(tmp_path: Path) -> None:
             "kafka": int((home / "kafka" / "kafka.pid").read_text()),
             "mariadb": int((home / "mariadb" / "mariadb.pid").read_text()),
             "postgres": int((home / "postgres" / "data" / "postmaster.pid").read_text().split()[0]),
+            "spark connect": int((home / "spark-connect" / "spark-connect.pid").read_text()),
         }
         second = _stack(home, ports, "up")
         assert second.returncode == 0, second.stderr + second.stdout
-        assert second.stdout.count("reusing") == 3
+        assert second.stdout.count("reusing") == 4
         assert int((home / "kafka" / "kafka.pid").read_text()) == pids["kafka"]
         assert _stack(home, ports, "status").returncode == 0
         env_text = (home / "stack.env").read_text()

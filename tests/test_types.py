@@ -50,15 +50,18 @@ def _expected(value: object) -> object:
     return value
 
 
-def _run_table(services, url, dagster_instance, table: str, rows: int) -> list[dict]:
+def _run_table(services, url, dagster_instance, table: str, rows: int, spark_remote: bool = False) -> list[dict]:
     cfg = relay_config(services, {"src": url}, [{"source": "src", "table": table, "watermark": "id",
-                                                 "settle_seconds": 0.5}])
+                                                 "settle_seconds": 0.5}], spark_remote=spark_remote)
     h = Harness(cfg, dagster_instance)
     h.drain(h.table(), until_hi=rows)
     return [m.value for m in read_topic(services.kafka_bootstrap, h.table().topic_name)]
 
 
-def test_postgres_types_round_trip(services, pg_database, pg_engine, dagster_instance, spark, name) -> None:
+# Spark Connect runs go through a `dagster asset materialize` process, as the daemon's workers would.
+@pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
+def test_postgres_types_round_trip(services, pg_database, pg_engine, dagster_instance, spark, name,
+                                   spark_remote: bool) -> None:
     with pg_engine.begin() as conn:
         conn.execute(text(PG_DDL.format(t=name)))
         for row in PG_ROWS:
@@ -68,7 +71,7 @@ def test_postgres_types_round_trip(services, pg_database, pg_engine, dagster_ins
         rows = conn.execute(text(f"SELECT id, c_json::text, c_jsonb::text FROM {name}"))
         raw_json = {r[0]: (r[1], r[2]) for r in rows}
         expected_rows = [dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name} ORDER BY id"))]
-    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 3)
+    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 3, spark_remote)
     assert [g["id"] for g in got] == [1, 2, 3]
     for exp, value in zip(expected_rows, got, strict=True):
         assert list(value) == list(exp), "fields in column order"

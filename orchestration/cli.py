@@ -1,0 +1,208 @@
+"""`rowrelay` command line: verify a topic against its source table, show progress, set up pools.
+
+    rowrelay verify [--table ID] [--json]   # duplicates, missing, extra, order violations; exit 1 on any
+    rowrelay status                         # committed progress and lag per table
+    rowrelay pools                          # create each table's pool (limit 1) on the Dagster instance
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from confluent_kafka import Consumer, TopicPartition
+
+from orchestration.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env
+from resources.exactly_once import read_committed_progress
+
+
+@dataclass
+class VerifyReport:
+    table: str
+    topic: str
+    committed_hi: int | None
+    source_rows: int = 0
+    messages: int = 0
+    duplicates: int = 0
+    missing: int = 0
+    extra: int = 0
+    order_violations: int = 0
+    examples: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.duplicates or self.missing or self.extra or self.order_violations)
+
+
+def kafka_conf(config: RelayConfig) -> dict[str, Any]:
+    conf = {k: resolve_env(str(v)) for k, v in config.kafka.producer.items()}
+    conf["bootstrap.servers"] = resolve_env(config.kafka.bootstrap_servers)
+    return conf
+
+
+def topic_watermarks(conf: dict[str, Any], topic: str, timeout: float = 60.0) -> dict[int, list[int]]:
+    """Watermark header of every committed message, per partition, in offset order."""
+    from resources.exactly_once import base_conf
+
+    consumer = Consumer({**base_conf(conf), "group.id": f"rowrelay-verify-{uuid.uuid4().hex}",
+                         "isolation.level": "read_committed", "enable.auto.commit": False,
+                         "auto.offset.reset": "earliest"})
+    out: dict[int, list[int]] = {}
+    try:
+        md = consumer.list_topics(topic, timeout=timeout)
+        meta = md.topics.get(topic)
+        if meta is None or meta.error is not None:
+            return out
+        for p in sorted(meta.partitions):
+            tp = TopicPartition(topic, p)
+            low, high = consumer.get_watermark_offsets(tp, timeout=timeout)
+            wms = out.setdefault(p, [])
+            if high <= low:
+                continue
+            consumer.assign([TopicPartition(topic, p, low)])
+            deadline = time.monotonic() + timeout
+            while consumer.position([tp])[0].offset < high:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{topic}[{p}] could not be read to offset {high} (open transaction?)")
+                msg = consumer.poll(0.5)
+                if msg is None or msg.error():
+                    continue
+                deadline = time.monotonic() + timeout
+                headers = dict(msg.headers() or [])
+                wms.append(int(headers["rowrelay.watermark"]))
+    finally:
+        consumer.close()
+    return out
+
+
+def source_watermarks(config: RelayConfig, table: TableConfig, upto: int) -> Counter[int]:
+    from resources.source_database import SourceDatabaseResource
+
+    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    engine = source.engine
+    try:
+        t = sa.table(table.table_name, sa.column(table.watermark), schema=table.schema_name)
+        wm = t.c[table.watermark]
+        start = table.start_after if isinstance(table.start_after, int) else None
+        q = sa.select(wm).where(wm <= upto)
+        if start is not None:
+            q = q.where(wm > start)
+        if table.skip_watermarks:
+            q = q.where(wm.not_in(table.skip_watermarks))
+        counts: Counter[int] = Counter()
+        with engine.connect().execution_options(stream_results=True, yield_per=50_000) as conn:
+            for (value,) in conn.execute(q):
+                counts[int(value)] += 1
+        return counts
+    finally:
+        source.dispose()
+
+
+def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
+    """Compare the topic with the source rows up to the table's committed progress."""
+    from assets.relay import channel_for
+
+    conf = kafka_conf(config)
+    progress = read_committed_progress(conf, channel_for(table, config.kafka.transactional_id_prefix))
+    hi = progress.hi if progress else (table.start_after if isinstance(table.start_after, int) else 0)
+    report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None)
+    source = source_watermarks(config, table, hi)
+    per_partition = topic_watermarks(conf, table.topic_name)
+    seen: Counter[int] = Counter()
+    order: list[int] = []
+    for wms in per_partition.values():
+        seen.update(wms)
+        order += [b for a, b in zip(wms, wms[1:], strict=False) if b < a]
+    report.source_rows = sum(source.values())
+    report.messages = sum(seen.values())
+    dupes = [w for w, n in seen.items() if w in source and n > source[w]]
+    missing = [w for w, n in source.items() if seen[w] < n]
+    extra = [w for w in seen if w not in source]
+    report.duplicates = sum(seen[w] - source[w] for w in dupes)
+    report.missing = sum(source[w] - seen[w] for w in missing)
+    report.extra = sum(seen[w] for w in extra)
+    report.order_violations = len(order)
+    report.examples = {k: sorted(v)[:10] for k, v in
+                       {"duplicates": dupes, "missing": missing, "extra": extra, "order": order}.items() if v}
+    return report
+
+
+def _tables(config: RelayConfig, table_id: str | None) -> list[TableConfig]:
+    tables = [t for t in config.tables if table_id in (None, t.table_id)]
+    if not tables:
+        raise ConfigError(f"no configured table {table_id!r}; tables: {[t.table_id for t in config.tables]}")
+    return tables
+
+
+def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
+    reports = [verify_table(config, t) for t in _tables(config, args.table)]
+    if args.json:
+        print(json.dumps([{**asdict(r), "ok": r.ok} for r in reports], indent=2))
+    else:
+        for r in reports:
+            print(f"{r.table} -> {r.topic}: committed up to {r.committed_hi}, {r.source_rows} source rows, "
+                  f"{r.messages} messages; duplicates {r.duplicates}, missing {r.missing}, extra {r.extra}, "
+                  f"order violations {r.order_violations} [{'OK' if r.ok else 'FAIL'}]")
+            for kind, values in r.examples.items():
+                print(f"  {kind}: e.g. watermarks {values}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
+    from assets.relay import channel_for, table_shape
+    from resources.source_database import SourceDatabaseResource
+
+    conf = kafka_conf(config)
+    for t in _tables(config, args.table):
+        progress = read_committed_progress(conf, channel_for(t, config.kafka.transactional_id_prefix))
+        source = SourceDatabaseResource(url=config.sources[t.source].url)
+        top = source.max_watermark(table_shape(source, t))
+        source.dispose()
+        hi = progress.hi if progress else None
+        lag = (top - hi) if (top is not None and hi is not None) else None
+        print(f"{t.table_id}: committed {hi} (slice {progress.slice if progress else '-'}, at "
+              f"{progress.committed_at if progress else '-'}), source max {top}, watermark lag {lag}")
+    return 0
+
+
+def cmd_pools(config: RelayConfig, args: argparse.Namespace) -> int:
+    from dagster import DagsterInstance
+
+    from assets.relay import pool_name
+    from orchestration.sensors import ensure_pool
+
+    with DagsterInstance.get() as instance:
+        for t in _tables(config, args.table):
+            ensure_pool(instance, pool_name(t))
+            print(f"pool {pool_name(t)}: limit {instance.event_log_storage.get_concurrency_info(pool_name(t)).limit}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("verify", "status", "pools"):
+        p = sub.add_parser(name)
+        p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
+        if name == "verify":
+            p.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        return {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools}[args.cmd](config, args)
+    except ConfigError as exc:
+        print(f"rowrelay: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""Fault scenarios on the real pipeline: the Dagster daemon (sensors, run queue, pools, run retries) on a
+PostgreSQL-backed instance, run workers in their own processes on the stack's Spark Connect server, and
+writers that keep inserting. After each fault, with the fault stopped, the pipeline must catch up on its
+own and `verify` must report 0 duplicates, 0 missing, 0 extra, 0 order violations.
+
+Run alone with `make test-faults` (pytest -m faults).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine
+
+from orchestration.cli import verify_table
+from orchestration.config import RelayConfig
+from stack import local as stack
+from tests.conftest import Services, unique
+from tests.pipeline import relay_config
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration]
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS: list[dict] = []
+
+
+class Writer:
+    """Keeps inserting small transactions into a table; survives dropped connections and restarts."""
+
+    def __init__(self, engine: Engine, table: str, batch: int = 20, pause: float = 0.05) -> None:
+        self.engine, self.table, self.batch, self.pause = engine, table, batch, pause
+        self.rows = 0
+        self.errors = 0
+        self._run = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._run.wait(0.2):
+                continue
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(text(f"INSERT INTO {self.table} (v) VALUES (:v)"),
+                                 [{"v": random.randint(0, 10**9)} for _ in range(self.batch)])
+                self.rows += self.batch
+            except Exception:  # noqa: BLE001 - a fault test drops connections on purpose
+                self.errors += 1
+                time.sleep(0.5)
+            time.sleep(self.pause)
+
+    def resume(self) -> None:
+        self._run.set()
+
+    def pause_writes(self) -> None:
+        self._run.clear()
+        time.sleep(0.5)  # let an in-flight batch finish
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@dataclass
+class FaultPipeline:
+    services: Services
+    config: RelayConfig
+    home: Path
+    config_file: Path
+    engines: dict[str, Engine]
+    writers: list[Writer] = field(default_factory=list)
+    daemon: subprocess.Popen | None = None
+    log: Path | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "DAGSTER_HOME": str(self.home), "ROWRELAY_CONFIG": str(self.config_file),
+                "PYTHONPATH": str(ROOT)}
+
+    def start_daemon(self) -> None:
+        self.log = self.home / "daemon.log"
+        out = open(self.log, "ab")  # noqa: SIM115 - owned by the daemon process
+        self.daemon = subprocess.Popen([sys.executable, "-m", "dagster._daemon", "run", "-w",
+                                        str(self.home / "workspace.yaml")], cwd=ROOT, env=self.env,
+                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill_daemon(self) -> None:
+        """SIGKILL the daemon's whole process group: daemon, code server and any run worker it started."""
+        assert self.daemon is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.daemon.pid, signal.SIGKILL)
+        self.daemon.wait(30)
+
+    def stop_daemon(self) -> None:
+        if self.daemon is None:
+            return
+        try:
+            os.killpg(self.daemon.pid, signal.SIGTERM)
+            self.daemon.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            self.kill_daemon()
+        self.daemon = None
+
+    def workers(self) -> list[int]:
+        """Pids of live run workers (`dagster api execute_run`) started for this pipeline."""
+        out = subprocess.run(["pgrep", "-f", "execute_run"], capture_output=True, text=True).stdout.split()
+        pids = []
+        for pid in map(int, out):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue
+            if str(self.home).encode() in environ:
+                pids.append(pid)
+        return pids
+
+    def wait_for_worker(self, timeout: float = 90.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pids = self.workers()
+            if pids:
+                return random.choice(pids)
+            time.sleep(0.2)
+        raise AssertionError(f"no run worker started within {timeout}s; see {self.log}")
+
+    def max_ids(self) -> dict[str, int]:
+        out = {}
+        for t in self.config.tables:
+            with self.engines[t.source].connect() as conn:
+                out[t.table_id] = conn.execute(text(f"SELECT max(id) FROM {t.table_name}")).scalar() or 0
+        return out
+
+    def catch_up_and_verify(self, scenario: str, faults: int, timeout: float = 240.0) -> None:
+        """Stop writing, wait until every table's committed progress reaches its max id, verify the topics."""
+        for w in self.writers:
+            w.pause_writes()
+        target = self.max_ids()
+        deadline = time.monotonic() + timeout
+        from assets.relay import channel_for
+        from resources.exactly_once import read_committed_progress
+
+        conf = {"bootstrap.servers": self.services.kafka_bootstrap}
+        while True:
+            done = {t.table_id: (p.hi if (p := read_committed_progress(conf, channel_for(t))) else 0)
+                    for t in self.config.tables}
+            if all(done[k] >= v for k, v in target.items()):
+                break
+            assert time.monotonic() < deadline, f"{scenario}: no catch-up in {timeout}s: {done} < {target}; {self.log}"
+            time.sleep(1)
+        reports = [verify_table(self.config, t) for t in self.config.tables]
+        result = {"scenario": scenario, "faults": faults, "rows": sum(r.source_rows for r in reports),
+                  "verify": {r.table: {"duplicates": r.duplicates, "missing": r.missing, "extra": r.extra,
+                                       "order_violations": r.order_violations} for r in reports}}
+        RESULTS.append(result)
+        print(json.dumps(result))
+        for r in reports:
+            assert r.ok, f"{scenario}: {r}"
+            assert r.source_rows == r.messages
+        for w in self.writers:
+            w.resume()
+
+
+DAGSTER_YAML = """
+storage:
+  postgres:
+    postgres_db: {{username: {user}, password: {password}, hostname: {host}, db_name: {db}, port: {port}}}
+run_coordinator:
+  module: dagster.core.run_coordinator
+  class: QueuedRunCoordinator
+  config: {{dequeue_interval_seconds: 1}}
+run_retries: {{enabled: true, max_retries: 10, retry_on_asset_or_op_failure: true}}
+concurrency:
+  runs: {{max_concurrent_runs: 4}}
+  pools: {{granularity: run, default_limit: 1}}
+run_monitoring: {{enabled: true, start_timeout_seconds: 120, poll_interval_seconds: 2}}
+sensors: {{use_threads: true, num_workers: 2}}
+telemetry: {{enabled: false}}
+"""
+
+
+@pytest.fixture(scope="module")
+def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPipeline]:
+    if not services.spark_remote:
+        pytest.skip("fault tests need the stack's Spark Connect server")
+    home = tmp_path_factory.mktemp("faults_home")
+    db_names = {k: unique(k) for k in ("dagster", "pgsrc", "mariasrc")}
+    pg_admin = create_engine(services.pg_url(), isolation_level="AUTOCOMMIT")
+    maria_admin = create_engine(services.mariadb_url(), isolation_level="AUTOCOMMIT")
+    with pg_admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{db_names["dagster"]}"'))
+        conn.execute(text(f'CREATE DATABASE "{db_names["pgsrc"]}"'))
+    with maria_admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE `{db_names['mariasrc']}`"))
+    pg_url, maria_url = services.pg_url(db_names["pgsrc"]), services.mariadb_url(db_names["mariasrc"])
+    engines = {"pg": create_engine(pg_url, pool_pre_ping=True), "maria": create_engine(maria_url, pool_pre_ping=True)}
+    with engines["pg"].begin() as conn:
+        conn.execute(text("CREATE TABLE orders (id bigserial PRIMARY KEY, v bigint)"))
+    with engines["maria"].begin() as conn:
+        conn.execute(text("CREATE TABLE clicks (id bigint AUTO_INCREMENT PRIMARY KEY, v bigint)"))
+    cfg = relay_config(services, {"pg": pg_url, "maria": maria_url}, [
+        {"source": "pg", "table": "public.orders", "watermark": "id", "slice_max_rows": 400,
+         "sensor_interval_seconds": 1, "topic": f"faults.{db_names['pgsrc']}.orders"},
+        {"source": "maria", "table": "clicks", "watermark": "id", "slice_max_rows": 300, "settle_seconds": 1,
+         "sensor_interval_seconds": 1, "topic": f"faults.{db_names['mariasrc']}.clicks", "key": ["id"],
+         "topic_partitions": 2},
+    ], spark_remote=True)
+    config_file = home / "rowrelay.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    (home / "dagster.yaml").write_text(DAGSTER_YAML.format(user=services.pg_user, password=services.pg_password,
+                                                          host=services.pg_host, port=services.pg_port,
+                                                          db=db_names["dagster"]))
+    (home / "workspace.yaml").write_text(yaml.safe_dump({"load_from": [{"python_module": {
+        "module_name": "orchestration.definitions", "working_directory": str(ROOT)}}]}))
+    p = FaultPipeline(services, cfg, home, config_file, engines)
+    p.writers = [Writer(engines["pg"], "orders"), Writer(engines["pg"], "orders"), Writer(engines["maria"], "clicks")]
+    p.start_daemon()
+    for w in p.writers:
+        w.resume()
+    yield p
+    for w in p.writers:
+        w.close()
+    p.stop_daemon()
+    print("FAULT RESULTS " + json.dumps(RESULTS))
+    (ROOT / "tests" / ".fault-results.json").write_text(json.dumps(RESULTS, indent=2))
+    for e in engines.values():
+        e.dispose()
+    with pg_admin.connect() as conn:
+        for k in ("dagster", "pgsrc"):
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{db_names[k]}" WITH (FORCE)'))
+    with maria_admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS `{db_names['mariasrc']}`"))
+
+
+def _during_a_run(p: FaultPipeline, inject: Callable[[], None]) -> None:
+    p.wait_for_worker()
+    time.sleep(random.uniform(0.5, 2.0))
+    inject()
+
+
+def test_baseline_pipeline_catches_up(pipeline: FaultPipeline) -> None:
+    time.sleep(10)
+    pipeline.catch_up_and_verify("baseline (no fault)", faults=0)
+
+
+def test_broker_restarted_mid_publish(pipeline: FaultPipeline) -> None:
+    def restart_kafka() -> None:
+        stack.stop_pidfile("kafka", stack.home() / "kafka" / "kafka.pid")
+        time.sleep(5)
+        stack.kafka_up(stack.Ports.from_env())
+
+    _during_a_run(pipeline, restart_kafka)
+    time.sleep(5)
+    pipeline.catch_up_and_verify("kafka broker restarted mid-publish", faults=1)
+
+
+def test_source_connections_terminated_mid_read(pipeline: FaultPipeline) -> None:
+    pg_db = pipeline.engines["pg"].url.database
+    maria_db = pipeline.engines["maria"].url.database
+    admin_pg = create_engine(pipeline.services.pg_url(), isolation_level="AUTOCOMMIT")
+    admin_maria = create_engine(pipeline.services.mariadb_url(), isolation_level="AUTOCOMMIT")
+    faults = 0
+    for _ in range(3):
+        def terminate() -> None:
+            nonlocal faults
+            with admin_pg.connect() as conn:
+                faults += len(conn.execute(text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :db "
+                    "AND pid <> pg_backend_pid()"), {"db": pg_db}).all())
+            with admin_maria.connect() as conn:
+                ids = [r[0] for r in conn.execute(text(
+                    "SELECT id FROM information_schema.processlist WHERE db = :db AND id <> CONNECTION_ID()"),
+                    {"db": maria_db})]
+                for i in ids:
+                    try:
+                        conn.execute(text(f"KILL {int(i)}"))
+                        faults += 1
+                    except Exception:  # noqa: BLE001 - it may have ended meanwhile
+                        pass
+
+        _during_a_run(pipeline, terminate)
+        time.sleep(3)
+    admin_pg.dispose()
+    admin_maria.dispose()
+    pipeline.catch_up_and_verify("source connections terminated mid-read", faults=faults)
+
+
+def test_storage_database_restarted_with_runs_in_flight(pipeline: FaultPipeline) -> None:
+    def restart_postgres() -> None:
+        stack.postgres_down()
+        time.sleep(3)
+        stack.postgres_up(stack.Ports.from_env())
+
+    _during_a_run(pipeline, restart_postgres)
+    pipeline.catch_up_and_verify("dagster storage (PostgreSQL) restarted with runs in flight", faults=1)
+
+
+def test_run_workers_sigkilled_in_a_loop(pipeline: FaultPipeline) -> None:
+    kills = 0
+    while kills < 20:
+        pid = pipeline.wait_for_worker(timeout=120)
+        time.sleep(random.uniform(0.0, 4.0))
+        try:
+            os.kill(pid, signal.SIGKILL)
+            kills += 1
+        except ProcessLookupError:
+            continue
+    pipeline.catch_up_and_verify("run worker SIGKILLed at random points", faults=kills, timeout=300)
+
+
+def test_daemon_killed_and_restarted(pipeline: FaultPipeline) -> None:
+    _during_a_run(pipeline, pipeline.kill_daemon)
+    time.sleep(3)
+    pipeline.start_daemon()
+    pipeline.catch_up_and_verify("dagster daemon SIGKILLed (with its workers) and restarted", faults=1)
+
+
+def test_zombie_publisher_resumes_after_takeover(pipeline: FaultPipeline) -> None:
+    """A frozen worker (SIGSTOP inside its open transaction) wakes up after a newer publisher took over."""
+    from assets.relay import asset_key
+    from resources.slices import SliceRange
+
+    pipeline.stop_daemon()
+    for w in pipeline.writers:
+        w.pause_writes()
+    table = pipeline.config.tables[0]
+    from dagster import DagsterInstance
+
+    with DagsterInstance.from_config(str(pipeline.home)) as instance:
+        keys = instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
+        last = SliceRange.from_key(keys[-1])
+        with pipeline.engines["pg"].connect() as conn:
+            top = conn.execute(text("SELECT max(id) FROM orders")).scalar()
+        new_key = SliceRange(last.hi, top).key
+        instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [new_key])
+    select = "/".join(asset_key(table).path)
+    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "--select", select, "--partition", new_key,
+           "-m", "orchestration.definitions"]
+    zombie_log = pipeline.home / "zombie.log"
+    with open(zombie_log, "wb") as log:  # a file, not a pipe: a full pipe would block the zombie early
+        zombie = subprocess.Popen(cmd, cwd=ROOT, env={**pipeline.env, "ROWRELAY_FAILPOINT": "stop:rows_produced"},
+                                  stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "T":
+        assert time.monotonic() < deadline and zombie.poll() is None, "zombie never froze in its transaction"
+        time.sleep(0.2)
+    newer = subprocess.run(cmd, cwd=ROOT, env=pipeline.env, capture_output=True, text=True, timeout=300)
+    assert newer.returncode == 0, newer.stdout[-2000:] + newer.stderr[-2000:]
+    os.kill(zombie.pid, signal.SIGCONT)
+    zombie.wait(timeout=120)
+    out = zombie_log.read_text(errors="replace")
+    assert zombie.returncode != 0, "the zombie must fail: it was fenced"
+    assert "fenced" in out.lower() or "another publisher took over" in out or "PRODUCER_FENCED" in out, out[-3000:]
+    pipeline.start_daemon()
+    for w in pipeline.writers:
+        w.resume()
+    time.sleep(5)
+    pipeline.catch_up_and_verify("zombie publisher resumed after a newer one took over", faults=1)
