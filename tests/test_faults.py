@@ -40,7 +40,7 @@ RESULTS: list[dict] = []
 class Writer:
     """Keeps inserting small transactions into a table; survives dropped connections and restarts."""
 
-    def __init__(self, engine: Engine, table: str, batch: int = 20, pause: float = 0.05) -> None:
+    def __init__(self, engine: Engine, table: str, batch: int = 5, pause: float = 0.1) -> None:
         self.engine, self.table, self.batch, self.pause = engine, table, batch, pause
         self.rows = 0
         self.errors = 0
@@ -116,8 +116,9 @@ class FaultPipeline:
         self.daemon = None
 
     def workers(self) -> list[int]:
-        """Pids of live run workers (`dagster api execute_run`) started for this pipeline."""
-        out = subprocess.run(["pgrep", "-f", "execute_run"], capture_output=True, text=True).stdout.split()
+        """Pids of live run workers of this pipeline: the code server starts each run in a process of its own
+        (multiprocessing spawn), which inherits this pipeline's DAGSTER_HOME."""
+        out = subprocess.run(["pgrep", "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
         pids = []
         for pid in map(int, out):
             try:
@@ -163,6 +164,7 @@ class FaultPipeline:
             time.sleep(1)
         reports = [verify_table(self.config, t) for t in self.config.tables]
         result = {"scenario": scenario, "faults": faults, "rows": sum(r.source_rows for r in reports),
+                  "catch_up_s": round(time.monotonic() - deadline + timeout, 1),
                   "verify": {r.table: {"duplicates": r.duplicates, "missing": r.missing, "extra": r.extra,
                                        "order_violations": r.order_violations} for r in reports}}
         RESULTS.append(result)
@@ -211,13 +213,16 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         conn.execute(text("CREATE TABLE orders (id bigserial PRIMARY KEY, v bigint)"))
     with engines["maria"].begin() as conn:
         conn.execute(text("CREATE TABLE clicks (id bigint AUTO_INCREMENT PRIMARY KEY, v bigint)"))
-    cfg = relay_config(services, {"pg": pg_url, "maria": maria_url}, [
-        {"source": "pg", "table": "public.orders", "watermark": "id", "slice_max_rows": 400,
+    # Source names unique per run: a table's identity (progress topic, transactional id) must be new too.
+    pg_src, maria_src = unique("pg"), unique("maria")
+    cfg = relay_config(services, {pg_src: pg_url, maria_src: maria_url}, [
+        {"source": pg_src, "table": "public.orders", "watermark": "id", "slice_max_rows": 2500,
          "sensor_interval_seconds": 1, "topic": f"faults.{db_names['pgsrc']}.orders"},
-        {"source": "maria", "table": "clicks", "watermark": "id", "slice_max_rows": 300, "settle_seconds": 1,
+        {"source": maria_src, "table": "clicks", "watermark": "id", "slice_max_rows": 1500, "settle_seconds": 1,
          "sensor_interval_seconds": 1, "topic": f"faults.{db_names['mariasrc']}.clicks", "key": ["id"],
          "topic_partitions": 2},
     ], spark_remote=True)
+    engines[pg_src], engines[maria_src] = engines["pg"], engines["maria"]
     config_file = home / "rowrelay.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
     (home / "dagster.yaml").write_text(DAGSTER_YAML.format(user=services.pg_user, password=services.pg_password,
@@ -236,7 +241,7 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
     p.stop_daemon()
     print("FAULT RESULTS " + json.dumps(RESULTS))
     (ROOT / "tests" / ".fault-results.json").write_text(json.dumps(RESULTS, indent=2))
-    for e in engines.values():
+    for e in (engines["pg"], engines["maria"]):
         e.dispose()
     with pg_admin.connect() as conn:
         for k in ("dagster", "pgsrc"):
