@@ -15,7 +15,7 @@ WITH_ENV := set -a; source $(STACK_ENV); set +a;
 
 help:
 	@echo "make run    - install, start the local stack, create demo tables + writer, serve the Dagster UI on :3000"
-	@echo "make test   - install, start the local stack, run the whole test suite"
+	@echo "make test   - install, start the local stack, run the test suite (make test-faults: fault scenarios)"
 	@echo "make stack | stack-down | stack-status | lint | bench"
 
 # The lock file pins every package; `uv sync --frozen` reproduces it exactly.
@@ -41,13 +41,14 @@ run: stack
 
 test: stack
 	$(PY) -m ruff check .
-	$(WITH_ENV) $(PY) -m pytest -q tests
+	$(WITH_ENV) $(PY) -m pytest -q tests -m "not faults"
 
 test-unit: install
 	$(PY) -m pytest -q tests -m "not integration and not faults"
 
+# Fault scenarios against the Dagster daemon (broker/database restarts, SIGKILL loop, zombie publisher).
 test-faults: stack
-	$(WITH_ENV) $(PY) -m pytest -q tests -m faults
+	$(WITH_ENV) $(PY) -m pytest -q -s tests -m faults
 
 lint: install
 	$(PY) -m ruff check .

@@ -128,7 +128,7 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
         return None
     ended = max((r.end_time or 0.0 for r in records), default=0.0)
     # Back off so a slice that keeps failing (bad row) is retried ever more rarely, not every tick.
-    if records and time.time() - ended < min(600.0, 15.0 * 2 ** min(len(records), 6)):
+    if records and time.time() - ended < min(300.0, 5.0 * 2 ** min(len(records), 6)):
         return None
     return RunRequest(partition_key=first, run_key=f"{first}#resume-{len(records)}",
                       tags={"rowrelay/resume": "true", **slice_tags(SliceRange.from_key(first))})

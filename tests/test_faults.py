@@ -40,7 +40,7 @@ RESULTS: list[dict] = []
 class Writer:
     """Keeps inserting small transactions into a table; survives dropped connections and restarts."""
 
-    def __init__(self, engine: Engine, table: str, batch: int = 5, pause: float = 0.1) -> None:
+    def __init__(self, engine: Engine, table: str, batch: int = 5, pause: float = 0.25) -> None:
         self.engine, self.table, self.batch, self.pause = engine, table, batch, pause
         self.rows = 0
         self.errors = 0
@@ -200,8 +200,9 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         pytest.skip("fault tests need the stack's Spark Connect server")
     home = tmp_path_factory.mktemp("faults_home")
     db_names = {k: unique(k) for k in ("dagster", "pgsrc", "mariasrc")}
-    pg_admin = create_engine(services.pg_url(), isolation_level="AUTOCOMMIT")
-    maria_admin = create_engine(services.mariadb_url(), isolation_level="AUTOCOMMIT")
+    # pre_ping: the storage-restart scenario drops every pooled connection.
+    pg_admin = create_engine(services.pg_url(), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    maria_admin = create_engine(services.mariadb_url(), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     with pg_admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{db_names["dagster"]}"'))
         conn.execute(text(f'CREATE DATABASE "{db_names["pgsrc"]}"'))
@@ -216,9 +217,9 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
     # Source names unique per run: a table's identity (progress topic, transactional id) must be new too.
     pg_src, maria_src = unique("pg"), unique("maria")
     cfg = relay_config(services, {pg_src: pg_url, maria_src: maria_url}, [
-        {"source": pg_src, "table": "public.orders", "watermark": "id", "slice_max_rows": 2500,
+        {"source": pg_src, "table": "public.orders", "watermark": "id", "slice_max_rows": 5000,
          "sensor_interval_seconds": 1, "topic": f"faults.{db_names['pgsrc']}.orders"},
-        {"source": maria_src, "table": "clicks", "watermark": "id", "slice_max_rows": 1500, "settle_seconds": 1,
+        {"source": maria_src, "table": "clicks", "watermark": "id", "slice_max_rows": 3000, "settle_seconds": 1,
          "sensor_interval_seconds": 1, "topic": f"faults.{db_names['mariasrc']}.clicks", "key": ["id"],
          "topic_partitions": 2},
     ], spark_remote=True)
