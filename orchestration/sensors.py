@@ -2,7 +2,6 @@
 
 
 import json
-import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from resources.exactly_once import ProgressRecord, SlicePublisher, read_committe
 from resources.kafka_io_manager import KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
 from resources.source_database import SourceDatabaseResource
+from stack.local import pid_alive
 
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
           DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
@@ -134,20 +134,6 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
                       tags={"rowrelay/resume": "true", **slice_tags(SliceRange.from_key(first))})
 
 
-def _worker_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def fail_dead_runs(context: SensorEvaluationContext, job_name: str) -> list[str]:
     """Mark STARTED runs whose worker process is gone as failed, so run retries and the sensor move on.
 
@@ -158,7 +144,7 @@ def fail_dead_runs(context: SensorEvaluationContext, job_name: str) -> list[str]
     host = socket.gethostname()
     for run in context.instance.get_runs(RunsFilter(job_name=job_name, statuses=[DagsterRunStatus.STARTED])):
         pid = run.tags.get(WORKER_PID_TAG)
-        if pid is None or run.tags.get(WORKER_HOST_TAG) != host or _worker_alive(int(pid)):
+        if pid is None or run.tags.get(WORKER_HOST_TAG) != host or pid_alive(int(pid)):
             continue
         context.instance.report_run_failed(run, f"run worker pid {pid} is gone (killed?); marked failed by {host}")
         failed.append(run.run_id)
