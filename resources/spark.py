@@ -44,23 +44,16 @@ def _with_sql_conf(session: SparkSession) -> SparkSession:
     return session
 
 
-def custom_schema_for(frame: DataFrame) -> str:
-    """Columns Spark's default JDBC mapping would not read exactly, re-read as text (customSchema).
+def custom_schema_for(shape: TableShape) -> str:
+    """Columns Spark's default JDBC mapping would not read exactly, re-typed as text (customSchema).
 
-    PostgreSQL unconstrained numeric becomes decimal(38,18) (overflows, no NaN); float4 through Java 17's
-    Float.toString is not the shortest text, so read PostgreSQL's own text and cast to double.
+    PostgreSQL unconstrained numeric becomes decimal(38,18) (overflows, no NaN); real (float4) through
+    Java 17's Float.toString is not the shortest text, so read PostgreSQL's own text and cast to double.
+    Decided from the reflected types, which saves Spark a second schema round trip.
     """
-    from pyspark.sql.types import DecimalType
-
-    out = []
-    for f in frame.schema.fields:
-        md = f.metadata or {}
-        client_type = md.get("jdbcClientType", "")
-        unconstrained = client_type == "numeric" and isinstance(f.dataType, DecimalType) \
-            and md.get("scale") != f.dataType.scale
-        if unconstrained or client_type == "float4":
-            out.append(f"`{f.name}` STRING")
-    return ", ".join(out)
+    if shape.dialect != "postgresql":
+        return ""
+    return ", ".join(f"`{c.name}` STRING" for c in shape.columns if c.type_name in ("REAL", "NUMERIC"))
 
 
 class SparkResource(ConfigurableResource):
@@ -116,16 +109,13 @@ class SparkResource(ConfigurableResource):
             options["preferTimestampNTZ"] = "true"  # timestamp -> NTZ (no offset), timestamptz -> instant
         session = self.get_session()
 
-        def load(extra: dict[str, Any]) -> DataFrame:
-            reader = session.read.format("jdbc")
-            for key, value in {**options, **extra}.items():
-                reader = reader.option(key, value)
-            return reader.load()
-
-        frame = load({})
-        custom = custom_schema_for(frame)
+        custom = custom_schema_for(shape)
         if custom:
-            frame = load({"customSchema": custom})
+            options["customSchema"] = custom
+        reader = session.read.format("jdbc")
+        for key, value in options.items():
+            reader = reader.option(key, value)
+        frame = reader.load()
         wm = F.col(f"`{shape.watermark}`")
         return (frame.select(*[F.col(f"`{c}`") for c in shape.column_names])
                 .where((wm > F.lit(slice_range.lo)) & (wm <= F.lit(slice_range.hi)))
