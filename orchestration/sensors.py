@@ -184,8 +184,19 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         io_manager: KafkaIOManager = context.resources.kafka_io_manager
         ensure_pool(context.instance, pool_name(table))
         fail_dead_runs(context, job.name)
+        def resume_request() -> RunRequest | None:
+            existing = list(context.instance.get_dynamic_partitions(partitions.name))
+            channel = channel_for(table, io_manager.transactional_id_prefix)
+            progress = read_committed_progress(io_manager.kafka_conf(), channel)
+            return stalled_slice(context, job.name, existing, progress.hi if progress else channel.start_after)
+
         active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
         if active:
+            # Later slices queued or retrying while the first uncommitted one has no run: without this they
+            # would fail "out of order" and retry forever.
+            resume = resume_request()
+            if resume is not None:
+                return SensorResult(run_requests=[resume])
             # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
             # time a run takes, instead of the queue growing without bound.
             return SkipReason(f"{active} run(s) of {table.table_id} still queued or running")
@@ -194,11 +205,7 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         keys = [s.key for s in plan.slices]
         requests = [RunRequest(partition_key=s.key, run_key=s.key, tags=slice_tags(s)) for s in plan.slices]
         if not requests:
-            existing = list(context.instance.get_dynamic_partitions(partitions.name))
-            channel = channel_for(table, io_manager.transactional_id_prefix)
-            progress = read_committed_progress(io_manager.kafka_conf(), channel)
-            committed_hi = progress.hi if progress else channel.start_after
-            resume = stalled_slice(context, job.name, existing, committed_hi)
+            resume = resume_request()
             if resume is not None:
                 requests.append(resume)
         return SensorResult(
