@@ -119,6 +119,17 @@ def require_free_port(port: int, service: str, env_var: str) -> None:
         )
 
 
+def reuse_or_claim(service: str, pid: int | None, ready: Callable[[], bool], port: int, env_var: str,
+                   logfile: Path, timeout: float) -> bool:
+    """True if our process for `service` is running (waits until it answers); else checks its port is free."""
+    if pid_alive(pid):
+        wait_until(ready, timeout, service, logfile, pid)
+        log(f"{service}: reusing server pid {pid} on 127.0.0.1:{port}")
+        return True
+    require_free_port(port, service, env_var)
+    return False
+
+
 def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)  # type: ignore[call-overload]
 
@@ -321,12 +332,9 @@ def pg_ready(port: int) -> bool:
 def postgres_up(ports: Ports) -> None:
     base = home() / "postgres"
     data, logfile = base / "data", base / "postgres.log"
-    pid = read_pid(data / "postmaster.pid")
-    if pid_alive(pid):
-        wait_until(lambda: pg_ready(ports.postgres), 60, "postgresql", logfile, pid)
-        log(f"postgresql: reusing server pid {pid} on 127.0.0.1:{ports.postgres}")
+    if reuse_or_claim("postgresql", read_pid(data / "postmaster.pid"), lambda: pg_ready(ports.postgres),
+                      ports.postgres, "ROWRELAY_PG_PORT", logfile, 60):
         return
-    require_free_port(ports.postgres, "postgresql", "ROWRELAY_PG_PORT")
     base.mkdir(parents=True, exist_ok=True)
     if is_root():
         _make_traversable(base)
@@ -404,12 +412,9 @@ def mariadb_ready(port: int) -> bool:
 def mariadb_up(ports: Ports) -> None:
     base = home() / "mariadb"
     data, logfile, pidfile = base / "data", base / "mariadb.log", base / "mariadb.pid"
-    pid = read_pid(pidfile)
-    if pid_alive(pid):
-        wait_until(lambda: mariadb_ready(ports.mariadb), 60, "mariadb", logfile, pid)
-        log(f"mariadb: reusing server pid {pid} on 127.0.0.1:{ports.mariadb}")
+    if reuse_or_claim("mariadb", read_pid(pidfile), lambda: mariadb_ready(ports.mariadb), ports.mariadb,
+                      "ROWRELAY_MARIADB_PORT", logfile, 60):
         return
-    require_free_port(ports.mariadb, "mariadb", "ROWRELAY_MARIADB_PORT")
     base.mkdir(parents=True, exist_ok=True)
     user = pwd.getpwuid(os.geteuid()).pw_name
     fresh = not (data / "mysql").exists()
@@ -470,12 +475,9 @@ def spark_connect_up(ports: Ports) -> None:
     """A warm Spark (Connect server, local[2]) that runs can share instead of starting a JVM each."""
     base = home() / "spark-connect"
     pidfile, logfile = base / "spark-connect.pid", base / "spark-connect.log"
-    pid = read_pid(pidfile)
-    if pid_alive(pid):
-        wait_until(lambda: spark_connect_ready(ports.spark_connect), 120, "spark connect", logfile, pid)
-        log(f"spark connect: reusing server pid {pid} on 127.0.0.1:{ports.spark_connect}")
+    if reuse_or_claim("spark connect", read_pid(pidfile), lambda: spark_connect_ready(ports.spark_connect),
+                      ports.spark_connect, "ROWRELAY_SPARK_CONNECT_PORT", logfile, 120):
         return
-    require_free_port(ports.spark_connect, "spark connect", "ROWRELAY_SPARK_CONNECT_PORT")
     base.mkdir(parents=True, exist_ok=True)
     sh = spark_home()
     conf = {
