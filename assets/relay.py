@@ -7,6 +7,7 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     AssetsDefinition,
+    BackfillPolicy,
     DynamicPartitionsDefinition,
     Failure,
     asset,
@@ -15,7 +16,7 @@ from dagster import (
 from orchestration.config import TableConfig
 from resources.exactly_once import SliceOutOfOrder, TableChannel, read_committed_progress
 from resources.kafka_io_manager import channel_metadata
-from resources.messages import SliceFrame, message_columns
+from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape
 from resources.spark import SparkResource
@@ -50,21 +51,43 @@ def table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShap
     return source.table_shape(table.schema_name, table.table_name, table.watermark, table.columns)
 
 
-def build_slice_frame(source: SourceDatabaseResource, spark: SparkResource, table: TableConfig,
-                      channel: TableChannel, slice_range: SliceRange) -> SliceFrame:
-    """The pure core of a table asset: the slice's messages as a lazy, ordered Spark DataFrame."""
+def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed_hi: int) -> list[SliceRange]:
+    """The run's slices that are not committed yet; they must continue the committed progress without a gap."""
+    todo = [s for s in sorted(slices, key=lambda s: s.lo) if s.hi > committed_hi]
+    expected = committed_hi
+    for s in todo:
+        if s.lo != expected:
+            raise SliceOutOfOrder(f"{channel.table}: slice {s} cannot commit yet: the slice ({expected}, {s.lo}] "
+                                  "must commit first; the run retries")
+        expected = s.hi
+    return todo
+
+
+def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, table: TableConfig,
+                       channel: TableChannel, slices: list[SliceRange], committed_hi: int) -> TableSlices:
+    """The pure core of a table asset: the run's slices, each read lazily as an ordered Spark DataFrame.
+
+    The table is reflected and checked once per run; each slice's rows are read only when its turn comes.
+    """
+    todo = slices_to_publish(channel, slices, committed_hi)
+    if not todo:
+        return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=[], read=None)
     shape = table_shape(source, table)
     if source.has_null_watermarks(shape):
         raise SourceError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
                           "sent; make the column NOT NULL or fill it")
-    rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
-    frame = spark.read_slice(source, shape, slice_range, rows)
-    if table.skip_watermarks:
-        from pyspark.sql import functions as F
 
-        frame = frame.where(~F.col(f"`{shape.watermark}`").isin(table.skip_watermarks))
-    messages = message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key)
-    return SliceFrame(channel=channel, slice=slice_range, messages=messages, expected_rows=rows)
+    def read(slice_range: SliceRange) -> SliceFrame:
+        rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
+        frame = spark.read_slice(source, shape, slice_range, rows)
+        if table.skip_watermarks:
+            from pyspark.sql import functions as F
+
+            frame = frame.where(~F.col(f"`{shape.watermark}`").isin(table.skip_watermarks))
+        messages = message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key)
+        return SliceFrame(channel=channel, slice=slice_range, messages=messages, expected_rows=rows)
+
+    return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read)
 
 
 def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> AssetsDefinition:
@@ -82,9 +105,13 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         description=f"Rows of {table.table} (source {table.source}) -> Kafka topic {channel.topic}, "
                     f"one partition per watermark slice of {table.watermark}.",
         metadata={**channel_metadata(channel), "rowrelay/watermark": table.watermark},
+        # A backfill of many slices is one run, not one per slice (worker start dominates small slices).
+        backfill_policy=BackfillPolicy.single_run(),
     )
-    def relay_table(context: AssetExecutionContext) -> SliceFrame:
-        slice_range = SliceRange.from_key(context.partition_key)
+    def relay_table(context: AssetExecutionContext) -> TableSlices:
+        # One slice, or a range of slices in one run (a backfill, a sensor's backlog): one worker, one
+        # Spark session and one producer epoch for all of them, each slice still its own transaction.
+        slices = [SliceRange.from_key(k) for k in context.partition_keys]
         # Lets the table's sensor tell a run whose worker died (SIGKILL, OOM) from one still working.
         context.instance.add_run_tags(context.run_id, {WORKER_PID_TAG: str(os.getpid()),
                                                        WORKER_HOST_TAG: socket.gethostname()})
@@ -92,15 +119,12 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         # Cheap early answer from Kafka before any Spark work; the IO manager re-checks after fencing.
         committed = read_committed_progress(context.resources.kafka_io_manager.kafka_conf(), channel)
         committed_hi = committed.hi if committed else channel.start_after
-        if committed_hi >= slice_range.hi:
-            context.log.info(f"slice {slice_range} is already committed; nothing to read")
-            return SliceFrame(channel=channel, slice=slice_range, messages=None, expected_rows=0)
-        if committed_hi != slice_range.lo:
-            raise SliceOutOfOrder(f"{channel.table}: slice {slice_range} cannot commit yet: the slice "
-                                  f"({committed_hi}, {slice_range.lo}] must commit first; the run retries")
         try:
-            return build_slice_frame(source, context.resources.spark, table, channel, slice_range)
+            result = build_table_slices(source, context.resources.spark, table, channel, slices, committed_hi)
         except SourceError as exc:
             raise Failure(description=str(exc), allow_retries=False) from exc
+        if not result.pending:
+            context.log.info(f"{len(slices)} slice(s) already committed (progress at {committed_hi}); nothing to read")
+        return result
 
     return relay_table

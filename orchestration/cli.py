@@ -3,6 +3,7 @@
     rowrelay verify [--table ID] [--json]   # duplicates, missing, extra, order violations; exit 1 on any
     rowrelay status                         # committed progress and lag per table
     rowrelay pools                          # create each table's pool (limit 1) on the Dagster instance
+    rowrelay backfill --table ID            # cut the backlog into slices and run them now, in this process
 """
 
 from __future__ import annotations
@@ -185,20 +186,87 @@ def cmd_pools(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
+    """Cut the table's backlog (up to its safe high watermark) into slices, add them as partitions and run every
+    uncommitted slice in this process: one run per `max_slices_per_run` slices, recorded on the Dagster instance
+    like any run. Fencing and the order check make it safe next to the daemon's runs."""
+    from dagster import DagsterInstance
+    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+    from assets.relay import channel_for, partitions_for, pool_name
+    from orchestration.factory import build_definitions, job_name
+    from orchestration.sensors import SensorState, ensure_pool, plan_tick, starting_point
+    from resources.kafka_io_manager import KafkaIOManager
+    from resources.slices import SliceRange
+    from resources.source_database import SourceDatabaseResource
+
+    (table,) = _tables(config, args.table)
+    defs = build_definitions(config)
+    io_manager: KafkaIOManager = defs.resources["kafka_io_manager"]  # type: ignore[assignment]
+    partitions = partitions_for(table)
+    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    started = time.monotonic()
+    with DagsterInstance.get() as instance:
+        ensure_pool(instance, pool_name(table))
+        cut_after = starting_point(table, partitions, instance, io_manager, source)
+        state = SensorState()
+        deadline = time.monotonic() + table.settle_seconds + args.settle_timeout
+        while True:  # the newest rows count once they are final (open transactions, settle delay)
+            plan = plan_tick(source, table, cut_after, state, limit=100_000)
+            if plan.slices or not plan.state.pending or time.monotonic() > deadline:
+                break
+            state = plan.state
+            time.sleep(0.5)
+        source.dispose()
+        if plan.slices:
+            instance.add_dynamic_partitions(partitions.name, [s.key for s in plan.slices])
+        channel = channel_for(table, io_manager.transactional_id_prefix)
+        progress = read_committed_progress(io_manager.kafka_conf(), channel)
+        committed_hi = progress.hi if progress else channel.start_after
+        todo = sorted((SliceRange.from_key(k) for k in instance.get_dynamic_partitions(partitions.name)),
+                      key=lambda s: s.lo)
+        todo = [s for s in todo if s.hi > committed_hi]
+        print(f"{table.table_id}: committed up to {committed_hi}; {len(plan.slices)} new slice(s) cut; "
+              f"{len(todo)} slice(s) to publish", flush=True)
+        if args.dry_run or not todo:
+            return 0
+        job = defs.resolve_job_def(job_name(table))
+        step = table.max_slices_per_run
+        for group in (todo[i:i + step] for i in range(0, len(todo), step)):
+            tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key, ASSET_PARTITION_RANGE_END_TAG: group[-1].key,
+                    "rowrelay/backfill": "cli"}
+            result = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
+            if not result.success:
+                print(f"rowrelay: run {result.run_id} for slices {group[0].key}...{group[-1].key} failed; see it "
+                      "in the Dagster UI. Slices before it stay committed; re-run backfill to continue.",
+                      file=sys.stderr)
+                return 1
+            print(f"slices {group[0].key}...{group[-1].key}: committed (run {result.run_id})", flush=True)
+    print(f"{table.table_id}: backfill done in {time.monotonic() - started:.1f} s", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("verify", "status", "pools"):
+    for name in ("verify", "status", "pools", "backfill"):
         p = sub.add_parser(name)
-        p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
+        if name == "backfill":
+            p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
+            p.add_argument("--dry-run", action="store_true", help="cut and add the slices, run nothing")
+            p.add_argument("--settle-timeout", type=float, default=60.0,
+                           help="seconds to wait for the newest rows to become final")
+        else:
+            p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
         if name == "verify":
             p.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
-        return {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools}[args.cmd](config, args)
+        commands = {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools, "backfill": cmd_backfill}
+        return commands[args.cmd](config, args)
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)
         return 2

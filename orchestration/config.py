@@ -69,6 +69,8 @@ class TableConfig(_Strict):
     settle_seconds: float = Field(3.0, ge=0, le=3600, description="MariaDB/MySQL/SQLite: wait before a new "
                                   "max watermark counts as final")
     sensor_interval_seconds: int = Field(5, ge=1, le=86_400)
+    max_slices_per_run: int = Field(20, ge=1, le=10_000, description="a backlog of slices runs as one run of up to "
+                                    "this many slices (one worker start), each slice still its own transaction")
     skip_watermarks: list[int] = Field(default_factory=list, description="rows never to send (runbook)")
 
     @field_validator("table")

@@ -20,6 +20,11 @@ from dagster import (
     sensor,
 )
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
+)
 
 from assets.relay import (
     WORKER_HOST_TAG,
@@ -93,10 +98,10 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
     return TickPlan(slices=slices, state=SensorState(pending), safe_hi=safe_hi, cut_after=cut_after)
 
 
-def starting_point(table: TableConfig, partitions: DynamicPartitionsDefinition, context: SensorEvaluationContext,
+def starting_point(table: TableConfig, partitions: DynamicPartitionsDefinition, instance: DagsterInstance,
                    io_manager: KafkaIOManager, source: SourceDatabaseResource) -> int:
     """Where new slices start: after the last partition; with none, after Kafka's committed progress."""
-    keys = context.instance.get_dynamic_partitions(partitions.name)
+    keys = instance.get_dynamic_partitions(partitions.name)
     if keys:
         return max(SliceRange.from_key(k).hi for k in keys)
     channel = channel_for(table, io_manager.transactional_id_prefix)
@@ -115,23 +120,54 @@ def starting_point(table: TableConfig, partitions: DynamicPartitionsDefinition, 
     return int(table.start_after)
 
 
-def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[str], committed_hi: int
-                  ) -> RunRequest | None:
-    """Self-healing: re-request the first uncommitted slice if no run for it is active (retries exhausted,
-    worker lost, daemon restarted)."""
-    first = next((k for k in keys if SliceRange.from_key(k).lo == committed_hi), None)
-    if first is None:
+def run_slices(tags: dict[str, str]) -> tuple[int, int] | None:
+    """The watermark span (first slice's lo, last slice's lo) a run targets, from its partition tags."""
+    if PARTITION_NAME_TAG in tags:
+        lo = SliceRange.from_key(tags[PARTITION_NAME_TAG]).lo
+        return lo, lo
+    if ASSET_PARTITION_RANGE_START_TAG in tags and ASSET_PARTITION_RANGE_END_TAG in tags:
+        return (SliceRange.from_key(tags[ASSET_PARTITION_RANGE_START_TAG]).lo,
+                SliceRange.from_key(tags[ASSET_PARTITION_RANGE_END_TAG]).lo)
+    return None
+
+
+def slices_request(slices: list[SliceRange], run_key: str | None, tags: dict[str, str] | None = None) -> RunRequest:
+    """One run for consecutive slices: a single partition, or a partition range (one worker for all)."""
+    tags = {**slice_tags(slices[0]), **(tags or {})}
+    if len(slices) == 1:
+        return RunRequest(partition_key=slices[0].key, run_key=run_key, tags=tags)
+    return RunRequest(run_key=run_key, tags={**tags, ASSET_PARTITION_RANGE_START_TAG: slices[0].key,
+                                             ASSET_PARTITION_RANGE_END_TAG: slices[-1].key})
+
+
+def batched_requests(slices: list[SliceRange], max_per_run: int) -> list[RunRequest]:
+    groups = [slices[i:i + max_per_run] for i in range(0, len(slices), max_per_run)]
+    return [slices_request(g, run_key=g[0].key if len(g) == 1 else f"{g[0].key}...{g[-1].key}") for g in groups]
+
+
+def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[str], committed_hi: int,
+                  max_per_run: int = 1) -> RunRequest | None:
+    """Self-healing: re-request the first uncommitted slice (and the ones after it, up to `max_per_run`) if no
+    run covering it is active (retries exhausted, worker lost, daemon restarted)."""
+    ordered = sorted((SliceRange.from_key(k) for k in keys), key=lambda s: s.lo)
+    todo = [s for s in ordered if s.lo >= committed_hi]
+    if not todo or todo[0].lo != committed_hi:
         return None
-    records = context.instance.get_run_records(RunsFilter(job_name=job_name, tags={"dagster/partition": first}),
-                                               limit=50)
+    group = [todo[0]]
+    for s in todo[1:max_per_run]:
+        if s.lo != group[-1].hi:
+            break
+        group.append(s)
+    first = group[0].lo
+    records = [r for r in context.instance.get_run_records(RunsFilter(job_name=job_name), limit=200)
+               if (span := run_slices(dict(r.dagster_run.tags))) is not None and span[0] <= first <= span[1]]
     if any(r.dagster_run.status in ACTIVE for r in records):
         return None
     ended = max((r.end_time or 0.0 for r in records), default=0.0)
     # Back off so a slice that keeps failing (bad row) is retried ever more rarely, not every tick.
     if records and time.time() - ended < min(300.0, 5.0 * 2 ** min(len(records), 6)):
         return None
-    return RunRequest(partition_key=first, run_key=f"{first}#resume-{len(records)}",
-                      tags={"rowrelay/resume": "true", **slice_tags(SliceRange.from_key(first))})
+    return slices_request(group, run_key=f"{group[0].key}#resume-{len(records)}", tags={"rowrelay/resume": "true"})
 
 
 def fail_dead_runs(context: SensorEvaluationContext, job_name: str) -> list[str]:
@@ -188,7 +224,8 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
             existing = list(context.instance.get_dynamic_partitions(partitions.name))
             channel = channel_for(table, io_manager.transactional_id_prefix)
             progress = read_committed_progress(io_manager.kafka_conf(), channel)
-            return stalled_slice(context, job.name, existing, progress.hi if progress else channel.start_after)
+            return stalled_slice(context, job.name, existing, progress.hi if progress else channel.start_after,
+                                 table.max_slices_per_run)
 
         active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
         if active:
@@ -200,10 +237,10 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
             # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
             # time a run takes, instead of the queue growing without bound.
             return SkipReason(f"{active} run(s) of {table.table_id} still queued or running")
-        cut_after = starting_point(table, partitions, context, io_manager, source)
+        cut_after = starting_point(table, partitions, context.instance, io_manager, source)
         plan = plan_tick(source, table, cut_after, SensorState.from_cursor(context.cursor))
         keys = [s.key for s in plan.slices]
-        requests = [RunRequest(partition_key=s.key, run_key=s.key, tags=slice_tags(s)) for s in plan.slices]
+        requests = batched_requests(plan.slices, table.max_slices_per_run)
         if not requests:
             resume = resume_request()
             if resume is not None:

@@ -92,6 +92,27 @@ class OutgoingMessage:
 
 
 @dataclass
+class MessageBatch:
+    """A run of messages in watermark order, column-wise: no Python object per row on the hot path."""
+
+    keys: list[bytes | None]
+    values: list[bytes]
+    watermarks: list[int]
+    watermark_texts: list[bytes]  # str(watermark).encode(), the header value
+    checksums: list[bytes]  # sha256 hex of each value, ASCII
+
+    @classmethod
+    def of(cls, messages: Sequence[OutgoingMessage]) -> MessageBatch:
+        return cls(keys=[m.key for m in messages], values=[m.value for m in messages],
+                   watermarks=[m.watermark for m in messages],
+                   watermark_texts=[str(m.watermark).encode() for m in messages],
+                   checksums=[m.checksum.encode() for m in messages])
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass
 class ProgressRecord:
     """What one committed transaction published; the last one is the table's committed progress."""
 
@@ -154,6 +175,24 @@ def _fatal_message(err: KafkaError) -> str:
 
 def _is_fenced(err: KafkaError) -> bool:
     return err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
+
+
+def largest_field(value: bytes) -> str | None:
+    """The field of a JSON message whose value takes the most bytes: names the column behind a too-large row."""
+    try:
+        obj = json.loads(value)
+    except ValueError:
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("data"), dict) and "op" in obj:
+        obj = obj["data"]  # envelope
+    if not isinstance(obj, dict) or not obj:
+        return None
+    return max(obj, key=lambda k: len(json.dumps(obj[k])))
+
+
+def _column_hint(value: bytes | None) -> tuple[str | None, str]:
+    column = largest_field(value) if value is not None else None
+    return column, (f", mostly column {column!r}" if column else "")
 
 
 class _AbortAndRedo(Exception):
@@ -348,6 +387,7 @@ class SlicePublisher:
         self.max_message_bytes = int(producer_conf.get("message.max.bytes", 1_000_000))
         self.producer = Producer(producer_conf)
         self._initialized = False
+        self._own_progress: ProgressRecord | None = None
 
     # -- protocol steps ---------------------------------------------------------------------------
 
@@ -366,13 +406,14 @@ class SlicePublisher:
     def committed_progress(self) -> ProgressRecord | None:
         return read_committed_progress(self.kafka_conf, self.channel)
 
-    def publish(self, slice_range: SliceRange, batches: Callable[[], Iterable[Sequence[OutgoingMessage]]],
-                ) -> PublishResult:
+    def publish(self, slice_range: SliceRange,
+                batches: Callable[[], Iterable[MessageBatch | Sequence[OutgoingMessage]]]) -> PublishResult:
         """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them."""
         started = time.monotonic()
         if not self._initialized:
             self.init()
-        committed = self.committed_progress()
+        # After our own commit we know the progress without reading it: any newer publisher fences us first.
+        committed = self._own_progress if self._own_progress is not None else self.committed_progress()
         self.on_stage("progress_read")
         committed_hi = committed.hi if committed else self.channel.start_after
         if committed_hi >= slice_range.hi:
@@ -391,6 +432,7 @@ class SlicePublisher:
             attempt += 1
             try:
                 record = self._transaction(slice_range, batches())
+                self._own_progress = record
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
                                      attempts=attempt)
             except _AbortAndRedo as exc:
@@ -416,7 +458,8 @@ class SlicePublisher:
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _transaction(self, slice_range: SliceRange, batches: Iterable[Sequence[OutgoingMessage]]) -> ProgressRecord:
+    def _transaction(self, slice_range: SliceRange,
+                     batches: Iterable[MessageBatch | Sequence[OutgoingMessage]]) -> ProgressRecord:
         ch = self.channel
         offsets: dict[int, list[int]] = {}
         errors: list[tuple[KafkaError, int | None]] = []
@@ -431,31 +474,46 @@ class SlicePublisher:
 
         digest = hashlib.sha256()
         rows = nbytes = 0
-        largest = (0, None)  # (size, watermark): names the culprit if the broker refuses a message as too large
+        # (size, watermark, value): names the culprit if the broker refuses a message as too large.
+        largest: tuple[int, int | None, bytes | None] = (0, None, None)
         table_header = ch.table.encode()
         slice_header = slice_range.key.encode()
         self._call(self.producer.begin_transaction)
         self.on_stage("begun")
         for batch in batches:
-            for m in batch:
-                if m.watermark <= slice_range.lo or m.watermark > slice_range.hi:
-                    raise BadRowError(f"{ch.table}: row with watermark {m.watermark} is outside slice {slice_range}",
-                                      table=ch.table, watermark=m.watermark)
-                size = len(m.value) + (len(m.key) if m.key else 0)
-                if size > self.max_message_bytes:
-                    raise BadRowError(
-                        f"{ch.table}: row with watermark {m.watermark} is {size} bytes as a message, over the "
-                        f"producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on the "
-                        "producer and the topic (max.message.bytes), or skip the row (see README, runbook)",
-                        table=ch.table, watermark=m.watermark)
-                headers = [("rowrelay.table", table_header), ("rowrelay.watermark", str(m.watermark).encode()),
-                           ("rowrelay.slice", slice_header), ("rowrelay.checksum", m.checksum.encode())]
-                self._produce(ch.topic, m.key, m.value, headers, delivered, m.watermark)
-                digest.update(m.checksum.encode())
-                rows += 1
-                nbytes += size
-                if size > largest[0]:
-                    largest = (size, m.watermark)
+            if not isinstance(batch, MessageBatch):
+                batch = MessageBatch.of(batch)
+            if not batch.values:
+                continue
+            low, high = min(batch.watermarks), max(batch.watermarks)
+            if low <= slice_range.lo or high > slice_range.hi:
+                wm = low if low <= slice_range.lo else high
+                raise BadRowError(f"{ch.table}: row with watermark {wm} is outside slice {slice_range}",
+                                  table=ch.table, watermark=wm)
+            sizes = [len(v) + (len(k) if k else 0) for k, v in zip(batch.keys, batch.values, strict=True)]
+            biggest = max(sizes)
+            if biggest > largest[0]:
+                at = sizes.index(biggest)
+                largest = (biggest, batch.watermarks[at], batch.values[at])
+            if biggest > self.max_message_bytes:
+                column, hint = _column_hint(largest[2])
+                raise BadRowError(
+                    f"{ch.table}: row with watermark {largest[1]} is {biggest} bytes as a message{hint}, over the "
+                    f"producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on the "
+                    "producer and the topic (max.message.bytes), or skip the row (see README, runbook)",
+                    table=ch.table, watermark=largest[1], column=column)
+            produce, topic = self.producer.produce, ch.topic
+            for key, value, wm, wm_text, checksum in zip(batch.keys, batch.values, batch.watermarks,
+                                                         batch.watermark_texts, batch.checksums, strict=True):
+                headers = [("rowrelay.table", table_header), ("rowrelay.watermark", wm_text),
+                           ("rowrelay.slice", slice_header), ("rowrelay.checksum", checksum)]
+                try:  # the hot path: one C call per row
+                    produce(topic, value, key, headers=headers, on_delivery=delivered)
+                except (BufferError, KafkaException):
+                    self._produce(topic, key, value, headers, delivered, wm)
+            digest.update(b"".join(batch.checksums))
+            rows += len(batch)
+            nbytes += sum(sizes)
             self.producer.poll(0)
             if errors:
                 break
@@ -471,12 +529,13 @@ class SlicePublisher:
             err, _ = errors[0]
             if err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE,
                               KafkaError.INVALID_RECORD):
-                size, wm = largest
+                size, wm, value = largest
+                column, hint = _column_hint(value)
                 raise BadRowError(
                     f"{ch.table}: the broker rejected a message as too large ({err.str()}); the largest row of slice "
-                    f"{slice_range} has watermark {wm} ({size} bytes). Raise the topic's max.message.bytes (and the "
-                    "producer's message.max.bytes) or skip the row (see README, runbook)",
-                    table=ch.table, watermark=wm)
+                    f"{slice_range} has watermark {wm} ({size} bytes{hint}). Raise the topic's max.message.bytes "
+                    "(and the producer's message.max.bytes) or skip the row (see README, runbook)",
+                    table=ch.table, watermark=wm, column=column)
             if _is_fenced(err) or err.fatal():
                 raise PublisherFenced(f"{ch.table}: {_fatal_message(err)}")
             raise _AbortAndRedo(_fatal_message(err))
@@ -496,17 +555,18 @@ class SlicePublisher:
                  callback: Callable[..., None] | None, watermark: int | None) -> None:
         while True:
             try:
-                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=callback)
+                self.producer.produce(topic, value, key, headers=headers, on_delivery=callback)
                 return
             except BufferError:
                 self.producer.poll(0.05)  # local queue full: let deliveries drain
             except KafkaException as exc:
                 err = exc.args[0]
                 if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    column, hint = _column_hint(value)
                     raise BadRowError(
                         f"{self.channel.table}: row with watermark {watermark} is too large for Kafka "
-                        f"({len(value)} bytes); raise message.max.bytes or skip the row (see README, runbook)",
-                        table=self.channel.table, watermark=watermark) from exc
+                        f"({len(value)} bytes{hint}); raise message.max.bytes or skip the row (see README, runbook)",
+                        table=self.channel.table, watermark=watermark, column=column) from exc
                 self._raise_for(err)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -11,13 +11,14 @@ from resources.exactly_once import (
     BadRowError,
     ProgressRecord,
     PublisherFenced,
-    RelayError,
+    PublishResult,
     SlicePublisher,
     TableChannel,
     find_slice_progress,
+    read_progress_history,
     read_published_messages,
 )
-from resources.messages import SliceFrame
+from resources.messages import TableSlices
 from resources.slices import SliceRange
 from resources.spark import SparkResource
 
@@ -52,25 +53,52 @@ class KafkaIOManager(ConfigurableIOManager):
     def publisher(self, channel: TableChannel) -> SlicePublisher:
         return SlicePublisher(channel, self.kafka_conf())
 
-    def handle_output(self, context: OutputContext, obj: SliceFrame) -> None:
-        if not isinstance(obj, SliceFrame):
-            raise TypeError(f"KafkaIOManager stores SliceFrame outputs, got {type(obj).__name__}")
-        publisher = self.publisher(obj.channel)
-        try:
-            result = publisher.publish(obj.slice, lambda: obj.iter_batches(self.chunk_rows))
-        except BadRowError as exc:
-            # Retrying cannot help: the slice stays unpublished and later slices wait behind it.
-            raise Failure(description=str(exc), allow_retries=False,
-                          metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
-                          ) from exc
-        except PublisherFenced as exc:
-            raise Failure(description=str(exc), allow_retries=False) from exc
-        except RelayError:
-            raise
-        finally:
-            publisher.close()
+    def handle_output(self, context: OutputContext, obj: TableSlices) -> None:
+        """Publish each pending slice in its own transaction, in watermark order, with one producer epoch.
+
+        Each slice's materialization carries its own progress record (partition-scoped metadata). If slice k
+        fails, slices before it stay committed in Kafka and the retry starts at k.
+        """
+        if not isinstance(obj, TableSlices):
+            raise TypeError(f"KafkaIOManager stores TableSlices outputs, got {type(obj).__name__}")
+        records: dict[str, tuple[PublishResult, int]] = {}
+        pending = {s.key for s in obj.pending}
+        if len(obj.slices) > len(obj.pending):  # some were committed before this run: report their records
+            history = {r.slice: r for r in read_progress_history(self.kafka_conf(), obj.channel)}
+            for s in obj.slices:
+                if s.key not in pending:
+                    record = history.get(s.key) or ProgressRecord(obj.channel.table, s.key, s.lo, s.hi, 0, 0, "",
+                                                                  obj.channel.topic)
+                    records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
+        if obj.pending:
+            assert obj.read is not None
+            publisher = self.publisher(obj.channel)
+            try:
+                for slice_range in obj.pending:
+                    frame = obj.read(slice_range)
+                    result = publisher.publish(slice_range, lambda f=frame: f.iter_batches(self.chunk_rows))
+                    records[slice_range.key] = (result, frame.expected_rows)
+                    context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
+                                     f"rows in {result.duration_s:.1f} s")
+            except BadRowError as exc:
+                # Retrying cannot help: the slice stays unpublished and later slices wait behind it.
+                raise Failure(description=str(exc), allow_retries=False,
+                              metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
+                              ) from exc
+            except PublisherFenced as exc:
+                raise Failure(description=str(exc), allow_retries=False) from exc
+            finally:
+                publisher.close()
+        for key, (result, _) in records.items():
+            context.step_context.add_asset_metadata(self.slice_metadata(obj, result), partition_key=key)
+        context.add_output_metadata({"slices": len(obj.slices), "slices_published": len(obj.pending),
+                                     "rows_published": sum(r.progress.rows for r, _ in records.values()
+                                                           if not r.already_committed)})
+
+    @staticmethod
+    def slice_metadata(obj: TableSlices, result: PublishResult) -> dict[str, Any]:
         p = result.progress
-        context.add_output_metadata({
+        return {
             "already_committed": result.already_committed,
             "status": MetadataValue.text("already committed: published nothing" if result.already_committed
                                          else "published"),
@@ -85,7 +113,7 @@ class KafkaIOManager(ConfigurableIOManager):
             "rows_per_s": round(result.rows_per_s, 1),
             "transactional_id": obj.channel.transactional_id,
             "committed_at": p.committed_at,
-        })
+        }
 
     def load_input(self, context: InputContext) -> "DataFrame":
         """The published messages of the upstream slice(s), read_committed and bounded by recorded offsets."""

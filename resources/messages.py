@@ -8,15 +8,17 @@ zone), dates, binary as base64, JSON columns embedded, NULL as null.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import ceil
 from typing import TYPE_CHECKING
 
-from resources.exactly_once import OutgoingMessage, TableChannel
+from resources.exactly_once import MessageBatch, TableChannel
 from resources.slices import SliceRange
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import Column, DataFrame
     from pyspark.sql.types import StructField
 
@@ -113,9 +115,12 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
         key_col = F.sha2(value, 256)
     else:
         key_col = F.lit(None).cast("string")
+    # Bytes, not strings, leave the JVM: Python then hands them to the producer without encoding per row.
     return df.select(key_col.alias("key"), value.alias("value"),
                      F.col(f"`{shape.watermark}`").cast("long").alias("watermark")
-                     ).withColumn("checksum", F.sha2(F.col("value"), 256))
+                     ).select(F.col("key").cast("binary").alias("key"), F.col("value").cast("binary").alias("value"),
+                              "watermark", F.col("watermark").cast("string").cast("binary").alias("watermark_text"),
+                              F.sha2(F.col("value"), 256).cast("binary").alias("checksum"))
 
 
 @dataclass
@@ -134,25 +139,54 @@ class SliceFrame:
         bounds = list(range(self.slice.lo, self.slice.hi, width)) + [self.slice.hi]
         return [SliceRange(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
-    def iter_batches(self, chunk_rows: int) -> Iterator[list[OutgoingMessage]]:
-        """Stream the slice in watermark order, one Arrow batch of one sub-range at a time (flat memory)."""
+    def fetch(self, sub: SliceRange) -> pa.Table:
         from pyspark.sql import functions as F
+
+        assert self.messages is not None
+        wm = F.col("watermark")
+        return self.messages.where((wm > F.lit(sub.lo)) & (wm <= F.lit(sub.hi))).toArrow()
+
+    def iter_batches(self, chunk_rows: int) -> Iterator[MessageBatch]:
+        """Stream the slice in watermark order, one Arrow batch of one sub-range at a time (flat memory).
+
+        The next sub-range is fetched while the current one is produced, so Spark and the producer overlap;
+        at most two sub-ranges are in memory.
+        """
+        import pyarrow.compute as pc
 
         if self.messages is None:
             raise RuntimeError(f"{self.channel.table}: slice {self.slice} was read as committed but is not")
-        wm = F.col("watermark")
+        subs = self.sub_ranges(chunk_rows)
         last = self.slice.lo
-        for sub in self.sub_ranges(chunk_rows):
-            table = self.messages.where((wm > F.lit(sub.lo)) & (wm <= F.lit(sub.hi))).toArrow()
-            keys = table.column("key").to_pylist()
-            values = table.column("value").to_pylist()
-            wms = table.column("watermark").to_pylist()
-            sums = table.column("checksum").to_pylist()
-            del table
-            batch = []
-            for k, v, w, c in zip(keys, values, wms, sums, strict=True):
-                if w < last:
-                    raise RuntimeError(f"{self.channel.table}: rows out of watermark order ({w} after {last})")
-                last = w
-                batch.append(OutgoingMessage(k.encode() if k is not None else None, v.encode(), w, c))
-            yield batch
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rowrelay-fetch") as pool:
+            pending = pool.submit(self.fetch, subs[0])
+            for i in range(len(subs)):
+                table = pending.result()
+                if i + 1 < len(subs):
+                    pending = pool.submit(self.fetch, subs[i + 1])
+                if table.num_rows == 0:
+                    continue
+                wms = table.column("watermark")
+                # Vectorised order check: Spark sorted each partition; partitions must come back in order.
+                if pc.min(wms).as_py() < last or (table.num_rows > 1 and not pc.all(pc.greater_equal(
+                        wms.slice(1), wms.slice(0, table.num_rows - 1))).as_py()):
+                    raise RuntimeError(f"{self.channel.table}: rows of slice {self.slice} out of watermark order")
+                last = pc.max(wms).as_py()
+                column = table.column
+                yield MessageBatch(keys=column("key").to_pylist(), values=column("value").to_pylist(),
+                                   watermarks=wms.to_pylist(), watermark_texts=column("watermark_text").to_pylist(),
+                                   checksums=column("checksum").to_pylist())
+                del table
+
+
+@dataclass
+class TableSlices:
+    """What a table asset hands to the Kafka IO manager: its run's slices in watermark order.
+
+    `pending` are the slices not yet committed when the run started; `read` builds one's messages lazily.
+    """
+
+    channel: TableChannel
+    slices: list[SliceRange]
+    pending: list[SliceRange]
+    read: Callable[[SliceRange], SliceFrame] | None

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 from confluent_kafka import Consumer, TopicPartition
-from dagster import DagsterInstance, Definitions, build_sensor_context
+from dagster import DagsterInstance, Definitions, RunRequest, build_sensor_context
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from sqlalchemy.engine import URL
 
 from orchestration.config import RelayConfig, TableConfig, parse_config
@@ -44,6 +45,15 @@ def relay_config(services: Services, sources: dict[str, URL], tables: list[dict[
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def target(request: RunRequest) -> str:
+    """A run request's slices: one partition key, or `first...last` for a range run."""
+    if request.partition_key is not None:
+        return request.partition_key
+    span = request.partition_key_range
+    assert span is not None, f"run request without partitions: {request}"
+    return f"{span.start}...{span.end}"
 
 
 @dataclass
@@ -81,17 +91,23 @@ class Harness:
         for req in data.dynamic_partitions_requests or []:
             self.instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
         self.cursors[table.table_id] = data.cursor
-        return [r.partition_key for r in data.run_requests or []]
+        return [target(r) for r in data.run_requests or []]
 
     def run(self, table: TableConfig, key: str, raise_on_error: bool = True) -> Any:
-        """One run of the table's job for a slice: in-process with local Spark; with Spark Connect in a
-        `dagster asset materialize` process (one process cannot hold a classic and a remote session)."""
+        """One run of the table's job for a slice or a range `first...last`: in-process with local Spark;
+        with Spark Connect in a `dagster asset materialize` process (one process cannot hold a classic and a
+        remote session)."""
         if self.config.spark.remote:
             result = self.run_cli(table, key)
             if raise_on_error:
                 assert result.success, result.output[-4000:]
             return result
         job = self.defs.resolve_job_def(job_name(table))
+        if "..." in key:
+            first, last = key.split("...")
+            return job.execute_in_process(tags={ASSET_PARTITION_RANGE_START_TAG: first,
+                                                ASSET_PARTITION_RANGE_END_TAG: last},
+                                          instance=self.instance, raise_on_error=raise_on_error)
         return job.execute_in_process(partition_key=key, instance=self.instance, raise_on_error=raise_on_error)
 
     def config_file(self) -> Path:
@@ -104,7 +120,7 @@ class Harness:
 
         proc = subprocess.run(
             [sys.executable, "-m", "dagster", "asset", "materialize", "--select", "/".join(asset_key(table).path),
-             "--partition", key, "-m", "orchestration.definitions"],
+             "--partition-range" if "..." in key else "--partition", key, "-m", "orchestration.definitions"],
             cwd=ROOT, capture_output=True, text=True, timeout=600,
             env={**os.environ, "DAGSTER_HOME": self.instance.root_directory,
                  "ROWRELAY_CONFIG": str(self.config_file()), **(env or {})})
@@ -121,12 +137,24 @@ class Harness:
         while True:
             for k in self.tick(table):
                 self.run(table, k)
-                done.append(k)
+                done.extend(self.expand(table, k))
             progress = self.progress(table)
             if progress is not None and progress.hi >= until_hi:
                 return done
             assert time.monotonic() < deadline, f"progress {progress and progress.hi} never reached {until_hi}"
             time.sleep(pause)
+
+    def expand(self, table: TableConfig, target_key: str) -> list[str]:
+        """The slice keys a run target covers, in order."""
+        from assets.relay import partitions_for
+        from resources.slices import SliceRange
+
+        if "..." not in target_key:
+            return [target_key]
+        first, last = (SliceRange.from_key(k).lo for k in target_key.split("..."))
+        keys = self.instance.get_dynamic_partitions(partitions_for(table).name)
+        return sorted((k for k in keys if first <= SliceRange.from_key(k).lo <= last),
+                      key=lambda k: SliceRange.from_key(k).lo)
 
     def max_watermark(self, table: TableConfig) -> int:
         from assets.relay import table_shape

@@ -104,3 +104,12 @@ def test_env_interpolation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PW")
     with pytest.raises(ConfigError, match="PW is not set"):
         resolve_env("${PW}")
+
+
+def test_largest_field_names_the_column_behind_a_large_row() -> None:
+    from resources.exactly_once import largest_field
+
+    assert largest_field(b'{"id": 7, "note": "' + b"x" * 5000 + b'", "tag": "abc"}') == "note"
+    assert largest_field(b'{"op":"insert","data":{"id":1,"blob":"' + b"y" * 900 + b'"},"source":{"table":"t"}}'
+                         ) == "blob"
+    assert largest_field(b"not json") is None

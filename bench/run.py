@@ -1,0 +1,454 @@
+"""`make bench`: rowrelay against this box's raw limit and a peer (dpone) on one PostgreSQL table.
+
+Measured back to back in one run, on the local stack (python -m stack up):
+  raw       COPY (SELECT row_to_json(t) ...) TO STDOUT streamed into a plain producer (no transactions, lz4)
+  rowrelay  `rowrelay backfill` of the whole backlog from the CLI, until the last slice is visible
+            read_committed; slice_max_rows 100k and 1M
+  dpone     its PostgreSQL -> Kafka sink on the same table (own venv, at-least-once)
+  idle tick one sensor evaluation with no new rows
+  freshness insert one row, time until it is visible read_committed, with the daemon's sensor ticking at
+            the default interval; warm Spark (Connect server) and cold Spark (a JVM per run)
+  memory    peak RSS of the run worker (the backfill process) for the largest slice
+Prints a table and writes bench/results.json. Not a test: figures depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import yaml
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results.json"
+BENCH_DB = "rowrelay_bench"
+BENCH_DAGSTER_DB = "rowrelay_bench_dagster"
+PRODUCER_CONF = {"compression.type": "lz4", "linger.ms": 50, "batch.size": 1_000_000,
+                 "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 1_048_576}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@dataclass
+class Stack:
+    bootstrap: str = field(default_factory=lambda: os.environ["ROWRELAY_KAFKA_BOOTSTRAP"])
+    pg_host: str = field(default_factory=lambda: os.environ.get("ROWRELAY_PG_HOST", "127.0.0.1"))
+    pg_port: int = field(default_factory=lambda: int(os.environ.get("ROWRELAY_PG_PORT", "15432")))
+    pg_user: str = field(default_factory=lambda: os.environ.get("ROWRELAY_PG_USER", "rowrelay"))
+    pg_password: str = field(default_factory=lambda: os.environ["ROWRELAY_PG_PASSWORD"])
+    spark_remote: str = field(default_factory=lambda: os.environ.get("ROWRELAY_SPARK_REMOTE", ""))
+    home: Path = field(default_factory=lambda: Path(os.environ.get("ROWRELAY_HOME",
+                                                                    Path.home() / ".cache" / "rowrelay")))
+
+    def pg(self, dbname: str = BENCH_DB) -> dict[str, Any]:
+        return {"host": self.pg_host, "port": self.pg_port, "user": self.pg_user, "password": self.pg_password,
+                "dbname": dbname}
+
+    def connect(self, dbname: str = BENCH_DB, autocommit: bool = True) -> psycopg.Connection:
+        return psycopg.connect(**self.pg(dbname), autocommit=autocommit)
+
+
+# -- source data --------------------------------------------------------------------------------------
+
+def ensure_database(stack: Stack, name: str, fresh: bool = False) -> None:
+    with stack.connect("postgres") as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if exists and fresh:
+            conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+            exists = None
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def load_table(stack: Stack, table: str, rows: int) -> float:
+    """The issue's table shape, filled in 1M-row statements; returns seconds taken."""
+    started = time.perf_counter()
+    with stack.connect() as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+        conn.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, category varchar, domain varchar, "
+                     "ts timestamp, amount numeric(12,2), note text)")
+        for lo in range(1, rows + 1, 1_000_000):
+            hi = min(rows, lo + 999_999)
+            conn.execute(
+                f"INSERT INTO {table} (category, domain, ts, amount, note) "
+                "SELECT (ARRAY['books','music','garden','toys','food'])[1 + g % 5], "
+                "'shop' || (g % 97) || '.example.com', timestamp '2026-01-01' + g * interval '1 second', "
+                "round((g % 100000) / 100.0, 2), md5(g::text) FROM generate_series(%s::bigint, %s::bigint) g",
+                (lo, hi))
+        conn.execute(f"VACUUM ANALYZE {table}")
+    return time.perf_counter() - started
+
+
+def drop_bench_topics(stack: Stack) -> None:
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    topics = [t for t in admin.list_topics(timeout=30).topics
+              if t.startswith(("bench.", "bench_")) or ".bench_" in t or t.startswith("_rowrelay.progress.bench")]
+    if topics:
+        for fut in admin.delete_topics(topics, operation_timeout=30).values():
+            with contextlib.suppress(Exception):  # already gone
+                fut.result()
+
+
+def topic_count(stack: Stack, topic: str) -> int:
+    """Committed messages in a topic, counted by a read_committed consumer to the end."""
+    consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                         "isolation.level": "read_committed", "enable.auto.commit": False,
+                         "auto.offset.reset": "earliest"})
+    try:
+        md = consumer.list_topics(topic, timeout=30)
+        count = 0
+        for p in sorted(md.topics[topic].partitions):
+            tp = TopicPartition(topic, p)
+            low, high = consumer.get_watermark_offsets(tp, timeout=30)
+            consumer.assign([TopicPartition(topic, p, low)])
+            while consumer.position([tp])[0].offset < high:
+                for msg in consumer.consume(10_000, 1.0):
+                    if not msg.error():
+                        count += 1
+        return count
+    finally:
+        consumer.close()
+
+
+# -- raw ceiling --------------------------------------------------------------------------------------
+
+def run_raw(stack: Stack, table: str, topic: str) -> float:
+    producer = Producer({"bootstrap.servers": stack.bootstrap, **PRODUCER_CONF})
+    produce, poll = producer.produce, producer.poll
+    started = time.perf_counter()
+    query = f"COPY (SELECT row_to_json(t) FROM {table} t ORDER BY id) TO STDOUT"
+    with stack.connect() as conn, conn.cursor() as cur, cur.copy(query) as copy:
+        rest = b""
+        for chunk in copy:
+            lines = (rest + bytes(chunk)).split(b"\n")
+            rest = lines.pop()
+            for line in lines:
+                try:
+                    produce(topic, line)
+                except BufferError:
+                    poll(0.1)
+                    produce(topic, line)
+            poll(0)
+    producer.flush(300)
+    return time.perf_counter() - started
+
+
+# -- rowrelay -----------------------------------------------------------------------------------------
+
+def dagster_env(stack: Stack, config: Path) -> dict[str, str]:
+    home = stack.home / "bench" / "dagster-home"
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
+    return {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_PG_DB": BENCH_DAGSTER_DB,
+            "ROWRELAY_DAGSTER_DIR": str(stack.home / "bench" / "dagster-artifacts"),
+            "ROWRELAY_CONFIG": str(config), "PYTHONPATH": str(ROOT)}
+
+
+def write_config(stack: Stack, path: Path, tables: list[dict[str, Any]], warm_spark: bool = True) -> Path:
+    url = ("postgresql://${ROWRELAY_PG_USER:-rowrelay}:${ROWRELAY_PG_PASSWORD}@${ROWRELAY_PG_HOST:-127.0.0.1}:"
+           "${ROWRELAY_PG_PORT:-15432}/" + BENCH_DB)
+    sources = {t["source"]: {"url": url} for t in tables}
+    spark = {"remote": stack.spark_remote} if warm_spark and stack.spark_remote else {"master": "local[2]"}
+    path.write_text(yaml.safe_dump({"sources": sources, "tables": tables, "spark": spark,
+                                    "kafka": {"bootstrap_servers": "${ROWRELAY_KAFKA_BOOTSTRAP}"}}))
+    return path
+
+
+def peak_rss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def run_watching_rss(cmd: list[str], env: dict[str, str], log_path: Path) -> tuple[float, int, int]:
+    """Run a command; returns (seconds, exit code, peak RSS in KiB sampled from /proc every 0.1 s)."""
+    peak = 0
+    started = time.perf_counter()
+    with log_path.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        stop = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, peak_rss_kib(proc.pid))
+                stop.wait(0.1)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        code = proc.wait()
+        stop.set()
+        watcher.join()
+    return time.perf_counter() - started, code, peak
+
+
+def committed_hi(stack: Stack, table_id: str) -> int | None:
+    from resources.exactly_once import TableChannel, read_committed_progress
+
+    progress = read_committed_progress({"bootstrap.servers": stack.bootstrap},
+                                       TableChannel.for_table(table_id, table_id))
+    return progress.hi if progress else None
+
+
+def run_rowrelay(stack: Stack, table: str, rows: int, slice_rows: int, workdir: Path, label: str) -> dict[str, Any]:
+    source = f"bench{label}"
+    table_id = f"{source}.public.{table}"
+    config = write_config(stack, workdir / f"rowrelay-{label}.yaml", [
+        {"source": source, "table": f"public.{table}", "watermark": "id", "slice_max_rows": slice_rows,
+         "key": ["id"]}])
+    env = dagster_env(stack, config)
+    cmd = [sys.executable, "-m", "orchestration.cli", "backfill", "--table", table_id]
+    seconds, code, peak = run_watching_rss(cmd, env, workdir / f"rowrelay-{label}.log")
+    if code != 0:
+        raise RuntimeError(f"rowrelay backfill failed ({code}); see {workdir / f'rowrelay-{label}.log'}")
+    hi = committed_hi(stack, table_id)  # visible read_committed: the progress record commits with the rows
+    seconds_visible = seconds
+    messages = topic_count(stack, table_id)
+    return {"slice_max_rows": slice_rows, "seconds": round(seconds_visible, 2),
+            "rows_per_s": round(rows / seconds_visible), "messages": messages, "committed_hi": hi,
+            "exactly_once": messages == rows and hi == rows, "peak_rss_mib": round(peak / 1024, 1)}
+
+
+# -- idle tick and freshness --------------------------------------------------------------------------
+
+def idle_tick_ms(stack: Stack, config: Path, env: dict[str, str], ticks: int = 10) -> float:
+    """Median time of one sensor evaluation with no new rows, in a fresh process like the daemon's."""
+    code = (
+        "import json, time\n"
+        "from dagster import DagsterInstance, build_sensor_context\n"
+        "from orchestration.config import load_config\n"
+        "from orchestration.factory import build_definitions\n"
+        "cfg = load_config()\n"
+        "defs = build_definitions(cfg)\n"
+        "table = cfg.tables[0]\n"
+        "sensor = defs.resolve_sensor_def(f'{table.dagster_name}_slices')\n"
+        "times, cursor = [], None\n"
+        "with DagsterInstance.get() as instance:\n"
+        f"    for i in range({ticks} + 1):\n"
+        "        with build_sensor_context(cursor=cursor, resources=defs.resources, definitions=defs,\n"
+        "                                  sensor_name=sensor.name, instance=instance) as ctx:\n"
+        "            t = time.perf_counter()\n"
+        "            data = sensor.evaluate_tick(ctx)\n"
+        "            times.append((time.perf_counter() - t) * 1000)\n"
+        "        assert not data.run_requests, data.run_requests\n"
+        "        cursor = data.cursor\n"
+        "print(json.dumps(times[1:]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "ROWRELAY_CONFIG": str(config)},
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"idle tick failed: {out.stderr[-2000:]}")
+    return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def measure_freshness(stack: Stack, workdir: Path, samples: int, warm_spark: bool, label: str) -> list[float]:
+    """The daemon relays a live table; each sample inserts one row and times until it is read_committed."""
+    table = f"bench_fresh_{label}_{uuid.uuid4().hex[:6]}"
+    source = f"fresh{label}"
+    table_id = f"{source}.public.{table}"
+    with stack.connect() as conn:
+        conn.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, category varchar, note text)")
+    config = write_config(stack, workdir / f"fresh-{label}.yaml", [
+        {"source": source, "table": f"public.{table}", "watermark": "id", "key": ["id"]}], warm_spark=warm_spark)
+    env = dagster_env(stack, config)
+    daemon_log = (workdir / f"daemon-{label}.log").open("w")
+    daemon = subprocess.Popen([sys.executable, "-m", "dagster._daemon", "run", "-w", "workspace.yaml"],
+                              cwd=ROOT, env=env, stdout=daemon_log, stderr=subprocess.STDOUT, start_new_session=True)
+    consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                         "isolation.level": "read_committed", "enable.auto.commit": False,
+                         "auto.offset.reset": "earliest"})
+    results: list[float] = []
+    try:
+        # Warm-up: the first row also waits for the daemon and code server to start.
+        for i in range(samples + 1):
+            with stack.connect() as conn:
+                (row_id,) = conn.execute(f"INSERT INTO {table} (category, note) VALUES ('fresh', 'sample {i}') "
+                                         "RETURNING id").fetchone()
+            inserted = time.perf_counter()
+            deadline = inserted + (300 if i == 0 else 120)
+            found = False
+            if i == 0:
+                while table_id not in consumer.list_topics(timeout=10).topics:
+                    if time.perf_counter() > deadline:
+                        raise RuntimeError(f"freshness: topic {table_id} never appeared; see {daemon_log.name}")
+                    time.sleep(0.2)
+                consumer.subscribe([table_id])
+            while not found:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"freshness: row {row_id} not visible in time; see {daemon_log.name}")
+                msg = consumer.poll(0.1)
+                if msg is None or msg.error():
+                    continue
+                found = json.loads(msg.value())["id"] == row_id
+            if i > 0:
+                results.append(time.perf_counter() - inserted)
+                log(f"freshness {label}: sample {i}: {results[-1]:.1f} s")
+            time.sleep(0.5)
+    finally:
+        consumer.close()
+        os.killpg(daemon.pid, 15)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, 9)
+            daemon.wait()
+        daemon_log.close()
+    return results
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--rss-rows", type=int, default=10_000_000, help="rows of the one-slice memory run (0: skip)")
+    parser.add_argument("--freshness-samples", type=int, default=20)
+    parser.add_argument("--cold-samples", type=int, default=5, help="freshness samples with a JVM per run (0: skip)")
+    parser.add_argument("--skip-dpone", action="store_true")
+    parser.add_argument("--only", choices=["raw", "rowrelay", "dpone", "idle", "freshness", "memory"], nargs="*")
+    args = parser.parse_args(argv)
+    only = set(args.only or ["raw", "rowrelay", "dpone", "idle", "freshness", "memory"])
+    stack = Stack()
+    workdir = stack.home / "bench" / "work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:6]
+    table = f"bench_events_{run_id}"
+    machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    results: dict[str, Any] = {"rows": args.rows, "machine": machine,
+                               "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    log("dropping old bench topics and databases")
+    drop_bench_topics(stack)
+    ensure_database(stack, BENCH_DB, fresh=True)
+    ensure_database(stack, BENCH_DAGSTER_DB, fresh=True)
+    log(f"loading {args.rows:,} rows into {BENCH_DB}.public.{table}")
+    results["load_seconds"] = round(load_table(stack, table, args.rows), 1)
+
+    if "raw" in only:
+        log("raw: COPY row_to_json -> plain producer")
+        topic = f"bench.raw.{run_id}"
+        seconds = run_raw(stack, table, topic)
+        count = topic_count(stack, topic)
+        results["raw"] = {"seconds": round(seconds, 2), "messages": count}
+        results["raw_rows_per_s"] = round(args.rows / seconds)
+        log(f"raw: {seconds:.1f} s, {results['raw_rows_per_s']:,} rows/s, {count:,} messages")
+
+    if "rowrelay" in only:
+        runs = []
+        for slice_rows, label in ((100_000, "100k"), (1_000_000, "1m")):
+            log(f"rowrelay: backfill from the CLI, slice_max_rows {slice_rows:,}")
+            r = run_rowrelay(stack, table, args.rows, slice_rows, workdir, label)
+            log(f"rowrelay {label}: {r['seconds']} s, {r['rows_per_s']:,} rows/s, exactly once: {r['exactly_once']}")
+            runs.append(r)
+        results["rowrelay"] = runs
+        best = max(runs, key=lambda r: r["rows_per_s"])
+        results["rowrelay_rows_per_s"] = best["rows_per_s"]
+        results["rowrelay_best_slice_max_rows"] = best["slice_max_rows"]
+
+    if "dpone" in only and not args.skip_dpone:
+        from bench.dpone_peer import run_dpone
+
+        log("dpone: PostgreSQL -> Kafka sink (separate venv)")
+        try:
+            d = run_dpone(stack.pg(), table, stack.bootstrap, f"bench.dpone.{run_id}", args.rows, workdir)
+            results["dpone"] = d
+            results["dpone_rows_per_s"] = round(d["rows_per_s"])
+            log(f"dpone: {d['seconds']:.1f} s, {d['rows_per_s']:,.0f} rows/s, {d['messages']:,} messages")
+        except Exception as exc:  # noqa: BLE001 - a peer failing is a figure to report, not a crash
+            results["dpone"] = {"error": str(exc)[-2000:]}
+            log(f"dpone failed: {exc}")
+
+    if "idle" in only:
+        source = "bench100k"
+        config = workdir / "rowrelay-100k.yaml"
+        if not config.exists():
+            write_config(stack, config, [{"source": source, "table": f"public.{table}", "watermark": "id",
+                                          "slice_max_rows": 100_000}])
+        results["idle_tick_ms"] = round(idle_tick_ms(stack, config, dagster_env(stack, config)), 1)
+        log(f"idle sensor tick: {results['idle_tick_ms']} ms")
+
+    if "freshness" in only:
+        warm = measure_freshness(stack, workdir, args.freshness_samples, warm_spark=True, label="warm")
+        results["freshness_samples_s"] = [round(x, 2) for x in warm]
+        results["freshness_p50_s"] = round(percentile(warm, 0.5), 2)
+        results["freshness_p95_s"] = round(percentile(warm, 0.95), 2)
+        if args.cold_samples:
+            cold = measure_freshness(stack, workdir, args.cold_samples, warm_spark=False, label="cold")
+            results["freshness_cold_samples_s"] = [round(x, 2) for x in cold]
+            results["freshness_cold_p50_s"] = round(percentile(cold, 0.5), 2)
+
+    if "memory" in only and args.rss_rows:
+        big = f"bench_big_{run_id}"
+        log(f"memory: loading {args.rss_rows:,} rows for one slice")
+        load_table(stack, big, args.rss_rows)
+        r = run_rowrelay(stack, big, args.rss_rows, args.rss_rows, workdir, "rss")
+        results["memory"] = r
+        results["peak_rss_mib"] = r["peak_rss_mib"]
+        results["peak_rss_rows"] = args.rss_rows
+        log(f"memory: {args.rss_rows:,}-row slice, peak RSS {r['peak_rss_mib']} MiB, {r['rows_per_s']:,} rows/s")
+        with stack.connect() as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {big}")
+
+    if results.get("raw_rows_per_s") and results.get("rowrelay_rows_per_s"):
+        results["ratio_vs_raw"] = round(results["rowrelay_rows_per_s"] / results["raw_rows_per_s"], 2)
+    if results.get("dpone_rows_per_s") and results.get("rowrelay_rows_per_s"):
+        results["ratio_vs_dpone"] = round(results["rowrelay_rows_per_s"] / results["dpone_rows_per_s"], 2)
+    for key in ("raw_rows_per_s", "rowrelay_rows_per_s", "dpone_rows_per_s", "ratio_vs_raw", "ratio_vs_dpone",
+                "idle_tick_ms", "freshness_p50_s", "freshness_p95_s", "peak_rss_mib", "peak_rss_rows"):
+        results.setdefault(key, None)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results)
+    log(f"wrote {RESULTS}")
+    return 0
+
+
+def print_table(r: dict[str, Any]) -> None:
+    def fmt(v: Any) -> str:
+        return "-" if v is None else (f"{v:,}" if isinstance(v, int) else str(v))
+
+    rows = [("rows", r["rows"]), ("raw rows/s (COPY -> producer)", r["raw_rows_per_s"])]
+    for run in r.get("rowrelay", []):
+        rows.append((f"rowrelay rows/s, slice_max_rows {run['slice_max_rows']:,}", run["rows_per_s"]))
+    rows += [("dpone rows/s", r["dpone_rows_per_s"]), ("rowrelay / raw", r["ratio_vs_raw"]),
+             ("rowrelay / dpone", r["ratio_vs_dpone"]), ("idle sensor tick, ms", r["idle_tick_ms"]),
+             ("freshness p50 / p95, s (warm Spark)",
+              f"{fmt(r['freshness_p50_s'])} / {fmt(r['freshness_p95_s'])}"),
+             ("freshness p50, s (JVM per run)", r.get("freshness_cold_p50_s")),
+             ("peak RSS of the run worker, MiB", r["peak_rss_mib"]),
+             ("  for a one-slice run of rows", r["peak_rss_rows"])]
+    width = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"  {k:<{width}}  {fmt(v):>14}")
+    print()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
