@@ -2,6 +2,8 @@
 
 import os
 import socket
+import threading
+from typing import TYPE_CHECKING
 
 from dagster import (
     AssetExecutionContext,
@@ -20,6 +22,9 @@ from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape
 from resources.spark import SparkResource
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 WORKER_PID_TAG = "rowrelay/worker_pid"
 WORKER_HOST_TAG = "rowrelay/worker_host"
@@ -78,14 +83,16 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
                           "sent; make the column NOT NULL or fill it")
 
     def read(slice_range: SliceRange) -> SliceFrame:
-        rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
-        frame = spark.read_slice(source, shape, slice_range, rows)
-        if table.skip_watermarks:
-            from pyspark.sql import functions as F
+        def read_chunk(chunk: SliceRange, expected_rows: int) -> "DataFrame":
+            frame = spark.read_slice(source, shape, chunk, expected_rows)
+            if table.skip_watermarks:
+                from pyspark.sql import functions as F
 
-            frame = frame.where(~F.col(f"`{shape.watermark}`").isin(table.skip_watermarks))
-        messages = message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key)
-        return SliceFrame(channel=channel, slice=slice_range, messages=messages, expected_rows=rows)
+                frame = frame.where(~F.col(f"`{shape.watermark}`").isin(table.skip_watermarks))
+            return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key)
+
+        rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
+        return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows)
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read)
 
@@ -119,6 +126,10 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         # Cheap early answer from Kafka before any Spark work; the IO manager re-checks after fencing.
         committed = read_committed_progress(context.resources.kafka_io_manager.kafka_conf(), channel)
         committed_hi = committed.hi if committed else channel.start_after
+        if max(s.hi for s in slices) > committed_hi:
+            # Connect (or start) Spark while the table is reflected and checked: it is the slowest first step.
+            threading.Thread(target=context.resources.spark.get_session, name="rowrelay-spark-warmup",
+                             daemon=True).start()
         try:
             result = build_table_slices(source, context.resources.spark, table, channel, slices, committed_hi)
         except SourceError as exc:

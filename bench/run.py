@@ -89,9 +89,9 @@ def load_table(stack: Stack, table: str, rows: int) -> float:
             hi = min(rows, lo + 999_999)
             conn.execute(
                 f"INSERT INTO {table} (category, domain, ts, amount, note) "
-                "SELECT (ARRAY['books','music','garden','toys','food'])[1 + g % 5], "
-                "'shop' || (g % 97) || '.example.com', timestamp '2026-01-01' + g * interval '1 second', "
-                "round((g % 100000) / 100.0, 2), md5(g::text) FROM generate_series(%s::bigint, %s::bigint) g",
+                "SELECT (ARRAY['books','music','garden','toys','food'])[1 + g %% 5], "
+                "'shop' || (g %% 97) || '.example.com', timestamp '2026-01-01' + g * interval '1 second', "
+                "round((g %% 100000) / 100.0, 2), md5(g::text) FROM generate_series(%s::bigint, %s::bigint) g",
                 (lo, hi))
         conn.execute(f"VACUUM ANALYZE {table}")
     return time.perf_counter() - started
@@ -130,7 +130,17 @@ def topic_count(stack: Stack, topic: str) -> int:
 
 # -- raw ceiling --------------------------------------------------------------------------------------
 
+def create_topic(stack: Stack, topic: str) -> None:
+    """The stack's broker does not auto-create topics."""
+    from confluent_kafka.admin import NewTopic
+
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    for fut in admin.create_topics([NewTopic(topic, 1)], operation_timeout=30).values():
+        fut.result()
+
+
 def run_raw(stack: Stack, table: str, topic: str) -> float:
+    create_topic(stack, topic)
     producer = Producer({"bootstrap.servers": stack.bootstrap, **PRODUCER_CONF})
     produce, poll = producer.produce, producer.poll
     started = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -203,6 +204,8 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     (table,) = _tables(config, args.table)
     defs = build_definitions(config)
     io_manager: KafkaIOManager = defs.resources["kafka_io_manager"]  # type: ignore[assignment]
+    if not args.dry_run:  # connect Spark while the backlog is cut
+        threading.Thread(target=io_manager.spark.get_session, daemon=True).start()
     partitions = partitions_for(table)
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     started = time.monotonic()

@@ -123,13 +123,20 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
                               F.sha2(F.col("value"), 256).cast("binary").alias("checksum"))
 
 
+ChunkReader = Callable[[SliceRange, int], "DataFrame"]
+
+
 @dataclass
 class SliceFrame:
-    """What a table asset hands to the Kafka IO manager: one slice's messages as a lazy Spark DataFrame."""
+    """One slice to publish: its messages, read from the source one watermark sub-range (chunk) at a time.
+
+    `read_chunk(sub_range, expected_rows)` returns the chunk's lazy message DataFrame (key, value, watermark,
+    watermark_text, checksum); each chunk is its own JDBC read, split over Spark partitions by watermark.
+    """
 
     channel: TableChannel
     slice: SliceRange
-    messages: DataFrame | None  # key, value, watermark, checksum; ordered by watermark. None: already committed
+    read_chunk: ChunkReader | None  # None: already committed
     expected_rows: int
 
     def sub_ranges(self, chunk_rows: int) -> list[SliceRange]:
@@ -139,12 +146,9 @@ class SliceFrame:
         bounds = list(range(self.slice.lo, self.slice.hi, width)) + [self.slice.hi]
         return [SliceRange(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
-    def fetch(self, sub: SliceRange) -> pa.Table:
-        from pyspark.sql import functions as F
-
-        assert self.messages is not None
-        wm = F.col("watermark")
-        return self.messages.where((wm > F.lit(sub.lo)) & (wm <= F.lit(sub.hi))).toArrow()
+    def fetch(self, sub: SliceRange, expected_rows: int) -> pa.Table:
+        assert self.read_chunk is not None
+        return self.read_chunk(sub, expected_rows).toArrow()
 
     def iter_batches(self, chunk_rows: int) -> Iterator[MessageBatch]:
         """Stream the slice in watermark order, one Arrow batch of one sub-range at a time (flat memory).
@@ -154,16 +158,17 @@ class SliceFrame:
         """
         import pyarrow.compute as pc
 
-        if self.messages is None:
+        if self.read_chunk is None:
             raise RuntimeError(f"{self.channel.table}: slice {self.slice} was read as committed but is not")
         subs = self.sub_ranges(chunk_rows)
+        per_chunk = ceil(self.expected_rows / len(subs))
         last = self.slice.lo
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rowrelay-fetch") as pool:
-            pending = pool.submit(self.fetch, subs[0])
+            pending = pool.submit(self.fetch, subs[0], per_chunk)
             for i in range(len(subs)):
                 table = pending.result()
                 if i + 1 < len(subs):
-                    pending = pool.submit(self.fetch, subs[i + 1])
+                    pending = pool.submit(self.fetch, subs[i + 1], per_chunk)
                 if table.num_rows == 0:
                     continue
                 wms = table.column("watermark")

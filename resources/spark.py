@@ -63,7 +63,7 @@ class SparkResource(ConfigurableResource):
     remote: str | None = None
     conf: dict[str, str] = Field(default_factory=dict)
     jars: str | None = Field(None, description="comma-separated JDBC driver jars (default: the stack's cache)")
-    rows_per_partition: int = Field(250_000, description="JDBC partitioned read: rows per Spark partition")
+    rows_per_partition: int = Field(50_000, description="JDBC partitioned read: rows per Spark partition")
     max_partitions: int = Field(4, description="cap on parallel JDBC connections per slice read")
     fetchsize: int = 10_000
 
