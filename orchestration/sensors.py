@@ -39,7 +39,7 @@ from orchestration.config import TableConfig
 from resources.exactly_once import ProgressRecord, SlicePublisher, read_committed_progress
 from resources.kafka_io_manager import KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
-from resources.source_database import SourceDatabaseResource
+from resources.source_database import SourceDatabaseResource, TableShape
 from stack.local import pid_alive
 
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
@@ -63,6 +63,22 @@ class SensorState:
         return cls([WatermarkCandidate(int(w), float(m)) for w, m in data.get("pending", [])])
 
 
+_SHAPES: dict[tuple[str, str], tuple[float, TableShape]] = {}
+SHAPE_TTL_S = 60.0
+
+
+def cached_table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:
+    """The table's reflected shape, re-read at most once a minute per code-server process: reflection is the
+    largest part of an idle tick. Runs always reflect afresh, so a changed table still fails its run clearly."""
+    key = (source.url, table.model_dump_json())
+    now = time.monotonic()
+    hit = _SHAPES.get(key)
+    if hit is None or now - hit[0] > SHAPE_TTL_S:
+        hit = (now, table_shape(source, table))
+        _SHAPES[key] = hit
+    return hit[1]
+
+
 @dataclass
 class TickPlan:
     slices: list[SliceRange]
@@ -74,7 +90,7 @@ class TickPlan:
 def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int, state: SensorState,
               limit: int = 500) -> TickPlan:
     """Observe the table, settle pending candidates, cut slices above `cut_after` up to the safe watermark."""
-    shape = table_shape(source, table)
+    shape = cached_table_shape(source, table)
     if source.has_null_watermarks(shape):
         raise ValueError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
                          "sent; make the column NOT NULL or fill it")
@@ -164,8 +180,9 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
     if any(r.dagster_run.status in ACTIVE for r in records):
         return None
     ended = max((r.end_time or 0.0 for r in records), default=0.0)
-    # Back off so a slice that keeps failing (bad row) is retried ever more rarely, not every tick.
-    if records and time.time() - ended < min(300.0, 5.0 * 2 ** min(len(records), 6)):
+    # Back off so a slice that keeps failing (bad row) is not retried every tick; capped at a minute so a table
+    # recovers soon after its cause is fixed (config reloaded, broker back).
+    if records and time.time() - ended < min(60.0, 5.0 * 2 ** min(len(records) - 1, 4)):
         return None
     return slices_request(group, run_key=f"{group[0].key}#resume-{len(records)}", tags={"rowrelay/resume": "true"})
 

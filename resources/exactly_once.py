@@ -240,7 +240,9 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
 def _consumer(kafka_conf: dict[str, Any]) -> Consumer:
     return Consumer({**base_conf(kafka_conf), "group.id": f"rowrelay-reader-{uuid.uuid4().hex}",
                      "isolation.level": "read_committed", "enable.auto.commit": False,
-                     "enable.partition.eof": False, "auto.offset.reset": "earliest"})
+                     "enable.partition.eof": False, "auto.offset.reset": "earliest",
+                     # Short fetch waits: a read ends at a transaction marker, which only a further fetch skips.
+                     "fetch.wait.max.ms": 10})
 
 
 def _read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout: float
@@ -259,7 +261,7 @@ def _read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, ti
             raise KafkaUnavailable(
                 f"reading {tp.topic}[{tp.partition}] stalled at offset {pos} of {end}; an open transaction "
                 "may be holding the last stable offset")
-        msg = consumer.poll(0.5)
+        msg = consumer.poll(0.02)  # short: the position also moves past markers, which poll never returns
         if msg is None:
             continue
         if msg.error():
