@@ -17,7 +17,7 @@ from dagster import (
 
 from orchestration.config import TableConfig
 from resources.exactly_once import SliceOutOfOrder, TableChannel, read_committed_progress
-from resources.kafka_io_manager import channel_metadata
+from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape
@@ -133,6 +133,7 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         try:
             result = build_table_slices(source, context.resources.spark, table, channel, slices, committed_hi)
         except SourceError as exc:
+            context.instance.add_run_tags(context.run_id, {STOPPED_TAG: "source"})
             raise Failure(description=str(exc), allow_retries=False) from exc
         if not result.pending:
             context.log.info(f"{len(slices)} slice(s) already committed (progress at {committed_hi}); nothing to read")

@@ -37,7 +37,7 @@ from assets.relay import (
 )
 from orchestration.config import TableConfig
 from resources.exactly_once import ProgressRecord, SlicePublisher, read_committed_progress
-from resources.kafka_io_manager import KafkaIOManager
+from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
 from resources.source_database import SourceDatabaseResource, TableShape
 from stack.local import pid_alive
@@ -180,9 +180,12 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
     if any(r.dagster_run.status in ACTIVE for r in records):
         return None
     ended = max((r.end_time or 0.0 for r in records), default=0.0)
-    # Back off so a slice that keeps failing (bad row) is not retried every tick; capped at a minute so a table
-    # recovers soon after its cause is fixed (config reloaded, broker back).
-    if records and time.time() - ended < min(60.0, 5.0 * 2 ** min(len(records) - 1, 4)):
+    # A slice stopped by bad input (a row too large, a source error, fenced) is retried with a growing backoff,
+    # capped at a minute so the table recovers soon after the cause is fixed; one that failed transiently
+    # (worker killed, broker away, retries exhausted) is resumed at once.
+    stopped = sum(1 for r in records if STOPPED_TAG in r.dagster_run.tags)
+    wait = min(60.0, 5.0 * 2 ** min(stopped - 1, 4)) if stopped else 2.0
+    if records and time.time() - ended < wait:
         return None
     return slices_request(group, run_key=f"{group[0].key}#resume-{len(records)}", tags={"rowrelay/resume": "true"})
 

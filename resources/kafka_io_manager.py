@@ -25,6 +25,8 @@ from resources.spark import SparkResource
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
+# Set on a run that failed for a reason a retry cannot fix (bad row, source error, fenced): the sensor backs off.
+STOPPED_TAG = "rowrelay/stopped"
 CHANNEL_METADATA = ("rowrelay/table", "rowrelay/topic", "rowrelay/progress_topic", "rowrelay/transactional_id",
                     "rowrelay/start_after")
 
@@ -82,10 +84,12 @@ class KafkaIOManager(ConfigurableIOManager):
                                      f"rows in {result.duration_s:.1f} s")
             except BadRowError as exc:
                 # Retrying cannot help: the slice stays unpublished and later slices wait behind it.
+                self._mark_stopped(context, "bad_row")
                 raise Failure(description=str(exc), allow_retries=False,
                               metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
                               ) from exc
             except PublisherFenced as exc:
+                self._mark_stopped(context, "fenced")
                 raise Failure(description=str(exc), allow_retries=False) from exc
             finally:
                 publisher.close()
@@ -94,6 +98,12 @@ class KafkaIOManager(ConfigurableIOManager):
         context.add_output_metadata({"slices": len(obj.slices), "slices_published": len(obj.pending),
                                      "rows_published": sum(r.progress.rows for r, _ in records.values()
                                                            if not r.already_committed)})
+
+    @staticmethod
+    def _mark_stopped(context: OutputContext, reason: str) -> None:
+        """Tell the table's sensor to back off: a retry of this run would fail the same way."""
+        step = context.step_context
+        step.instance.add_run_tags(step.run_id, {STOPPED_TAG: reason})
 
     @staticmethod
     def slice_metadata(obj: TableSlices, result: PublishResult) -> dict[str, Any]:

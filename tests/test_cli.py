@@ -47,3 +47,36 @@ def test_verify_reports_each_kind_of_defect(services, pg_database, pg_engine, da
     assert report.order_violations == 1
     assert report.examples["missing"] == [150] and report.examples["duplicates"] == [42]
     assert main(["--config", str(config_file), "verify", "--json"]) == 1
+
+
+def test_backfill_command_publishes_the_backlog_in_range_runs(services, pg_database, pg_engine, dagster_home,
+                                                               dagster_instance, spark, name, tmp_path, capsys,
+                                                               monkeypatch) -> None:
+    import yaml
+    from dagster import RunsFilter
+
+    from orchestration.factory import job_name
+    from tests.pipeline import assert_exactly_once, read_topic
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 2500) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 500, "max_slices_per_run": 3}])
+    table = cfg.tables[0]
+    config_file = tmp_path / "rowrelay.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    assert main(["--config", str(config_file), "backfill", "--table", table.table_id]) == 0
+    out = capsys.readouterr().out
+    assert "5 new slice(s) cut; 5 slice(s) to publish" in out
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 2501)))
+    runs = dagster_instance.get_runs(RunsFilter(job_name=job_name(table)))
+    assert len(runs) == 2  # 5 slices, at most 3 per run
+    h = Harness(cfg, dagster_instance)
+    keys = dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
+    assert [h.materialization(table, k)["rows"] for k in keys] == [500] * 5  # per-slice metadata in range runs
+    # Again, with nothing new: nothing to publish, nothing re-sent.
+    assert main(["--config", str(config_file), "backfill", "--table", table.table_id]) == 0
+    assert "0 new slice(s) cut; 0 slice(s) to publish" in capsys.readouterr().out
+    assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 2500
