@@ -65,6 +65,7 @@ class SensorState:
 
 _SHAPES: dict[tuple[str, str], tuple[float, TableShape]] = {}
 SHAPE_TTL_S = 60.0
+FINALITY_WAIT_S = 1.0
 
 
 def cached_table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:
@@ -98,7 +99,17 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
     seen = source.observe(shape)
     if seen is not None and seen.watermark > cut_after and all(seen.watermark > c.watermark for c in candidates):
         candidates.append(seen)
-    safe_hi, pending = settle(candidates, lambda c: source.is_final(c, table.settle_seconds))
+    def final(c: WatermarkCandidate) -> bool:
+        return source.is_final(c, table.settle_seconds)
+
+    safe_hi, pending = settle(candidates, final)
+    if source.dialect == "postgresql":
+        # The writers' open transactions usually end within milliseconds: wait for them briefly in this tick
+        # rather than a whole sensor interval (the daemon ticks a sensor at most every 5 s).
+        deadline = time.monotonic() + FINALITY_WAIT_S
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+            safe_hi, pending = settle(candidates, final)
     pending = [c for c in pending if c.watermark > cut_after]
     slices: list[SliceRange] = []
     if safe_hi is not None and safe_hi > cut_after:
@@ -182,12 +193,30 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
     ended = max((r.end_time or 0.0 for r in records), default=0.0)
     # A slice stopped by bad input (a row too large, a source error, fenced) is retried with a growing backoff,
     # capped at a minute so the table recovers soon after the cause is fixed; one that failed transiently
-    # (worker killed, broker away, retries exhausted) is resumed at once.
+    # (worker killed, broker away, retries exhausted) is resumed soon.
     stopped = sum(1 for r in records if STOPPED_TAG in r.dagster_run.tags)
-    wait = min(60.0, 5.0 * 2 ** min(stopped - 1, 4)) if stopped else 2.0
+    # 15 s: time for the run-retry daemon to queue its own retry, which would make a resume a wasted run.
+    wait = min(60.0, 5.0 * 2 ** min(stopped - 1, 4)) if stopped else 15.0
     if records and time.time() - ended < wait:
         return None
     return slices_request(group, run_key=f"{group[0].key}#resume-{len(records)}", tags={"rowrelay/resume": "true"})
+
+
+def cancel_committed_runs(context: SensorEvaluationContext, job_name: str, committed_hi: int) -> list[str]:
+    """Cancel queued sensor runs (and their retries) whose slices Kafka already has: they would publish nothing
+    but still cost a worker start each, serialized by the table's pool. Backfills and UI launches are left
+    alone: someone asked for them."""
+    canceled = []
+    for run in context.instance.get_runs(RunsFilter(job_name=job_name, statuses=[DagsterRunStatus.QUEUED])):
+        span = run_slices(dict(run.tags))
+        if span is None or "dagster/sensor_name" not in run.tags or "dagster/backfill" in run.tags:
+            continue
+        last = run.tags.get(ASSET_PARTITION_RANGE_END_TAG) or run.tags[PARTITION_NAME_TAG]
+        if SliceRange.from_key(last).hi <= committed_hi:
+            context.instance.report_run_canceled(run, f"slices up to {committed_hi} are already committed in Kafka; "
+                                                      "canceled by the table's sensor (nothing to publish)")
+            canceled.append(run.run_id)
+    return canceled
 
 
 def fail_dead_runs(context: SensorEvaluationContext, job_name: str) -> list[str]:
@@ -248,6 +277,11 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
                                  table.max_slices_per_run)
 
         active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
+        if active:
+            progress = read_committed_progress(io_manager.kafka_conf(), channel_for(table,
+                                                                                  io_manager.transactional_id_prefix))
+            if progress is not None and cancel_committed_runs(context, job.name, progress.hi):
+                active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
         if active:
             # Later slices queued or retrying while the first uncommitted one has no run: without this they
             # would fail "out of order" and retry forever.
