@@ -269,36 +269,32 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         io_manager: KafkaIOManager = context.resources.kafka_io_manager
         ensure_pool(context.instance, pool_name(table))
         fail_dead_runs(context, job.name)
-        def resume_request() -> RunRequest | None:
-            existing = list(context.instance.get_dynamic_partitions(partitions.name))
-            channel = channel_for(table, io_manager.transactional_id_prefix)
-            progress = read_committed_progress(io_manager.kafka_conf(), channel)
-            return stalled_slice(context, job.name, existing, progress.hi if progress else channel.start_after,
-                                 table.max_slices_per_run)
+        channel = channel_for(table, io_manager.transactional_id_prefix)
+        progress = read_committed_progress(io_manager.kafka_conf(), channel)
+        committed_hi = progress.hi if progress else channel.start_after
+        existing = list(context.instance.get_dynamic_partitions(partitions.name))
 
         active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
+        if active and cancel_committed_runs(context, job.name, committed_hi):
+            active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
+        # Self-healing: the first uncommitted slice has no run (retries exhausted, worker lost) while later ones
+        # may be queued; without this they would fail "out of order" and retry forever.
+        resume = stalled_slice(context, job.name, existing, committed_hi, table.max_slices_per_run)
+        if resume is not None:
+            return SensorResult(run_requests=[resume])
         if active:
-            progress = read_committed_progress(io_manager.kafka_conf(), channel_for(table,
-                                                                                  io_manager.transactional_id_prefix))
-            if progress is not None and cancel_committed_runs(context, job.name, progress.hi):
-                active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
-        if active:
-            # Later slices queued or retrying while the first uncommitted one has no run: without this they
-            # would fail "out of order" and retry forever.
-            resume = resume_request()
-            if resume is not None:
-                return SensorResult(run_requests=[resume])
             # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
             # time a run takes, instead of the queue growing without bound.
             return SkipReason(f"{active} run(s) of {table.table_id} still queued or running")
+        if existing and max(SliceRange.from_key(k).hi for k in existing) > committed_hi:
+            # Slices cut earlier are not committed yet (a retry about to be queued, a slice stopped by bad
+            # input): new slices would only fail "out of order" behind them.
+            return SkipReason(f"{table.table_id}: slices after {committed_hi} are not committed yet; waiting for "
+                              "their runs (or a resume)")
         cut_after = starting_point(table, partitions, context.instance, io_manager, source)
         plan = plan_tick(source, table, cut_after, SensorState.from_cursor(context.cursor))
         keys = [s.key for s in plan.slices]
         requests = batched_requests(plan.slices, table.max_slices_per_run)
-        if not requests:
-            resume = resume_request()
-            if resume is not None:
-                requests.append(resume)
         return SensorResult(
             run_requests=requests,
             dynamic_partitions_requests=[partitions.build_add_request(keys)] if keys else [],

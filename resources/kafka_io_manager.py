@@ -45,6 +45,7 @@ class KafkaIOManager(ConfigurableIOManager):
     producer: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings; ${VAR} allowed")
     transactional_id_prefix: str = "rowrelay"
     chunk_rows: int = Field(100_000, description="rows fetched from Spark per Arrow batch while streaming a slice")
+    prefetch_chunks: int = Field(2, ge=1, le=8, description="chunks fetched ahead while one is produced")
     spark: SparkResource
 
     def kafka_conf(self) -> dict[str, Any]:
@@ -78,7 +79,8 @@ class KafkaIOManager(ConfigurableIOManager):
             try:
                 for slice_range in obj.pending:
                     frame = obj.read(slice_range)
-                    result = publisher.publish(slice_range, lambda f=frame: f.iter_batches(self.chunk_rows))
+                    result = publisher.publish(slice_range, lambda f=frame: f.iter_batches(self.chunk_rows,
+                                                                                          self.prefetch_chunks))
                     records[slice_range.key] = (result, frame.expected_rows)
                     context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
                                      f"rows in {result.duration_s:.1f} s")

@@ -150,11 +150,11 @@ class SliceFrame:
         assert self.read_chunk is not None
         return self.read_chunk(sub, expected_rows).toArrow()
 
-    def iter_batches(self, chunk_rows: int) -> Iterator[MessageBatch]:
+    def iter_batches(self, chunk_rows: int, prefetch: int = 2) -> Iterator[MessageBatch]:
         """Stream the slice in watermark order, one Arrow batch of one sub-range at a time (flat memory).
 
-        The next sub-range is fetched while the current one is produced, so Spark and the producer overlap;
-        at most two sub-ranges are in memory.
+        Up to `prefetch` later sub-ranges are fetched while the current one is produced, so Spark's task slots
+        and the producer work at the same time; at most `prefetch + 1` sub-ranges are in memory.
         """
         import pyarrow.compute as pc
 
@@ -163,12 +163,13 @@ class SliceFrame:
         subs = self.sub_ranges(chunk_rows)
         per_chunk = ceil(self.expected_rows / len(subs))
         last = self.slice.lo
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rowrelay-fetch") as pool:
-            pending = pool.submit(self.fetch, subs[0], per_chunk)
+        depth = max(1, prefetch)
+        with ThreadPoolExecutor(max_workers=depth, thread_name_prefix="rowrelay-fetch") as pool:
+            ahead = [pool.submit(self.fetch, sub, per_chunk) for sub in subs[:depth]]
             for i in range(len(subs)):
-                table = pending.result()
-                if i + 1 < len(subs):
-                    pending = pool.submit(self.fetch, subs[i + 1], per_chunk)
+                table = ahead.pop(0).result()
+                if i + depth < len(subs):
+                    ahead.append(pool.submit(self.fetch, subs[i + depth], per_chunk))
                 if table.num_rows == 0:
                     continue
                 wms = table.column("watermark")

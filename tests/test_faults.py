@@ -188,7 +188,7 @@ run_retries: {{enabled: true, max_retries: 10, retry_on_asset_or_op_failure: tru
 concurrency:
   runs: {{max_concurrent_runs: 4}}
   pools: {{granularity: run, default_limit: 1}}
-run_monitoring: {{enabled: true, start_timeout_seconds: 45, poll_interval_seconds: 2}}
+run_monitoring: {{enabled: true, start_timeout_seconds: 30, poll_interval_seconds: 2}}
 sensors: {{use_threads: true, num_workers: 2}}
 telemetry: {{enabled: false}}
 """
