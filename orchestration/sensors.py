@@ -269,6 +269,7 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         io_manager: KafkaIOManager = context.resources.kafka_io_manager
         ensure_pool(context.instance, pool_name(table))
         fail_dead_runs(context, job.name)
+        cached_table_shape(source, table)  # a broken table or config fails the tick with its reason, every tick
         channel = channel_for(table, io_manager.transactional_id_prefix)
         progress = read_committed_progress(io_manager.kafka_conf(), channel)
         committed_hi = progress.hi if progress else channel.start_after
