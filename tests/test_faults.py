@@ -257,11 +257,6 @@ def _during_a_run(p: FaultPipeline, inject: Callable[[], None]) -> None:
     inject()
 
 
-def test_baseline_pipeline_catches_up(pipeline: FaultPipeline) -> None:
-    time.sleep(3)
-    pipeline.catch_up_and_verify("baseline (no fault)", faults=0)
-
-
 def test_broker_restarted_mid_publish(pipeline: FaultPipeline) -> None:
     def restart_kafka() -> None:
         stack.stop_pidfile("kafka", stack.home() / "kafka" / "kafka.pid")
@@ -269,7 +264,6 @@ def test_broker_restarted_mid_publish(pipeline: FaultPipeline) -> None:
         stack.kafka_up(stack.Ports.from_env())
 
     _during_a_run(pipeline, restart_kafka)
-    time.sleep(5)
     pipeline.catch_up_and_verify("kafka broker restarted mid-publish", faults=1)
 
 
@@ -279,7 +273,7 @@ def test_source_connections_terminated_mid_read(pipeline: FaultPipeline) -> None
     admin_pg = create_engine(pipeline.services.pg_url(), isolation_level="AUTOCOMMIT")
     admin_maria = create_engine(pipeline.services.mariadb_url(), isolation_level="AUTOCOMMIT")
     faults = 0
-    for _ in range(3):
+    for _ in range(2):
         def terminate() -> None:
             nonlocal faults
             with admin_pg.connect() as conn:
@@ -318,7 +312,7 @@ def test_run_workers_sigkilled_in_a_loop(pipeline: FaultPipeline) -> None:
     kills = 0
     while kills < 20:
         pid = pipeline.wait_for_worker(timeout=120)
-        time.sleep(random.uniform(0.0, 4.0))
+        time.sleep(random.uniform(0.0, 3.0))  # anywhere from process start to the Kafka commit
         try:
             os.kill(pid, signal.SIGKILL)
             kills += 1
@@ -374,10 +368,7 @@ def test_zombie_publisher_resumes_after_takeover(pipeline: FaultPipeline) -> Non
     out = zombie_log.read_text(errors="replace")
     assert zombie.returncode != 0, "the zombie must fail: it was fenced"
     assert "fenced" in out.lower() or "another publisher took over" in out or "PRODUCER_FENCED" in out, out[-3000:]
-    pipeline.start_daemon()
-    for w in pipeline.writers:
-        w.resume()
-    time.sleep(5)
+    pipeline.start_daemon()  # writers stay paused: the newer publisher already sent everything up to `top`
     pipeline.catch_up_and_verify("zombie publisher resumed after a newer one took over", faults=1)
 
 
@@ -396,7 +387,7 @@ def test_cli_backfill_keeps_order_and_respects_the_pool(pipeline: FaultPipeline)
     for w in pipeline.writers:
         w.pause_writes()
     with DagsterInstance.from_config(str(pipeline.home)) as instance:
-        keys = list(instance.get_dynamic_partitions(f"{table.dagster_name}__slices"))[-3:]
+        keys = list(instance.get_dynamic_partitions(f"{table.dagster_name}__slices"))[-2:]
         before = {r.run_id for r in instance.get_runs(RunsFilter(job_name=job_name(table)))}
     res = subprocess.run([sys.executable, "-m", "dagster", "job", "backfill", "-j", job_name(table), "--from", keys[0],
                           "--to", keys[-1], "--noprompt", "-w", str(pipeline.home / "workspace.yaml")],
@@ -416,6 +407,4 @@ def test_cli_backfill_keeps_order_and_respects_the_pool(pipeline: FaultPipeline)
         spans = sorted((r.start_time, r.end_time) for r in records)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), f"runs overlapped: {spans}"
         assert {r.dagster_run.tags["dagster/partition"] for r in records} == set(keys)
-    for w in pipeline.writers:
-        w.resume()
     pipeline.catch_up_and_verify("CLI backfill of committed slices (publishes nothing)", faults=0)
