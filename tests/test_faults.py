@@ -66,9 +66,10 @@ class Writer:
     def resume(self) -> None:
         self._run.set()
 
-    def pause_writes(self) -> None:
+    def pause_writes(self, settle: bool = True) -> None:
         self._run.clear()
-        time.sleep(0.5)  # let an in-flight batch finish
+        if settle:
+            time.sleep(0.5)  # let an in-flight batch finish
 
     def close(self) -> None:
         self._stop.set()
@@ -148,7 +149,8 @@ class FaultPipeline:
     def catch_up_and_verify(self, scenario: str, faults: int, timeout: float = 240.0) -> None:
         """Stop writing, wait until every table's committed progress reaches its max id, verify the topics."""
         for w in self.writers:
-            w.pause_writes()
+            w.pause_writes(settle=False)
+        time.sleep(0.5)  # let in-flight batches finish
         target = self.max_ids()
         deadline = time.monotonic() + timeout
         from assets.relay import channel_for
@@ -188,7 +190,7 @@ run_retries: {{enabled: true, max_retries: 10, retry_on_asset_or_op_failure: tru
 concurrency:
   runs: {{max_concurrent_runs: 4}}
   pools: {{granularity: run, default_limit: 1}}
-run_monitoring: {{enabled: true, start_timeout_seconds: 30, poll_interval_seconds: 2}}
+run_monitoring: {{enabled: true, start_timeout_seconds: 20, poll_interval_seconds: 2}}
 sensors: {{use_threads: true, num_workers: 2}}
 telemetry: {{enabled: false}}
 """
