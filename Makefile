@@ -53,8 +53,10 @@ test-faults: stack
 lint: install
 	$(PY) -m ruff check .
 
+# Not part of `make test`. BENCH_ARGS="--rows 200000 --rss-rows 0 ..." for a quicker run (see bench/run.py).
+BENCH_ARGS ?=
 bench: stack
-	$(WITH_ENV) $(PY) -m bench.run
+	$(WITH_ENV) $(PY) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache .dagster_home
