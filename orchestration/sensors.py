@@ -147,14 +147,14 @@ def starting_point(table: TableConfig, partitions: DynamicPartitionsDefinition, 
     return int(table.start_after)
 
 
-def run_slices(tags: dict[str, str]) -> tuple[int, int] | None:
-    """The watermark span (first slice's lo, last slice's lo) a run targets, from its partition tags."""
+def run_slices(tags: dict[str, str]) -> tuple[SliceRange, SliceRange] | None:
+    """The first and last slice a run targets, from its partition tags (one partition or a range)."""
     if PARTITION_NAME_TAG in tags:
-        lo = SliceRange.from_key(tags[PARTITION_NAME_TAG]).lo
-        return lo, lo
+        only = SliceRange.from_key(tags[PARTITION_NAME_TAG])
+        return only, only
     if ASSET_PARTITION_RANGE_START_TAG in tags and ASSET_PARTITION_RANGE_END_TAG in tags:
-        return (SliceRange.from_key(tags[ASSET_PARTITION_RANGE_START_TAG]).lo,
-                SliceRange.from_key(tags[ASSET_PARTITION_RANGE_END_TAG]).lo)
+        return (SliceRange.from_key(tags[ASSET_PARTITION_RANGE_START_TAG]),
+                SliceRange.from_key(tags[ASSET_PARTITION_RANGE_END_TAG]))
     return None
 
 
@@ -187,7 +187,7 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
         group.append(s)
     first = group[0].lo
     records = [r for r in context.instance.get_run_records(RunsFilter(job_name=job_name), limit=200)
-               if (span := run_slices(dict(r.dagster_run.tags))) is not None and span[0] <= first <= span[1]]
+               if (span := run_slices(dict(r.dagster_run.tags))) is not None and span[0].lo <= first <= span[1].lo]
     if any(r.dagster_run.status in ACTIVE for r in records):
         return None
     ended = max((r.end_time or 0.0 for r in records), default=0.0)
@@ -211,8 +211,7 @@ def cancel_committed_runs(context: SensorEvaluationContext, job_name: str, commi
         span = run_slices(dict(run.tags))
         if span is None or "dagster/sensor_name" not in run.tags or "dagster/backfill" in run.tags:
             continue
-        last = run.tags.get(ASSET_PARTITION_RANGE_END_TAG) or run.tags[PARTITION_NAME_TAG]
-        if SliceRange.from_key(last).hi <= committed_hi:
+        if span[1].hi <= committed_hi:
             context.instance.report_run_canceled(run, f"slices up to {committed_hi} are already committed in Kafka; "
                                                       "canceled by the table's sensor (nothing to publish)")
             canceled.append(run.run_id)
