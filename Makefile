@@ -36,7 +36,7 @@ stack-status:
 	$(PY) -m stack status
 
 run: stack
-	$(WITH_ENV) $(PY) -m orchestration.demo setup
+	$(WITH_ENV) $(PY) -m stack.demo setup
 	$(WITH_ENV) ./stack/run-demo.sh
 
 test: stack

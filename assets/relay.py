@@ -15,7 +15,7 @@ from dagster import (
     asset,
 )
 
-from orchestration.config import TableConfig
+from resources.config import TableConfig
 from resources.exactly_once import SliceOutOfOrder, TableChannel, read_committed_progress
 from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns

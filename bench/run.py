@@ -248,7 +248,7 @@ def idle_tick_ms(stack: Stack, config: Path, env: dict[str, str], ticks: int = 1
     code = (
         "import json, time\n"
         "from dagster import DagsterInstance, build_sensor_context\n"
-        "from orchestration.config import load_config\n"
+        "from resources.config import load_config\n"
         "from orchestration.factory import build_definitions\n"
         "cfg = load_config()\n"
         "defs = build_definitions(cfg)\n"

@@ -21,7 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 from confluent_kafka import Consumer, TopicPartition
 
-from orchestration.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env
+from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env
 from resources.exactly_once import read_committed_progress
 
 

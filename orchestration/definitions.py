@@ -1,6 +1,6 @@
 """Code location entry point (workspace.yaml): definitions from the file ROWRELAY_CONFIG names."""
 
-from orchestration.config import load_config
 from orchestration.factory import build_definitions
+from resources.config import load_config
 
 defs = build_definitions(load_config())

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dagster import Definitions, define_asset_job, in_process_executor
 
 from assets.relay import asset_key, build_table_asset, partitions_for, source_resource_key
-from orchestration.config import RelayConfig, TableConfig
 from orchestration.sensors import build_slice_sensor
+from resources.config import RelayConfig, TableConfig
 from resources.kafka_io_manager import KafkaIOManager
 from resources.source_database import SourceDatabaseResource
 from resources.spark import SparkResource

@@ -2,6 +2,7 @@
 
 
 import json
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -35,12 +36,11 @@ from assets.relay import (
     source_resource_key,
     table_shape,
 )
-from orchestration.config import TableConfig
+from resources.config import TableConfig
 from resources.exactly_once import ProgressRecord, SlicePublisher, read_committed_progress
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
 from resources.source_database import SourceDatabaseResource, TableShape
-from stack.local import pid_alive
 
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
           DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
@@ -53,14 +53,15 @@ class SensorState:
     pending: list[WatermarkCandidate] = field(default_factory=list)
 
     def to_cursor(self) -> str:
-        return json.dumps({"pending": [[c.watermark, c.marker] for c in self.pending]})
+        return json.dumps({"pending": [[c.watermark, c.marker, list(c.waits)] for c in self.pending]})
 
     @classmethod
     def from_cursor(cls, cursor: str | None) -> "SensorState":
         if not cursor:
             return cls()
         data = json.loads(cursor)
-        return cls([WatermarkCandidate(int(w), float(m)) for w, m in data.get("pending", [])])
+        return cls([WatermarkCandidate(int(c[0]), float(c[1]), tuple(c[2]) if len(c) > 2 else ())
+                    for c in data.get("pending", [])])
 
 
 _SHAPES: dict[tuple[str, str], tuple[float, TableShape]] = {}
@@ -233,6 +234,16 @@ def fail_dead_runs(context: SensorEvaluationContext, job_name: str) -> list[str]
         context.instance.report_run_failed(run, f"run worker pid {pid} is gone (killed?); marked failed by {host}")
         failed.append(run.run_id)
     return failed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by another user
+    return True
 
 
 def slice_tags(slice_range: SliceRange) -> dict[str, str]:

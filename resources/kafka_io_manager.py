@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 from dagster import ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
 from pydantic import Field
 
-from orchestration.config import resolve_env
+from resources.config import resolve_env
 from resources.exactly_once import (
     BadRowError,
     ProgressRecord,

@@ -73,10 +73,13 @@ class WatermarkCandidate:
 
     `marker` is database specific: for PostgreSQL the xmax of the snapshot it was seen in (every
     transaction with a smaller id must have ended); for MariaDB/SQLite the database clock in seconds.
+    `waits` names the transactions (database-specific ids) that were open when the max was seen: one of
+    them may hold a lower watermark it has not committed yet, so all must have ended first.
     """
 
     watermark: int
     marker: float
+    waits: tuple[str, ...] = ()
 
 
 def settle(candidates: list[WatermarkCandidate], is_final: Callable[[WatermarkCandidate], bool]

@@ -12,7 +12,8 @@ from pydantic import PrivateAttr
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import NoSuchTableError
 
-from orchestration.config import resolve_env
+from resources.config import resolve_env
+from resources.jdbc import jdbc_options
 from resources.slices import WatermarkCandidate
 
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
@@ -214,25 +215,5 @@ class SourceDatabaseResource(ConfigurableResource):
             return time.time() - candidate.marker >= settle_seconds
 
     def jdbc_options(self) -> dict[str, Any]:
-        """What Spark's JDBC source needs to read this database."""
-        url = self.sqlalchemy_url
-        if self.dialect == "postgresql":
-            jdbc = f"jdbc:postgresql://{url.host}:{url.port or 5432}/{url.database}"
-            driver = "org.postgresql.Driver"
-        elif self.dialect == "mysql":
-            # jdbc:mysql (permitMysqlScheme) makes Spark use its MySQL dialect (backtick quoting);
-            # tinyInt1isBit=false keeps TINYINT(1) an integer.
-            jdbc = (f"jdbc:mysql://{url.host}:{url.port or 3306}/{url.database}"
-                    "?permitMysqlScheme&tinyInt1isBit=false&connectionTimeZone=UTC&forceConnectionTimeZoneToSession=true")
-            driver = "org.mariadb.jdbc.Driver"
-        elif self.dialect == "sqlite":
-            jdbc = f"jdbc:sqlite:{url.database}"
-            driver = "org.sqlite.JDBC"
-        else:
-            raise SourceError(f"no JDBC mapping for dialect {self.dialect}")
-        opts: dict[str, Any] = {"url": jdbc, "driver": driver}
-        if url.username:
-            opts["user"] = url.username
-        if url.password:
-            opts["password"] = url.password
-        return opts
+        """What Spark's JDBC source needs to read this database (see resources/jdbc.py)."""
+        return jdbc_options(self.sqlalchemy_url, self.dialect)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from orchestration.config import resolve_env
+from resources.config import resolve_env
 from resources.slices import SliceRange
 
 if TYPE_CHECKING:
@@ -22,14 +22,15 @@ _lock = threading.Lock()
 
 
 def default_jars() -> str:
-    """JDBC driver jars: ROWRELAY_JDBC_JARS, else the local stack's Maven cache."""
-    jars = os.environ.get("ROWRELAY_JDBC_JARS")
-    if jars:
-        return jars
-    from stack.local import jar_dir
+    """JDBC driver jars for a local Spark session: ROWRELAY_JDBC_JARS (comma-separated paths).
 
-    found = sorted(str(p) for p in jar_dir("jdbc").glob("*.jar"))
-    return ",".join(found)
+    `python -m stack up` writes it to stack.env; a Spark Connect server or cluster brings its own drivers.
+    """
+    jars = os.environ.get("ROWRELAY_JDBC_JARS")
+    if not jars:
+        raise ValueError("no JDBC driver jars for the local Spark session: set `spark.conf` spark.jars in "
+                         "rowrelay.yaml or the ROWRELAY_JDBC_JARS environment variable (comma-separated jar paths)")
+    return jars
 
 
 SQL_CONF = {
@@ -84,7 +85,7 @@ class SparkResource(ConfigurableResource):
                 .config("spark.ui.enabled", "false")
                 .config("spark.sql.shuffle.partitions", "4")
                 .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-                .config("spark.jars", self.jars or default_jars())
+                .config("spark.jars", self.jars or self.conf.get("spark.jars") or default_jars())
             )
             for key, value in self.conf.items():
                 builder = builder.config(key, resolve_env(value))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make run`: the demo config (stack/demo.yaml), a background row writer, and `dagster dev` on 127.0.0.1:3000.
-# Expects the stack's env (stack.env); `make run` loads it and runs `python -m orchestration.demo setup` first.
+# Expects the stack's env (stack.env); `make run` loads it and runs `python -m stack.demo setup` first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -23,10 +23,10 @@ if [[ ! -d "$ROOT/.venv" ]]; then
 fi
 
 # Pools must exist before the daemon's first dequeue, else it may start two runs of one table at once.
-"$ROOT/.venv/bin/python" -m orchestration.demo pools
+"$ROOT/.venv/bin/python" -m stack.demo pools
 
 # --exit-with-parent: after the exec below this shell *is* dagster, so the writer stops when dagster does.
-"$ROOT/.venv/bin/python" -m orchestration.demo write --rate "${ROWRELAY_DEMO_RATE:-3}" --exit-with-parent &
+"$ROOT/.venv/bin/python" -m stack.demo write --rate "${ROWRELAY_DEMO_RATE:-3}" --exit-with-parent &
 writer=$!
 # Covers a failure before the exec (the trap does not survive exec).
 trap 'kill "$writer" 2>/dev/null || true' EXIT

@@ -18,8 +18,8 @@ from dagster import DagsterInstance, Definitions, RunRequest, build_sensor_conte
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from sqlalchemy.engine import URL
 
-from orchestration.config import RelayConfig, TableConfig, parse_config
 from orchestration.factory import build_definitions, job_name
+from resources.config import RelayConfig, TableConfig, parse_config
 from resources.exactly_once import ProgressRecord, read_committed_progress
 from tests.conftest import Services
 

@@ -27,7 +27,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from orchestration.cli import verify_table
-from orchestration.config import RelayConfig
+from resources.config import RelayConfig
 from stack import local as stack
 from tests.conftest import Services, unique
 from tests.pipeline import relay_config

@@ -8,7 +8,7 @@ import pytest
 from dagster._serdes import serialize_value
 from sqlalchemy import text
 
-from orchestration.config import parse_config
+from resources.config import parse_config
 from tests.pipeline import Harness
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ import bisect
 
 import pytest
 
-from orchestration.config import ConfigError, parse_config, resolve_env
+from resources.config import ConfigError, parse_config, resolve_env
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
 
 

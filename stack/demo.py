@@ -1,8 +1,8 @@
 """Demo data for `make run` (stack/demo.yaml): source tables in the local stack and a writer that keeps adding rows.
 
-    python -m orchestration.demo setup               # create + seed the tables (idempotent)
-    python -m orchestration.demo write [--rate N]    # insert ~N rows/s per table until killed
-    python -m orchestration.demo pools               # create the tables' Dagster pools (needs DAGSTER_HOME)
+    python -m stack.demo setup               # create + seed the tables (idempotent)
+    python -m stack.demo write [--rate N]    # insert ~N rows/s per table until killed
+    python -m stack.demo pools               # create the tables' Dagster pools (needs DAGSTER_HOME)
 
 Connection settings come from the ROWRELAY_* env vars (stack.env); missing ones are read from stack.env.
 """
@@ -158,8 +158,8 @@ def init_pools() -> None:
     from dagster import DagsterInstance
 
     from assets.relay import pool_name
-    from orchestration.config import load_config
     from orchestration.sensors import ensure_pool
+    from resources.config import load_config
 
     config = load_config()
     with DagsterInstance.get() as instance:
@@ -226,7 +226,7 @@ def write(rate: float, writers: int, exit_with_parent: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestration.demo", description="rowrelay demo tables and writer")
+    parser = argparse.ArgumentParser(prog="python -m stack.demo", description="rowrelay demo tables and writer")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("setup", help="create and seed the demo tables (idempotent)")
     w = sub.add_parser("write", help="keep inserting rows until killed")
