@@ -16,10 +16,13 @@ one stable ``transactional.id``. Publishing a slice is:
 
 A crash anywhere before the commit leaves nothing visible; a crash after it leaves the progress record
 saying so, and the retry publishes nothing. Kafka, not the orchestrator, is the record of what was sent.
+Any error raised while a transaction is open aborts it before it propagates: an open transaction holds the
+topic's last stable offset, so every read_committed reader of the topic would wait for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,12 +30,12 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from resources.slices import SliceRange
 
@@ -61,6 +64,23 @@ class BadRowError(RelayError):
 
 class KafkaUnavailable(RelayError):
     """Transient: the broker did not answer in time. Retrying later is safe."""
+
+
+class ProducerSettingsError(RelayError):
+    """The producer settings (kafka.producer) cannot work; a retry fails the same way until they are changed."""
+
+
+class TransactionTimedOut(RelayError):
+    """The slice's transaction outlived transaction.timeout.ms: Kafka aborted it. Nothing of it is visible."""
+
+
+class ProgressMissing(RelayError):
+    """The table's committed progress is empty, yet its data topic already holds its messages."""
+
+    def __init__(self, message: str, *, table: str, topic_watermark: int) -> None:
+        super().__init__(message)
+        self.table = table
+        self.topic_watermark = topic_watermark  # the highest watermark of the table already in the topic
 
 
 @dataclass(frozen=True)
@@ -127,13 +147,17 @@ class ProgressRecord:
     offsets: dict[str, list[int]] = field(default_factory=dict)  # partition -> [first, last]
     transactional_id: str = ""
     committed_at: str = ""
+    transaction_s: float = 0.0  # begin of the slice's transaction -> its progress record, just before the commit
+    reset_reason: str = ""  # set on a deliberate new baseline (publish_reset)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> ProgressRecord:
-        return cls(**json.loads(raw))
+        # Unknown keys are a newer version's fields: ignored, so records stay readable across versions.
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
     @property
     def slice_range(self) -> SliceRange:
@@ -167,6 +191,48 @@ def env_failpoint(stage: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif target == f"stop:{stage}":
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+DEFAULT_TRANSACTION_TIMEOUT_MS = 600_000
+_TRANSACTION_TIMEOUT_RANGE = (1000, 2**31 - 1)  # librdkafka's limits for transaction.timeout.ms
+
+
+def transaction_timeout_ms(kafka_conf: dict[str, Any]) -> int:
+    """The effective transaction.timeout.ms: the producer settings' value, else the default (10 minutes)."""
+    raw = kafka_conf.get("transaction.timeout.ms")
+    if raw is None:
+        return DEFAULT_TRANSACTION_TIMEOUT_MS
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ProducerSettingsError(
+            f"kafka.producer: transaction.timeout.ms must be a whole number of milliseconds, got {raw!r}") from None
+    low, high = _TRANSACTION_TIMEOUT_RANGE
+    if not low <= value <= high:
+        raise ProducerSettingsError(
+            f"kafka.producer: transaction.timeout.ms is {value}, outside the range {low}..{high} ms")
+    return value
+
+
+_broker_max_timeout_ms: dict[str, int | None] = {}  # bootstrap.servers -> transaction.max.timeout.ms
+
+
+def broker_max_transaction_timeout_ms(kafka_conf: dict[str, Any], timeout: float = 10.0) -> int | None:
+    """The brokers' transaction.max.timeout.ms (read once per process and bootstrap); None if unreadable."""
+    bootstrap = str(kafka_conf.get("bootstrap.servers"))
+    if bootstrap in _broker_max_timeout_ms:
+        return _broker_max_timeout_ms[bootstrap]
+    value: int | None = None
+    try:
+        admin = AdminClient(base_conf(kafka_conf))
+        broker = ConfigResource(ConfigResource.Type.BROKER, str(min(admin.list_topics(timeout=timeout).brokers)))
+        entry = admin.describe_configs([broker], request_timeout=timeout)[broker].result(timeout=timeout).get(
+            "transaction.max.timeout.ms")
+        value = int(entry.value) if entry is not None and entry.value is not None else None
+    except Exception:  # noqa: BLE001 - e.g. no DescribeConfigs permission: skip the check, the broker enforces it
+        value = None
+    _broker_max_timeout_ms[bootstrap] = value
+    return value
 
 
 def _fatal_message(err: KafkaError) -> str:
@@ -360,19 +426,55 @@ def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, 
         consumer.close()
 
 
+def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
+                                  ) -> int | None:
+    """The highest `rowrelay.watermark` header among the table's committed messages in its data topic (other
+    tables may share the topic); None if it holds none. Reads headers only, each partition from its end
+    backwards in growing windows (per partition a table's watermarks only grow), up to the end at call time."""
+    table = channel.table.encode()
+    consumer = _consumer(kafka_conf)
+    try:
+        try:
+            topic = consumer.list_topics(channel.topic, timeout=timeout).topics.get(channel.topic)
+        except KafkaException as exc:
+            raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')}: "
+                                   f"{exc.args[0].str()}") from exc
+        if topic is None or topic.error is not None:
+            return None
+        highest: int | None = None
+        for partition in sorted(topic.partitions):
+            tp = TopicPartition(channel.topic, partition)
+            low, end = _watermarks(consumer, tp, timeout, kafka_conf)
+            window = 64
+            while end > low:
+                start = max(low, end - window)
+                found = [int(dict(headers)["rowrelay.watermark"])
+                         for headers in (m.headers() or [] for m in _read_range(consumer, tp, start, end, timeout))
+                         if ("rowrelay.table", table) in headers and dict(headers).get("rowrelay.watermark")]
+                if found:
+                    highest = max(found) if highest is None else max(highest, *found)
+                    break
+                end, window = start, window * 4
+        return highest
+    finally:
+        consumer.close()
+
+
 class SlicePublisher:
     """Publishes one table's slices through one transactional producer (one epoch)."""
 
     def __init__(self, channel: TableChannel, kafka_conf: dict[str, Any], *,
-                 on_stage: StageHook | None = None, max_attempts: int = 3,
-                 transaction_timeout_ms: int = 600_000, init_timeout_s: float = 60.0,
-                 flush_timeout_s: float = 300.0) -> None:
+                 on_stage: StageHook | None = None, max_attempts: int = 3, init_timeout_s: float = 60.0,
+                 flush_timeout_s: float = 300.0, abort_timeout_s: float = 10.0) -> None:
         self.channel = channel
         self.flush_timeout_s = flush_timeout_s
         self.kafka_conf = kafka_conf
         self.on_stage = on_stage or env_failpoint
         self.max_attempts = max_attempts
         self.init_timeout_s = init_timeout_s
+        self.abort_timeout_s = abort_timeout_s
+        # The user's transaction.timeout.ms (kafka.producer) wins; a slice must commit within it.
+        self.transaction_timeout_ms = transaction_timeout_ms(kafka_conf)
         producer_conf = {
             # librdkafka's own retries handle transient broker errors inside a transaction.
             "enable.idempotence": True,
@@ -384,26 +486,45 @@ class SlicePublisher:
             "batch.size": 1_000_000,
             **kafka_conf,
             "transactional.id": channel.transactional_id,
-            "transaction.timeout.ms": transaction_timeout_ms,
+            "transaction.timeout.ms": self.transaction_timeout_ms,
         }
         self.max_message_bytes = int(producer_conf.get("message.max.bytes", 1_000_000))
-        self.producer = Producer(producer_conf)
+        try:
+            self.producer = Producer(producer_conf)
+        except KafkaException as exc:  # e.g. message.timeout.ms over transaction.timeout.ms
+            raise ProducerSettingsError(f"kafka.producer: {exc.args[0].str().strip()}") from exc
         self._initialized = False
         self._own_progress: ProgressRecord | None = None
+        self._topic_checked = False  # the data topic was checked for this table's messages (empty progress)
+        # The open transaction: when it began (monotonic; None: none open) and rows produced into it so far.
+        self._txn_began: float | None = None
+        self._txn_rows = 0
 
     # -- protocol steps ---------------------------------------------------------------------------
 
     def init(self) -> None:
-        ensure_topics(self.kafka_conf, self.channel)
+        ensure_topics(self.kafka_conf, self.channel)  # first: an unreachable broker fails here, clearly
+        broker_max = broker_max_transaction_timeout_ms(self.kafka_conf)
+        if broker_max is not None and self.transaction_timeout_ms > broker_max:
+            raise ProducerSettingsError(self._timeout_over_max(broker_max))
         try:
             self.producer.init_transactions(self.init_timeout_s)
         except KafkaException as exc:
             err = exc.args[0]
+            if err.code() == KafkaError.INVALID_TRANSACTION_TIMEOUT:  # the broker's maximum was not readable
+                raise ProducerSettingsError(self._timeout_over_max(broker_max)) from exc
             if err.retriable() or err.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
                 raise KafkaUnavailable(f"init_transactions for {self.channel.transactional_id}: {err.str()}") from exc
             raise RelayError(f"init_transactions for {self.channel.transactional_id}: {_fatal_message(err)}") from exc
         self._initialized = True
         self.on_stage("initialized")
+
+    def _timeout_over_max(self, broker_max: int | None) -> str:
+        limit = f"the brokers' transaction.max.timeout.ms ({broker_max} ms)" if broker_max is not None else \
+            "the brokers' transaction.max.timeout.ms"
+        return (f"{self.channel.table}: the producer's transaction.timeout.ms ({self.transaction_timeout_ms} ms) "
+                f"is over {limit}: lower transaction.timeout.ms in kafka.producer to at most that (or raise "
+                "transaction.max.timeout.ms on the brokers)")
 
     def committed_progress(self) -> ProgressRecord | None:
         return read_committed_progress(self.kafka_conf, self.channel)
@@ -417,10 +538,13 @@ class SlicePublisher:
         # After our own commit we know the progress without reading it: any newer publisher fences us first.
         committed = self._own_progress if self._own_progress is not None else self.committed_progress()
         self.on_stage("progress_read")
+        if committed is None:
+            self._refuse_if_progress_missing()
         committed_hi = committed.hi if committed else self.channel.start_after
         if committed_hi >= slice_range.hi:
-            record = committed if committed and committed.hi == slice_range.hi else find_slice_progress(
-                self.kafka_conf, self.channel, slice_range)
+            # A baseline or reset record (lo == hi) is not this slice's record.
+            record = committed if committed and (committed.lo, committed.hi) == (slice_range.lo, slice_range.hi) \
+                else find_slice_progress(self.kafka_conf, self.channel, slice_range)
             if record is None:  # covered by progress but not a slice of its own (e.g. start_after)
                 record = ProgressRecord(self.channel.table, slice_range.key, slice_range.lo, slice_range.hi, 0, 0,
                                         "", self.channel.topic)
@@ -438,6 +562,7 @@ class SlicePublisher:
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
                                      attempts=attempt)
             except _AbortAndRedo as exc:
+                self._raise_if_timed_out(slice_range, exc)
                 self._abort()
                 if attempt >= self.max_attempts:
                     raise KafkaUnavailable(
@@ -446,19 +571,95 @@ class SlicePublisher:
             except BadRowError:
                 self._abort()
                 raise
+            except RelayError as exc:  # fenced, fatal: a coordinator abort on timeout also looks like these
+                self._raise_if_timed_out(slice_range, exc)
+                self._abort_quietly()
+                raise
+            except BaseException:
+                # Anything else (a Spark error in `batches`, the order check, an interrupt, SystemExit): end the
+                # transaction now instead of holding every read_committed reader for transaction.timeout.ms.
+                self._abort_quietly()
+                raise
 
-    def publish_progress_only(self, record: ProgressRecord) -> None:
-        """Commit a progress record with no rows (a baseline, e.g. start_after=latest)."""
+    def publish_progress_only(self, record: ProgressRecord, *, reset: bool = False) -> None:
+        """Commit a progress record with no rows (a baseline, e.g. start_after=latest). With empty progress
+        while the data topic holds the table's messages this refuses (ProgressMissing) unless `reset`: a
+        deliberate new baseline."""
         if not self._initialized:
             self.init()
-        self.producer.begin_transaction()
-        self.producer.produce(self.channel.progress_topic, key=record.slice.encode(), value=record.to_json())
-        self._commit()
+        if not reset and self._own_progress is None and self.committed_progress() is None:
+            self._refuse_if_progress_missing()
+        try:
+            self._call(self.producer.begin_transaction)
+            self._txn_began, self._txn_rows = time.monotonic(), 0
+            self._produce(self.channel.progress_topic, record.slice.encode(), record.to_json(), None, None, None)
+            self._commit()
+            self._txn_began = None
+        except BaseException:
+            self._abort_quietly()
+            raise
+        self._own_progress = record
+
+    def publish_reset(self, after: int, reason: str) -> ProgressRecord:
+        """A deliberate new baseline: the table's progress says "committed up to `after`". One transaction with
+        only a progress record; taking the table's transactional id, it fences any running publisher of it."""
+        if not reason.strip():
+            raise RelayError(f"{self.channel.table}: a reset needs a reason (it is kept in the progress record)")
+        ch = self.channel
+        record = ProgressRecord(table=ch.table, slice=f"reset-{after}", lo=after, hi=after, rows=0, bytes=0,
+                                checksum="", topic=ch.topic, transactional_id=ch.transactional_id,
+                                committed_at=datetime.now(UTC).isoformat(), reset_reason=reason)
+        self.publish_progress_only(record, reset=True)
+        return record
 
     def close(self) -> None:
         self.producer.flush(5)
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _refuse_if_progress_missing(self) -> None:
+        """Empty progress but the table's messages already in its data topic (e.g. a new transactional_id_prefix
+        gave it a new, empty progress topic): publishing would send them all again. Checked once per publisher."""
+        if self._topic_checked:
+            return
+        ch = self.channel
+        in_topic = table_messages_high_watermark(self.kafka_conf, ch)
+        if in_topic is not None and in_topic > ch.start_after:
+            raise ProgressMissing(
+                f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
+                f"{ch.transactional_id}), but topic {ch.topic} already holds this table's messages up to watermark "
+                f"{in_topic}: publishing would send them again. Restore the old transactional_id_prefix if it was "
+                f"changed, or run `rowrelay reset --table {ch.table} --after {in_topic}` to set a new baseline "
+                f"deliberately ({in_topic} is the last watermark of this table already in the topic; a lower value "
+                "sends rows again: only for a re-created table whose ids restarted)",
+                table=ch.table, topic_watermark=in_topic)
+        self._topic_checked = True
+
+    def _raise_if_timed_out(self, slice_range: SliceRange, exc: BaseException) -> None:
+        """A fenced/epoch/abort error of a transaction open about as long as transaction.timeout.ms is the
+        coordinator aborting it on timeout, not another publisher: say so, and what to change."""
+        if self._txn_began is None:
+            return
+        elapsed = time.monotonic() - self._txn_began
+        timeout_s = self.transaction_timeout_ms / 1000
+        if elapsed < 0.9 * timeout_s:  # 0.9: the coordinator's clock started a little after ours
+            return
+        self._abort_quietly()
+        raise TransactionTimedOut(
+            f"{self.channel.table}: the transaction of slice {slice_range} was open {elapsed:.1f} s "
+            f"({self._txn_rows} rows produced so far), longer than transaction.timeout.ms "
+            f"({self.transaction_timeout_ms} ms), so Kafka aborted it; nothing of the slice is visible. Make "
+            "slices smaller (lower slice_max_rows) or raise transaction.timeout.ms in kafka.producer, up to the "
+            "brokers' transaction.max.timeout.ms") from exc
+
+    def _abort_quietly(self) -> None:
+        """Best effort and bounded: end the open transaction, if any; errors here must not hide the cause."""
+        if self._txn_began is None:
+            return
+        self._txn_began = None
+        # Fenced, fatal or broker away: the coordinator ends it (after transaction.timeout.ms at worst).
+        with contextlib.suppress(KafkaException):
+            self.producer.abort_transaction(self.abort_timeout_s)
 
     def _transaction(self, slice_range: SliceRange,
                      batches: Iterable[MessageBatch | Sequence[OutgoingMessage]]) -> ProgressRecord:
@@ -481,6 +682,7 @@ class SlicePublisher:
         table_header = ch.table.encode()
         slice_header = slice_range.key.encode()
         self._call(self.producer.begin_transaction)
+        self._txn_began, self._txn_rows = time.monotonic(), 0
         self.on_stage("begun")
         for batch in batches:
             if not isinstance(batch, MessageBatch):
@@ -515,15 +717,16 @@ class SlicePublisher:
                     self._produce(topic, key, value, headers, delivered, wm)
             digest.update(b"".join(batch.checksums))
             rows += len(batch)
+            self._txn_rows = rows
             nbytes += sum(sizes)
-            self.producer.poll(0)
+            self._serve(self.producer.poll, 0)  # delivery reports so far
             if errors:
                 break
         self.on_stage("rows_produced")
         # Delivery of every row (uncommitted) before the progress record, so it can carry their offsets.
         # Short flushes: a failed delivery ends the wait at once instead of after the whole timeout.
         deadline = time.monotonic() + self.flush_timeout_s
-        while self.producer.flush(1.0) and not errors:
+        while self._serve(self.producer.flush, 1.0) and not errors:
             if time.monotonic() > deadline:
                 raise _AbortAndRedo(f"messages not delivered within {self.flush_timeout_s:.0f} s")
         self.on_stage("flushed")
@@ -546,10 +749,12 @@ class SlicePublisher:
             checksum=digest.hexdigest(), topic=ch.topic,
             offsets={str(p): span for p, span in sorted(offsets.items())},
             transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
+            transaction_s=round(time.monotonic() - self._txn_began, 3) if self._txn_began is not None else 0.0,
         )
         self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None)
         self.on_stage("before_commit")
         self._commit()
+        self._txn_began = None
         self.on_stage("committed")
         return record
 
@@ -570,6 +775,19 @@ class SlicePublisher:
                         f"({len(value)} bytes{hint}); raise message.max.bytes or skip the row (see README, runbook)",
                         table=self.channel.table, watermark=watermark, column=column) from exc
                 self._raise_for(err)
+
+    def _serve(self, fn: Callable[[float], int], timeout: float) -> int:
+        """producer.poll / producer.flush. A producer turned fatal (fenced, or its transaction aborted on timeout)
+        raises from inside them; confluent-kafka 2.16 then also calls the next delivery callback with that
+        exception pending, which surfaces as a SystemError caused by it. Either becomes our error for it."""
+        try:
+            return fn(timeout)
+        except (KafkaException, SystemError) as exc:
+            cause = exc if isinstance(exc, KafkaException) else exc.__cause__
+            if not isinstance(cause, KafkaException):
+                raise
+            self._raise_for(cause.args[0])
+            raise  # _raise_for always raises
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         deadline = time.monotonic() + 120
@@ -600,6 +818,7 @@ class SlicePublisher:
         raise RelayError(f"{self.channel.table}: Kafka error {_fatal_message(err)}")
 
     def _abort(self) -> None:
+        self._txn_began = None
         try:
             self.producer.abort_transaction(60)
         except KafkaException as exc:

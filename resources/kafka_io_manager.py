@@ -9,11 +9,15 @@ from pydantic import Field
 from resources.config import resolve_env
 from resources.exactly_once import (
     BadRowError,
+    ProducerSettingsError,
+    ProgressMissing,
     ProgressRecord,
     PublisherFenced,
     PublishResult,
+    RelayError,
     SlicePublisher,
     TableChannel,
+    TransactionTimedOut,
     find_slice_progress,
     read_progress_history,
     read_published_messages,
@@ -27,6 +31,14 @@ if TYPE_CHECKING:
 
 # Set on a run that failed for a reason a retry cannot fix (bad row, source error, fenced): the sensor backs off.
 STOPPED_TAG = "rowrelay/stopped"
+# Publish errors a retry of the run cannot fix, and the STOPPED_TAG value each sets.
+STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
+    (TransactionTimedOut, "transaction_timeout"),  # before "fenced": the coordinator's abort looks like one
+    (ProgressMissing, "progress_missing"),
+    (ProducerSettingsError, "producer_settings"),
+    (PublisherFenced, "fenced"),
+)
+_STOPPING_ERRORS = tuple(cls for cls, _ in STOP_REASONS)
 CHANNEL_METADATA = ("rowrelay/table", "rowrelay/topic", "rowrelay/progress_topic", "rowrelay/transactional_id",
                     "rowrelay/start_after")
 
@@ -75,8 +87,9 @@ class KafkaIOManager(ConfigurableIOManager):
                     records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
         if obj.pending:
             assert obj.read is not None
-            publisher = self.publisher(obj.channel)
+            publisher: SlicePublisher | None = None
             try:
+                publisher = self.publisher(obj.channel)
                 for slice_range in obj.pending:
                     frame = obj.read(slice_range)
                     result = publisher.publish(slice_range, lambda f=frame: f.iter_batches(self.chunk_rows,
@@ -90,11 +103,16 @@ class KafkaIOManager(ConfigurableIOManager):
                 raise Failure(description=str(exc), allow_retries=False,
                               metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
                               ) from exc
-            except PublisherFenced as exc:
-                self._mark_stopped(context, "fenced")
-                raise Failure(description=str(exc), allow_retries=False) from exc
+            except _STOPPING_ERRORS as exc:
+                reason = next(r for cls, r in STOP_REASONS if isinstance(exc, cls))
+                self._mark_stopped(context, reason)
+                metadata: dict[str, Any] = {"table": obj.channel.table, "reason": reason}
+                if isinstance(exc, ProgressMissing):
+                    metadata["topic_watermark"] = exc.topic_watermark
+                raise Failure(description=str(exc), allow_retries=False, metadata=metadata) from exc
             finally:
-                publisher.close()
+                if publisher is not None:
+                    publisher.close()
         for key, (result, _) in records.items():
             context.step_context.add_asset_metadata(self.slice_metadata(obj, result), partition_key=key)
         context.add_output_metadata({"slices": len(obj.slices), "slices_published": len(obj.pending),

@@ -1,0 +1,258 @@
+"""Edges of the publish path on the real broker: errors inside a transaction, the transaction timeout, and a
+table whose progress is empty while its data topic already holds its messages (issue 9, items 8, 6, 3)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource
+from sqlalchemy import text
+
+from resources import exactly_once as eo
+from resources.exactly_once import (
+    OutgoingMessage,
+    PublisherFenced,
+    RelayError,
+    SlicePublisher,
+    TableChannel,
+    read_committed_progress,
+    read_progress_history,
+)
+from resources.kafka_io_manager import STOPPED_TAG
+from resources.slices import SliceRange
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.test_errors import failure_text
+
+pytestmark = pytest.mark.integration
+
+
+def _messages(lo: int, hi: int, id_offset: int = 0) -> list[OutgoingMessage]:
+    """Rows (lo, hi] with watermark i and JSON id i + id_offset (so two tables can share a topic)."""
+    out = []
+    for i in range(lo + 1, hi + 1):
+        value = f'{{"id":{i + id_offset}}}'.encode()
+        out.append(OutgoingMessage(str(i).encode(), value, i, hashlib.sha256(value).hexdigest()))
+    return out
+
+
+def _rows(lo: int, hi: int, id_offset: int = 0) -> Callable[[], Iterator[list[OutgoingMessage]]]:
+    def batches() -> Iterator[list[OutgoingMessage]]:
+        yield _messages(lo, hi, id_offset)
+    return batches
+
+
+def _conf(services, **producer: str) -> dict[str, str]:
+    return {"bootstrap.servers": services.kafka_bootstrap, **producer}
+
+
+def _offsets(bootstrap: str, topic: str) -> tuple[int, int]:
+    """(last stable offset, high watermark) of the topic's partition 0: equal when no transaction is open."""
+    ends = []
+    for isolation in ("read_committed", "read_uncommitted"):
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"edge-{uuid.uuid4().hex}",
+                             "isolation.level": isolation})
+        try:
+            ends.append(consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)[1])
+        finally:
+            consumer.close()
+    return ends[0], ends[1]
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- item 8: any error aborts
+
+
+@pytest.mark.parametrize("error", [RuntimeError("rows out of watermark order"), KeyboardInterrupt()],
+                         ids=["runtime_error", "keyboard_interrupt"])
+def test_error_inside_transaction_aborts_it(services, name, error: BaseException) -> None:
+    conf = _conf(services)
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    publisher = SlicePublisher(channel, conf)
+
+    def failing() -> Iterator[list[OutgoingMessage]]:
+        yield _messages(0, 20)  # produced into the open transaction
+        # Only once the broker holds them does the open transaction hold the last stable offset.
+        _wait_for("rows on the broker", lambda: _offsets(services.kafka_bootstrap, name)[1] >= 20, 10.0)
+        raise error  # e.g. the Spark read or the order check failing mid-slice
+
+    try:
+        with pytest.raises(type(error)):
+            publisher.publish(SliceRange(0, 40), failing)
+        # An open transaction would hold the topic's last stable offset: read_committed readers would stall.
+        _wait_for("read_committed readers can read to the end",
+                  lambda: _offsets(services.kafka_bootstrap, name)[0] == _offsets(services.kafka_bootstrap, name)[1],
+                  5.0)
+        assert read_topic(services.kafka_bootstrap, name, timeout=5.0) == []
+        assert read_committed_progress(conf, channel) is None
+        # The same publisher (same epoch) can publish the slice afterwards, once.
+        result = publisher.publish(SliceRange(0, 40), _rows(0, 40))
+        assert not result.already_committed and result.progress.rows == 40
+    finally:
+        publisher.close()
+    assert_exactly_once(read_topic(services.kafka_bootstrap, name, timeout=5.0), list(range(1, 41)))
+    assert read_committed_progress(conf, channel).hi == 40
+
+
+# --------------------------------------------------------------------------- item 6: the transaction timeout
+
+
+def test_transaction_outliving_its_timeout_is_reported_as_timed_out(services, name) -> None:
+    conf = _conf(services, **{"transaction.timeout.ms": "3000"})  # librdkafka's minimum is 1000
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    publisher = SlicePublisher(channel, conf)
+
+    def slow() -> Iterator[list[OutgoingMessage]]:
+        yield _messages(0, 10)
+        time.sleep(6.0)  # the coordinator aborts after 3 s (it checks every 2 s on the stack's broker)
+        yield _messages(10, 20)
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(RelayError) as caught:
+            publisher.publish(SliceRange(0, 20), slow)
+    finally:
+        publisher.close()
+    assert isinstance(caught.value, eo.TransactionTimedOut), f"{type(caught.value).__name__}: {caught.value}"
+    message = str(caught.value)
+    for part in (f"slice {SliceRange(0, 20)}", "3000 ms", "slice_max_rows", "transaction.timeout.ms",
+                 "transaction.max.timeout.ms"):
+        assert part in message, f"{part!r} not in: {message}"
+    # Rows so far: the second batch may be produced before the broker's refusal comes back.
+    assert re.search(r"open (\d+\.\d) s \((10|20) rows produced so far\)", message), message
+    assert float(re.search(r"open (\d+\.\d) s", message).group(1)) >= 3.0, message
+    assert time.monotonic() - started < 20
+    assert publisher.transaction_timeout_ms == 3000
+    assert read_topic(services.kafka_bootstrap, name, timeout=5.0) == []
+    assert read_committed_progress(conf, channel) is None
+
+    # A slice that fits in the timeout commits, and its progress record says how long its transaction took.
+    again = SlicePublisher(channel, conf)
+    try:
+        result = again.publish(SliceRange(0, 20), _rows(0, 20))
+    finally:
+        again.close()
+    assert 0.0 < result.progress.transaction_s < 3.0
+    assert read_progress_history(conf, channel)[-1].transaction_s == result.progress.transaction_s
+    assert_exactly_once(read_topic(services.kafka_bootstrap, name, timeout=5.0), list(range(1, 21)))
+
+
+def test_transaction_timeout_setting_wins_and_is_checked(services, name) -> None:
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    broker = ConfigResource(ConfigResource.Type.BROKER, str(min(admin.list_topics(timeout=10).brokers)))
+    broker_max = int(admin.describe_configs([broker])[broker].result(timeout=10)["transaction.max.timeout.ms"].value)
+    too_long = broker_max + 1000
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    publisher = SlicePublisher(channel, _conf(services, **{"transaction.timeout.ms": str(too_long)}))
+    try:
+        with pytest.raises(RelayError) as caught:
+            publisher.init()
+    finally:
+        publisher.close()
+    message = str(caught.value)
+    assert str(too_long) in message and str(broker_max) in message, message
+    assert "transaction.max.timeout.ms" in message and "transaction.timeout.ms" in message, message
+
+    assert eo.transaction_timeout_ms({"transaction.timeout.ms": "3000"}) == 3000
+    assert eo.transaction_timeout_ms({}) == 600_000
+    with pytest.raises(RelayError, match=r"transaction\.timeout\.ms.*'ten minutes'"):
+        eo.transaction_timeout_ms({"transaction.timeout.ms": "ten minutes"})
+
+
+# --------------------------------------------------------------------------- item 3: progress missing
+
+
+def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, name) -> None:
+    conf = _conf(services)
+    table = f"edge.public.{name}"
+    first = SlicePublisher(TableChannel.for_table(table, name), conf)
+    try:
+        first.publish(SliceRange(0, 3), _rows(0, 3))
+    finally:
+        first.close()
+    # Another table sharing the topic, with empty progress of its own, still publishes.
+    neighbour = SlicePublisher(TableChannel.for_table(f"edge.public.{name}_other", name), conf)
+    try:
+        neighbour.publish(SliceRange(0, 2), _rows(0, 2, id_offset=100))
+    finally:
+        neighbour.close()
+
+    # A new transactional_id_prefix: same table and topic, new (empty) progress topic.
+    renamed = TableChannel.for_table(table, name, prefix="other")
+    publisher = SlicePublisher(renamed, conf)
+    try:
+        with pytest.raises(RelayError) as caught:
+            publisher.publish(SliceRange(0, 3), _rows(0, 3))
+        with pytest.raises(RelayError) as caught_baseline:
+            publisher.publish_progress_only(eo.ProgressRecord(table, "baseline-3", 3, 3, 0, 0, "", name))
+    finally:
+        publisher.close()
+    assert sorted(m.value["id"] for m in read_topic(services.kafka_bootstrap, name)) == [1, 2, 3, 101, 102]
+    assert isinstance(caught.value, eo.ProgressMissing), f"{type(caught.value).__name__}: {caught.value}"
+    assert isinstance(caught_baseline.value, eo.ProgressMissing), caught_baseline.value
+    message = str(caught.value)
+    assert f"rowrelay reset --table {table} --after 3" in message, message
+    assert "transactional_id_prefix" in message, message
+    assert eo.table_messages_high_watermark(conf, renamed) == 3
+    assert read_committed_progress(conf, renamed) is None
+
+
+def test_reset_sets_a_deliberate_baseline_and_fences(services, name) -> None:
+    conf = _conf(services)
+    table = f"edge.public.{name}"
+    first = SlicePublisher(TableChannel.for_table(table, name), conf)
+    try:
+        first.publish(SliceRange(0, 3), _rows(0, 3))
+    finally:
+        first.close()
+    renamed = TableChannel.for_table(table, name, prefix="other")
+    running = SlicePublisher(renamed, conf)
+    running.init()  # a publisher of the table already holding the current epoch
+    resetter = SlicePublisher(renamed, conf)
+    try:
+        record = resetter.publish_reset(3, "moved to transactional_id_prefix 'other'")
+        assert (record.lo, record.hi, record.slice, record.rows) == (3, 3, "reset-3", 0)
+        with pytest.raises(PublisherFenced):
+            running.publish(SliceRange(3, 5), _rows(3, 5))
+        assert resetter.publish(SliceRange(3, 5), _rows(3, 5)).progress.rows == 2
+        assert resetter.publish(SliceRange(0, 3), _rows(0, 3)).already_committed
+    finally:
+        running.close()
+        resetter.close()
+    history = read_progress_history(conf, renamed)
+    assert [(r.slice, r.reset_reason) for r in history] == [
+        ("reset-3", "moved to transactional_id_prefix 'other'"), ("000000000003-000000000005", "")]
+    assert_exactly_once(read_topic(services.kafka_bootstrap, name), [1, 2, 3, 4, 5])
+
+
+def test_run_with_empty_progress_and_published_topic_stops_without_publishing(services, pg_database, pg_engine,
+                                                                             dagster_instance, spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b'), ('c')"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id"}])
+    key = SliceRange(0, 3).key
+    first = Harness(cfg, dagster_instance)
+    dagster_instance.add_dynamic_partitions(f"{first.table().dagster_name}__slices", [key])
+    first.run(first.table(), key)
+    # The runbook's old advice: a new transactional_id_prefix. Same table, same topic, empty progress.
+    renamed = Harness(cfg.model_copy(update={"kafka": cfg.kafka.model_copy(
+        update={"transactional_id_prefix": "other"})}), dagster_instance)
+    result = renamed.run(renamed.table(), key, raise_on_error=False)
+    assert not result.success
+    table_id = renamed.table().table_id
+    assert f"rowrelay reset --table {table_id} --after 3" in failure_text(result), failure_text(result)
+    assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "progress_missing"
+    assert_exactly_once(read_topic(services.kafka_bootstrap, renamed.table().topic_name), [1, 2, 3])
