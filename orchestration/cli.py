@@ -4,6 +4,7 @@
     rowrelay status                         # committed progress and lag per table
     rowrelay pools                          # create each table's pool (limit 1) on the Dagster instance
     rowrelay backfill --table ID            # cut the backlog into slices and run them now, in this process
+    rowrelay reset --table ID --after W     # deliberate new baseline: rows after W are sent, the rest never
 """
 
 from __future__ import annotations
@@ -190,16 +191,17 @@ def cmd_pools(config: RelayConfig, args: argparse.Namespace) -> int:
 def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     """Cut the table's backlog (up to its safe high watermark) into slices, add them as partitions and run every
     uncommitted slice in this process: one run per `max_slices_per_run` slices, recorded on the Dagster instance
-    like any run. Fencing and the order check make it safe next to the daemon's runs."""
-    from dagster import DagsterInstance
+    like any run. The cut is the sensor's (`plan_cut`); fencing and the order check make it safe next to the
+    daemon's runs, and partitions a racing cut left off Kafka's progress are healed by the next cut."""
+    from dagster import DagsterInstance, RunsFilter
     from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-    from assets.relay import channel_for, partitions_for, pool_name
+    from assets.relay import partitions_for, pool_name
     from orchestration.factory import build_definitions, job_name
-    from orchestration.sensors import SensorState, ensure_pool, plan_tick, starting_point
+    from orchestration.sensors import ACTIVE, SensorState, ensure_pool, plan_cut
+    from resources.exactly_once import RelayError
     from resources.kafka_io_manager import KafkaIOManager
-    from resources.slices import SliceRange
-    from resources.source_database import SourceDatabaseResource
+    from resources.source_database import SourceDatabaseResource, SourceError
 
     (table,) = _tables(config, args.table)
     defs = build_definitions(config)
@@ -211,26 +213,33 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     started = time.monotonic()
     with DagsterInstance.get() as instance:
         ensure_pool(instance, pool_name(table))
-        cut_after = starting_point(table, partitions, instance, io_manager, source)
+        active = instance.get_runs_count(RunsFilter(job_name=job_name(table), statuses=ACTIVE))
         state = SensorState()
         deadline = time.monotonic() + table.settle_seconds + args.settle_timeout
-        while True:  # the newest rows count once they are final (open transactions, settle delay)
-            plan = plan_tick(source, table, cut_after, state, limit=100_000)
-            if plan.slices or not plan.state.pending or time.monotonic() > deadline:
-                break
-            state = plan.state
-            time.sleep(0.5)
-        source.dispose()
-        if plan.slices:
-            instance.add_dynamic_partitions(partitions.name, [s.key for s in plan.slices])
-        channel = channel_for(table, io_manager.transactional_id_prefix)
-        progress = read_committed_progress(io_manager.kafka_conf(), channel)
-        committed_hi = progress.hi if progress else channel.start_after
-        todo = sorted((SliceRange.from_key(k) for k in instance.get_dynamic_partitions(partitions.name)),
-                      key=lambda s: s.lo)
-        todo = [s for s in todo if s.hi > committed_hi]
-        print(f"{table.table_id}: committed up to {committed_hi}; {len(plan.slices)} new slice(s) cut; "
-              f"{len(todo)} slice(s) to publish", flush=True)
+        try:
+            while True:  # the newest rows count once they are final (open transactions, settle delay)
+                keys = instance.get_dynamic_partitions(partitions.name)
+                plan = plan_cut(table, source, io_manager, keys, state, heal=not active, cut_while_pending=True,
+                                limit=100_000)
+                if plan.add or not plan.state.pending or time.monotonic() > deadline:
+                    break
+                state = plan.state
+                time.sleep(0.5)
+        except (SourceError, RelayError) as exc:
+            print(f"rowrelay: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            source.dispose()
+        for orphan in plan.delete:
+            instance.delete_dynamic_partition(partitions.name, orphan.key)
+        if plan.delete:
+            print(f"{table.table_id}: deleted partitions {[s.key for s in plan.delete]}: they do not continue Kafka's "
+                  f"progress ({plan.committed_hi}) and could never commit", flush=True)
+        if plan.add:
+            instance.add_dynamic_partitions(partitions.name, [s.key for s in plan.add])
+        todo = plan.chain
+        print(f"{table.table_id}: committed up to {plan.committed_hi}; {len(plan.add)} new slice(s) cut; "
+              f"{len(todo)} slice(s) to publish" + (f" ({plan.waiting})" if plan.waiting else ""), flush=True)
         if args.dry_run or not todo:
             return 0
         job = defs.resolve_job_def(job_name(table))
@@ -249,14 +258,63 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
+    """A deliberate new baseline: the table's progress says "committed up to W", recorded in Kafka (a progress
+    record with the reason) and on the Dagster instance (an observation of the table's asset). Rows at or below W
+    are then never sent again; rows above W are sent once, whatever the topic already holds. Partitions above W
+    are deleted (they are cut again from W)."""
+    from dagster import AssetObservation, DagsterInstance, MetadataValue, RunsFilter
+
+    from assets.relay import asset_key, channel_for, partitions_for
+    from orchestration.factory import job_name
+    from orchestration.sensors import ACTIVE
+    from resources.exactly_once import SlicePublisher
+    from resources.slices import SliceRange
+
+    (table,) = _tables(config, args.table)
+    channel = channel_for(table, config.kafka.transactional_id_prefix)
+    conf = kafka_conf(config)
+    with DagsterInstance.get() as instance:
+        active = instance.get_runs_count(RunsFilter(job_name=job_name(table), statuses=ACTIVE))
+        if active and not args.force:
+            print(f"rowrelay: {active} run(s) of {table.table_id} are queued or running; stop the table's sensor and "
+                  "let them finish (or pass --force: the reset fences a running publisher)", file=sys.stderr)
+            return 1
+        before = read_committed_progress(conf, channel)
+        publisher = SlicePublisher(channel, conf)
+        try:
+            record = publisher.publish_reset(args.after, args.reason)
+        finally:
+            publisher.close()
+        partitions = partitions_for(table)
+        keys = instance.get_dynamic_partitions(partitions.name)
+        dropped = [k for k in keys if SliceRange.from_key(k).hi > args.after]
+        for key in dropped:
+            instance.delete_dynamic_partition(partitions.name, key)
+        instance.report_runless_asset_event(AssetObservation(
+            asset_key=asset_key(table), description=f"rowrelay reset: new baseline after watermark {args.after}",
+            metadata={"rowrelay/reset_after": args.after, "reason": args.reason,
+                      "previous_progress": before.hi if before else MetadataValue.null(),
+                      "partitions_deleted": len(dropped), "committed_at": record.committed_at}))
+    print(f"{table.table_id}: progress reset to {args.after} (was {before.hi if before else 'empty'}); "
+          f"{len(dropped)} partition(s) above it deleted; rows after {args.after} will be sent", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("verify", "status", "pools", "backfill"):
+    for name in ("verify", "status", "pools", "backfill", "reset"):
         p = sub.add_parser(name)
-        if name == "backfill":
+        if name == "reset":
+            p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
+            p.add_argument("--after", required=True, type=int, help="the new baseline: rows with watermark > AFTER "
+                           "are sent, rows at or below it never")
+            p.add_argument("--reason", default="manual reset", help="recorded with the reset")
+            p.add_argument("--force", action="store_true", help="reset even while runs of the table are active")
+        elif name == "backfill":
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
             p.add_argument("--dry-run", action="store_true", help="cut and add the slices, run nothing")
             p.add_argument("--settle-timeout", type=float, default=60.0,
@@ -268,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
-        commands = {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools, "backfill": cmd_backfill}
+        commands = {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools, "backfill": cmd_backfill,
+                    "reset": cmd_reset}
         return commands[args.cmd](config, args)
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)

@@ -6,12 +6,12 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from dagster import (
     DagsterInstance,
     DagsterRunStatus,
     DefaultSensorStatus,
-    DynamicPartitionsDefinition,
     RunRequest,
     RunsFilter,
     SensorDefinition,
@@ -37,10 +37,16 @@ from assets.relay import (
     table_shape,
 )
 from resources.config import TableConfig
-from resources.exactly_once import ProgressRecord, SlicePublisher, read_committed_progress
+from resources.exactly_once import (
+    ProgressRecord,
+    SlicePublisher,
+    TableChannel,
+    read_committed_progress,
+    transaction_timeout_ms,
+)
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
-from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
-from resources.source_database import SourceDatabaseResource, TableShape
+from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle
+from resources.source_database import SourceDatabaseResource, SourceError, TableShape
 
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
           DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
@@ -89,17 +95,17 @@ class TickPlan:
     cut_after: int
 
 
-def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int, state: SensorState,
-              limit: int = 500) -> TickPlan:
-    """Observe the table, settle pending candidates, cut slices above `cut_after` up to the safe watermark."""
-    shape = cached_table_shape(source, table)
-    if source.has_null_watermarks(shape):
-        raise ValueError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
-                         "sent; make the column NOT NULL or fill it")
+def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, above: int | None,
+                      state: SensorState) -> tuple[int | None, SensorState]:
+    """The highest watermark now known to be final (every row at or below it committed), and the candidates still
+    pending. A candidate is the max seen at one moment; it becomes final once every transaction that could still
+    commit a lower watermark has ended (resources/source_database.py `is_final`)."""
     candidates = list(state.pending)
     seen = source.observe(shape)
-    if seen is not None and seen.watermark > cut_after and all(seen.watermark > c.watermark for c in candidates):
+    if seen is not None and (above is None or seen.watermark > above) and all(
+            seen.watermark > c.watermark for c in candidates):
         candidates.append(seen)
+
     def final(c: WatermarkCandidate) -> bool:
         return source.is_final(c, table.settle_seconds)
 
@@ -111,11 +117,28 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
         while pending and time.monotonic() < deadline:
             time.sleep(0.05)
             safe_hi, pending = settle(candidates, final)
-    pending = [c for c in pending if c.watermark > cut_after]
+    if above is not None:
+        pending = [c for c in pending if c.watermark > above]
+    return safe_hi, SensorState(pending)
+
+
+def check_null_watermarks(source: SourceDatabaseResource, shape: TableShape, table: TableConfig) -> None:
+    if source.has_null_watermarks(shape):
+        raise SourceError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
+                          "sent; make the column NOT NULL or fill it")
+
+
+def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int, state: SensorState,
+              limit: int = 500, max_rows: int | None = None) -> TickPlan:
+    """Observe the table, settle pending candidates, cut slices above `cut_after` up to the safe watermark."""
+    shape = cached_table_shape(source, table)
+    check_null_watermarks(source, shape, table)
+    safe_hi, state = settled_watermark(source, shape, table, cut_after, state)
+    pending = list(state.pending)
     slices: list[SliceRange] = []
     if safe_hi is not None and safe_hi > cut_after:
         slices = cut_slices(
-            cut_after, safe_hi, table.slice_max_rows,
+            cut_after, safe_hi, max_rows or table.slice_max_rows,
             nth_watermark=lambda lo, n, upto: source.nth_watermark(shape, lo, n, upto),
             max_watermark=lambda lo, upto: source.max_watermark(shape, upto=upto, after=lo),
             limit=limit,
@@ -126,26 +149,101 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
     return TickPlan(slices=slices, state=SensorState(pending), safe_hi=safe_hi, cut_after=cut_after)
 
 
-def starting_point(table: TableConfig, partitions: DynamicPartitionsDefinition, instance: DagsterInstance,
-                   io_manager: KafkaIOManager, source: SourceDatabaseResource) -> int:
-    """Where new slices start: after the last partition; with none, after Kafka's committed progress."""
-    keys = instance.get_dynamic_partitions(partitions.name)
-    if keys:
-        return max(SliceRange.from_key(k).hi for k in keys)
-    channel = channel_for(table, io_manager.transactional_id_prefix)
-    progress = read_committed_progress(io_manager.kafka_conf(), channel)
-    if progress is not None:
-        return progress.hi
-    if table.start_after == "latest":
-        seen = source.observe(table_shape(source, table))
-        hi = seen.watermark if seen else 0
+@dataclass
+class CutPlan:
+    """What one cut does to a table's partitions: orphans to delete, new slices to add (in order), and the
+    uncommitted slices that continue Kafka's progress (the existing chain followed by the new slices)."""
+
+    committed_hi: int
+    delete: list[SliceRange]
+    add: list[SliceRange]
+    chain: list[SliceRange]
+    state: SensorState
+    waiting: str | None = None  # why nothing could be cut yet (e.g. a baseline waits for open transactions)
+
+
+def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transaction_timeout_ms: int) -> int:
+    """Rows a slice may hold so that its transaction ends well within `transaction.timeout.ms`: a transaction that
+    outlives it is aborted by the broker and can never commit. Judged from the table's recent slices (their rows
+    per second inside the transaction), with a 2x margin; no history, no limit beyond `slice_max_rows`."""
+    timed = [r for r in recent if r.rows >= 1000 and r.transaction_s > 0]
+    if not timed:
+        return slice_max_rows
+    rate = min(r.rows / r.transaction_s for r in timed[-5:])  # the slowest recent slice
+    return max(1000, min(slice_max_rows, int(rate * transaction_timeout_ms / 1000 / 2)))
+
+
+def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, channel: TableChannel,
+                    kafka_conf: dict[str, Any], state: SensorState) -> tuple[int | None, SensorState]:
+    """`start_after: latest` on a table with no progress: record a baseline in Kafka at the table's *safe*
+    watermark (every row at or below it committed), so a row committed after the baseline is never skipped.
+    None while transactions that may hold lower watermarks are still open (the candidate stays pending)."""
+    safe_hi, state = settled_watermark(source, shape, table, None, state)
+    if safe_hi is None and state.pending:
+        return None, state
+    hi = safe_hi if safe_hi is not None else 0  # an empty table: every row to come is new
+    publisher = SlicePublisher(channel, kafka_conf)
+    try:
         # Recorded in Kafka like any progress, so a lost orchestrator database cannot re-send old rows.
-        publisher = SlicePublisher(channel, io_manager.kafka_conf())
         publisher.publish_progress_only(ProgressRecord(channel.table, f"baseline-{hi}", hi, hi, 0, 0, "",
                                                        channel.topic, transactional_id=channel.transactional_id))
+    finally:
         publisher.close()
-        return hi
-    return int(table.start_after)
+    return hi, SensorState()
+
+
+def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, start: int) -> None:
+    """With `start_after` unset, rows at or below 0 would be skipped silently: refuse, saying what to set."""
+    if table.start_after is not None:
+        return  # set explicitly: rows at or below it are skipped on purpose
+    below = source.max_watermark(shape, upto=start)
+    if below is not None:
+        lowest = source.nth_watermark(shape, -(2**63), 1, start)
+        raise SourceError(
+            f"{table.table_id}: rows with watermark <= {start} exist (the lowest is {lowest}); with `start_after` "
+            f"unset rowrelay starts after {start} and would skip them. Set `start_after: {(lowest or start) - 1}` "
+            f"to send them, or `start_after: {start}` to skip them deliberately")
+
+
+def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: KafkaIOManager, keys: list[str],
+             state: SensorState, *, heal: bool, cut_while_pending: bool, limit: int = 500,
+             resplit: bool = False) -> CutPlan:
+    """The one way slices are cut, for the sensor and `rowrelay backfill` alike.
+
+    Kafka's progress decides where the table stands, not the partitions: partitions off the chain that continues
+    it (`orphans`) are deleted when `heal` (no run of the table active) and the range is cut again, so a table
+    whose partitions disagree with Kafka (a racing cut, a changed `start_after`, a new baseline) heals itself
+    instead of failing "out of order" forever. New slices start where the chain ends, up to the safe watermark.
+    `resplit`: the first uncommitted slice outlived the transaction timeout, so it can never commit as cut: the
+    uncommitted slices are deleted and cut again from Kafka's progress at a quarter of its rows.
+    """
+    channel = channel_for(table, io_manager.transactional_id_prefix)
+    conf = io_manager.kafka_conf()
+    progress = read_committed_progress(conf, channel)
+    recent = [progress] if progress is not None else []
+    shape = cached_table_shape(source, table)
+    slices = [SliceRange.from_key(k) for k in keys]
+    if progress is None and table.start_after == "latest" and not slices:
+        baseline, state = latest_baseline(source, shape, table, channel, conf, state)
+        if baseline is None:
+            return CutPlan(channel.start_after, [], [], [], state,
+                           waiting="start_after: latest waits for open transactions before recording its baseline")
+        progress = ProgressRecord(channel.table, f"baseline-{baseline}", baseline, baseline, 0, 0, "", channel.topic)
+    committed_hi = progress.hi if progress else channel.start_after
+    if progress is None and not slices:
+        check_start_after(source, shape, table, committed_hi)
+    ledger = reconcile(slices, committed_hi)
+    delete = ledger.orphans if heal else []
+    max_rows = slice_rows_limit(table.slice_max_rows, recent, transaction_timeout_ms(conf))
+    chain, frontier = ledger.chain, ledger.frontier
+    if resplit and chain:
+        too_long = source.count_rows(shape, chain[0].lo, chain[0].hi)
+        max_rows = min(max_rows, max(1, too_long // 4))
+        delete, chain, frontier = delete + chain, [], committed_hi
+    if chain and not cut_while_pending:
+        return CutPlan(committed_hi, delete, [], chain, state)
+    tick = plan_tick(source, table, frontier, state, limit=limit, max_rows=max_rows)
+    return CutPlan(committed_hi, delete, tick.slices, chain + tick.slices, tick.state)
 
 
 def run_slices(tags: dict[str, str]) -> tuple[SliceRange, SliceRange] | None:
@@ -173,22 +271,15 @@ def batched_requests(slices: list[SliceRange], max_per_run: int) -> list[RunRequ
     return [slices_request(g, run_key=g[0].key if len(g) == 1 else f"{g[0].key}...{g[-1].key}") for g in groups]
 
 
-def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[str], committed_hi: int,
+def stalled_slice(context: SensorEvaluationContext, job_name: str, chain: list[SliceRange], committed_hi: int,
                   max_per_run: int = 1) -> RunRequest | None:
     """Self-healing: re-request the first uncommitted slice (and the ones after it, up to `max_per_run`) if no
-    run covering it is active (retries exhausted, worker lost, daemon restarted)."""
-    ordered = sorted((SliceRange.from_key(k) for k in keys), key=lambda s: s.lo)
-    todo = [s for s in ordered if s.lo >= committed_hi]
-    if not todo or todo[0].lo != committed_hi:
+    run covering it is active (retries exhausted, worker lost, daemon restarted). `chain`: the uncommitted
+    slices that continue Kafka's progress, in order (resources/slices.py `reconcile`)."""
+    if not chain or chain[0].lo != committed_hi:
         return None
-    group = [todo[0]]
-    for s in todo[1:max_per_run]:
-        if s.lo != group[-1].hi:
-            break
-        group.append(s)
-    first = group[0].lo
-    records = [r for r in context.instance.get_run_records(RunsFilter(job_name=job_name), limit=200)
-               if (span := run_slices(dict(r.dagster_run.tags))) is not None and span[0].lo <= first <= span[1].lo]
+    group = chain[:max_per_run]
+    records = runs_of_slice(context, job_name, group[0])
     if any(r.dagster_run.status in ACTIVE for r in records):
         return None
     ended = max((r.end_time or 0.0 for r in records), default=0.0)
@@ -201,6 +292,21 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, keys: list[st
     if records and time.time() - ended < wait:
         return None
     return slices_request(group, run_key=f"{group[0].key}#resume-{len(records)}", tags={"rowrelay/resume": "true"})
+
+
+TIMED_OUT = "transaction_timeout"  # the STOPPED_TAG value of a run whose transaction outlived its timeout
+
+
+def runs_of_slice(context: SensorEvaluationContext, job_name: str, first: SliceRange) -> list[Any]:
+    """Recent run records (newest first) whose slices include `first`."""
+    return [r for r in context.instance.get_run_records(RunsFilter(job_name=job_name), limit=200)
+            if (span := run_slices(dict(r.dagster_run.tags))) is not None and span[0].lo <= first.lo <= span[1].lo]
+
+
+def last_stop_reason(context: SensorEvaluationContext, job_name: str, first: SliceRange) -> str | None:
+    """Why the latest run of the slice was stopped (STOPPED_TAG), if it was."""
+    records = runs_of_slice(context, job_name, first)
+    return records[0].dagster_run.tags.get(STOPPED_TAG) if records else None
 
 
 def cancel_committed_runs(context: SensorEvaluationContext, job_name: str, committed_hi: int) -> list[str]:
@@ -283,33 +389,42 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         channel = channel_for(table, io_manager.transactional_id_prefix)
         progress = read_committed_progress(io_manager.kafka_conf(), channel)
         committed_hi = progress.hi if progress else channel.start_after
-        existing = list(context.instance.get_dynamic_partitions(partitions.name))
+        keys = list(context.instance.get_dynamic_partitions(partitions.name))
+        chain = reconcile([SliceRange.from_key(k) for k in keys], committed_hi).chain
 
         active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
         if active and cancel_committed_runs(context, job.name, committed_hi):
             active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
         # Self-healing: the first uncommitted slice has no run (retries exhausted, worker lost) while later ones
         # may be queued; without this they would fail "out of order" and retry forever.
-        resume = stalled_slice(context, job.name, existing, committed_hi, table.max_slices_per_run)
+        resplit = bool(chain) and not active and last_stop_reason(context, job.name, chain[0]) == TIMED_OUT
+        resume = None if resplit else stalled_slice(context, job.name, chain, committed_hi, table.max_slices_per_run)
         if resume is not None:
             return SensorResult(run_requests=[resume])
         if active:
             # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
             # time a run takes, instead of the queue growing without bound.
             return SkipReason(f"{active} run(s) of {table.table_id} still queued or running")
-        if existing and max(SliceRange.from_key(k).hi for k in existing) > committed_hi:
+        if chain and not resplit:
             # Slices cut earlier are not committed yet (a retry about to be queued, a slice stopped by bad
             # input): new slices would only fail "out of order" behind them.
             return SkipReason(f"{table.table_id}: slices after {committed_hi} are not committed yet; waiting for "
                               "their runs (or a resume)")
-        cut_after = starting_point(table, partitions, context.instance, io_manager, source)
-        plan = plan_tick(source, table, cut_after, SensorState.from_cursor(context.cursor))
-        keys = [s.key for s in plan.slices]
-        requests = batched_requests(plan.slices, table.max_slices_per_run)
-        return SensorResult(
-            run_requests=requests,
-            dynamic_partitions_requests=[partitions.build_add_request(keys)] if keys else [],
-            cursor=plan.state.to_cursor(),
-        )
+        plan = plan_cut(table, source, io_manager, keys, SensorState.from_cursor(context.cursor), heal=True,
+                        cut_while_pending=False, resplit=resplit)
+        if plan.delete:
+            context.log.warning(f"{table.table_id}: partitions {[s.key for s in plan.delete]} do not continue Kafka's "
+                                f"progress ({plan.committed_hi}) and can never commit: deleted, range cut again")
+        requests = batched_requests(plan.add, table.max_slices_per_run)
+        partition_requests = []
+        if plan.delete:
+            partition_requests.append(partitions.build_delete_request([s.key for s in plan.delete]))
+        if plan.add:
+            partition_requests.append(partitions.build_add_request([s.key for s in plan.add]))
+        if not requests and plan.waiting:
+            return SensorResult(skip_reason=f"{table.table_id}: {plan.waiting}",
+                                dynamic_partitions_requests=partition_requests, cursor=plan.state.to_cursor())
+        return SensorResult(run_requests=requests, dynamic_partitions_requests=partition_requests,
+                            cursor=plan.state.to_cursor())
 
     return slice_sensor

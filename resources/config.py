@@ -63,7 +63,10 @@ class TableConfig(_Strict):
     key: list[str] | Literal["hash_row", "none"] = "none"
     columns: list[str] | None = None
     slice_max_rows: int = Field(100_000, ge=1, le=50_000_000)
-    start_after: int | Literal["latest"] = 0
+    start_after: int | Literal["latest"] | None = Field(
+        None, description="watermark to start after (rows <= it are never sent); \"latest\": only rows committed "
+        "after the first cut; unset: from 0, refusing to start if rows with watermark <= 0 exist (they would be "
+        "skipped silently)")
     envelope: bool = False
     topic_partitions: int = Field(1, ge=1, le=10_000)
     settle_seconds: float = Field(3.0, ge=0, le=3600, description="MariaDB/MySQL/SQLite: wait before a new "

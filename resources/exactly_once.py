@@ -183,11 +183,14 @@ STAGES = ("initialized", "progress_read", "begun", "rows_produced", "flushed", "
 
 def env_failpoint(stage: str) -> None:
     """Fault injection for crash tests: ROWRELAY_FAILPOINT=<stage> kills this process at that stage;
-    ROWRELAY_FAILPOINT=stop:<stage> freezes it there (SIGSTOP) until someone sends SIGCONT: a zombie."""
+    ROWRELAY_FAILPOINT=stop:<stage> freezes it there (SIGSTOP) until someone sends SIGCONT: a zombie;
+    ROWRELAY_FAILPOINT=sleep:<stage>:<seconds> holds it there (a slow slice)."""
     target = os.environ.get("ROWRELAY_FAILPOINT")
     if not target:
         return
-    if target == stage:
+    if target.startswith(f"sleep:{stage}:"):
+        time.sleep(float(target.rsplit(":", 1)[1]))
+    elif target == stage:
         os.kill(os.getpid(), signal.SIGKILL)
     elif target == f"stop:{stage}":
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -95,3 +95,35 @@ def settle(candidates: list[WatermarkCandidate], is_final: Callable[[WatermarkCa
     if safe is not None:
         pending = [c for c in pending if c.watermark > safe]
     return safe, pending
+
+
+@dataclass(frozen=True)
+class SliceLedger:
+    """A table's partitions read against its committed progress in Kafka.
+
+    `chain` are the uncommitted slices that continue the committed progress without a gap, in order: only they
+    can ever commit (the publisher accepts a slice only where progress ends). `orphans` are uncommitted slices
+    off that chain (cut by a racing cutter, from an older baseline or `start_after`): they can never commit and
+    would stall the table, so they are deleted and the range re-cut. `frontier` is where new slices start.
+    """
+
+    committed_hi: int
+    chain: list[SliceRange]
+    orphans: list[SliceRange]
+
+    @property
+    def frontier(self) -> int:
+        return self.chain[-1].hi if self.chain else self.committed_hi
+
+
+def reconcile(slices: list[SliceRange], committed_hi: int) -> SliceLedger:
+    """Split partitions above committed progress into the chain that continues it and the orphans."""
+    open_slices = sorted((s for s in slices if s.hi > committed_hi), key=lambda s: (s.lo, s.hi))
+    chain: list[SliceRange] = []
+    position = committed_hi
+    for s in open_slices:  # sorted by lo: the first slice starting at `position` continues the chain
+        if s.lo == position:
+            chain.append(s)
+            position = s.hi
+    on_chain = set(chain)
+    return SliceLedger(committed_hi, chain, [s for s in open_slices if s not in on_chain])

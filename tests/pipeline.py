@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 from confluent_kafka import Consumer, TopicPartition
-from dagster import DagsterInstance, Definitions, RunRequest, build_sensor_context
+from dagster import DagsterInstance, Definitions, DeleteDynamicPartitionsRequest, RunRequest, build_sensor_context
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from sqlalchemy.engine import URL
 
@@ -88,8 +88,12 @@ class Harness:
                                   resources=self.defs.resources, definitions=self.defs,
                                   sensor_name=sensor.name, instance_ref=self.instance.get_ref()) as ctx:
             data = sensor.evaluate_tick(ctx)
-        for req in data.dynamic_partitions_requests or []:
-            self.instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+        for req in data.dynamic_partitions_requests or []:  # in order, as the daemon applies them
+            if isinstance(req, DeleteDynamicPartitionsRequest):
+                for key in req.partition_keys:
+                    self.instance.delete_dynamic_partition(req.partitions_def_name, key)
+            else:
+                self.instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
         self.cursors[table.table_id] = data.cursor
         return [target(r) for r in data.run_requests or []]
 
@@ -197,30 +201,38 @@ class Consumed:
 
 
 def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Consumed]:
-    """Everything committed in a topic (all partitions), read_committed, by an independent consumer."""
+    """Everything committed in a topic (all partitions), read_committed, by an independent consumer.
+
+    Read up to each partition's high watermark (not the last stable offset a read_committed client is told), so
+    a transaction left open makes this fail instead of hiding behind it.
+    """
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
                          "auto.offset.reset": "earliest"})
+    ends = Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{uuid.uuid4().hex}",
+                     "isolation.level": "read_uncommitted"})
     out: list[Consumed] = []
     try:
         md = consumer.list_topics(topic, timeout=10)
         parts = sorted(md.topics[topic].partitions) if topic in md.topics else []
         for p in parts:
             tp = TopicPartition(topic, p)
-            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            low, high = ends.get_watermark_offsets(tp, timeout=10)
             if high <= low:
                 continue
             consumer.assign([TopicPartition(topic, p, low)])
             deadline = time.monotonic() + timeout
             while consumer.position([tp])[0].offset < high and time.monotonic() < deadline:
-                msg = consumer.poll(0.5)
+                msg = consumer.poll(0.2)
                 if msg is None or msg.error():
                     continue
                 out.append(Consumed(msg.partition(), msg.offset(), msg.key(), json.loads(msg.value()),
                                     dict(msg.headers() or [])))
-            assert consumer.position([tp])[0].offset >= high, f"{topic}[{p}] not read to its end in {timeout}s"
+            assert consumer.position([tp])[0].offset >= high, (
+                f"{topic}[{p}] not read to its end ({high}) in {timeout}s: a transaction left open?")
     finally:
         consumer.close()
+        ends.close()
     return out
 
 

@@ -72,7 +72,7 @@ def test_config_defaults_and_names() -> None:
     cfg = parse_config(BASE)
     t = cfg.tables[0]
     assert t.topic_name == "shop.public.orders"
-    assert t.slice_max_rows == 100_000 and t.start_after == 0 and t.key == "none"
+    assert t.slice_max_rows == 100_000 and t.start_after is None and t.key == "none"
     assert cfg.spark.master == "local[*]"
 
 

@@ -1,0 +1,197 @@
+"""Issue 9, items 3-6 at the cut: baselines, start points, partitions that disagree with Kafka, reset.
+
+Each test drives the real pipeline (sensor ticks, runs, the `rowrelay` CLI) on the real stack.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from sqlalchemy import text
+
+from assets.relay import asset_key, channel_for
+from orchestration.cli import main
+from resources.exactly_once import ProgressRecord, read_committed_progress, read_progress_history
+from resources.slices import SliceRange
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+
+pytestmark = pytest.mark.integration
+
+
+def _pg_table(engine, name: str, rows: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        if rows:
+            conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, {rows}) g"))
+
+
+def _table_cfg(name: str, **extra) -> dict:
+    return {"source": "src", "table": f"public.{name}", "watermark": "id", **extra}
+
+
+def _ids(services, table) -> list[int]:
+    return sorted(m.value["id"] for m in read_topic(services.kafka_bootstrap, table.topic_name))
+
+
+def test_start_after_changed_before_first_commit_heals(services, pg_database, pg_engine, dagster_instance, spark,
+                                                       name) -> None:
+    """Slices cut from 0, then `start_after: 5` before anything committed: no partition starts at 5, so every
+    run failed "out of order" forever. The sensor now deletes the partitions that can never commit and cuts
+    again from Kafka's progress."""
+    _pg_table(pg_engine, name, 10)
+    first = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
+    assert first.tick(first.table()) == ["000000000000-000000000010"]  # cut, never run
+    moved = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after=5)]),
+                    dagster_instance)
+    table = moved.table()
+    moved.drain(table, until_hi=10, timeout=60)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(6, 11)))
+    keys = dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
+    assert keys == ["000000000005-000000000010"]  # the orphan is gone, the range re-cut from progress
+
+
+def test_racing_cuts_heal_without_loss_or_duplicate(services, pg_database, pg_engine, dagster_instance, spark,
+                                                    name) -> None:
+    """Two cutters raced on a first load (CLI backfill and sensor): (0, 100] committed while (0, 200] also exists.
+    Nothing started at 100 any more; the table now heals and every row arrives once."""
+    _pg_table(pg_engine, name, 300)
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
+    table = h.table()
+    partitions = f"{table.dagster_name}__slices"
+    dagster_instance.add_dynamic_partitions(partitions, [SliceRange(0, 100).key, SliceRange(0, 200).key])
+    h.run(table, SliceRange(0, 100).key)
+    h.drain(table, until_hi=300, timeout=60)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 301)))
+    assert SliceRange(0, 200).key not in dagster_instance.get_dynamic_partitions(partitions)
+
+
+def test_latest_baseline_waits_for_open_transactions(services, pg_database, pg_engine, dagster_instance, spark,
+                                                     name) -> None:
+    """`start_after: latest` took the max it saw as its baseline, though a lower id was still uncommitted: that row
+    committed after the baseline and was never sent. The baseline is now a safe watermark."""
+    _pg_table(pg_engine, name, 1)
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after="latest")]),
+                dagster_instance)
+    table = h.table()
+    with pg_engine.connect() as holder:
+        tx = holder.begin()
+        holder.execute(text(f"INSERT INTO {name} (v) VALUES ('late')"))  # id 2, open
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (v) VALUES ('early')"))  # id 3, committed
+        assert h.tick(table) == []
+        assert h.progress(table) is None, "baseline recorded while a lower id was still uncommitted"
+        tx.commit()  # id 2 commits now: before any baseline
+    assert h.tick(table) == []  # every id <= 3 is committed: the baseline is 3
+    assert h.progress(table).hi == 3
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('new')"))  # id 4: after it
+    h.drain(table, until_hi=4, timeout=60)
+    history = read_progress_history({"bootstrap.servers": services.kafka_bootstrap}, channel_for(table))
+    assert history[0].slice == "baseline-3"
+    assert _ids(services, table) == [4]
+
+
+def test_rows_at_or_below_zero_are_refused_unless_start_after_says(services, pg_database, pg_engine,
+                                                                   dagster_instance, spark, name) -> None:
+    """With `start_after` unset, watermarks <= 0 were skipped silently; now the table refuses to start, saying what
+    to set, and `start_after` below them sends them."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (-3, 'a'), (0, 'b'), (1, 'c'), (2, 'd')"))
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
+    with pytest.raises(Exception, match=r"rows with watermark <= 0 exist \(the lowest is -3\).*start_after: -4"):
+        h.tick(h.table())
+    assert h.progress(h.table()) is None
+    assert read_topic(services.kafka_bootstrap, h.table().topic_name) == []
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after=-4)]), dagster_instance)
+    h.drain(h.table(), until_hi=2, timeout=60)
+    assert _ids(services, h.table()) == [-3, 0, 1, 2]
+
+
+def test_new_prefix_refuses_to_resend_and_reset_sets_a_baseline(services, pg_database, pg_engine, dagster_home,
+                                                                dagster_instance, spark, name, tmp_path,
+                                                                monkeypatch, capsys) -> None:
+    """A new `transactional_id_prefix` gave the table an empty progress topic while its data topic stayed: the
+    next backfill sent the whole table again. Now it refuses with what to do, and `rowrelay reset` records a
+    deliberate baseline."""
+    _pg_table(pg_engine, name, 3)
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+
+    def config_file(prefix: str) -> str:
+        cfg = relay_config(services, {"src": pg_database}, [_table_cfg(name)])
+        data = cfg.model_dump(mode="json", exclude_none=True)
+        data["kafka"]["transactional_id_prefix"] = prefix
+        path = tmp_path / f"{prefix}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return str(path)
+
+    old, new = config_file("rowrelay"), config_file("renamed")
+    table_id = f"src.public.{name}"
+    assert main(["--config", old, "backfill", "--table", table_id]) == 0
+    table = relay_config(services, {"src": pg_database}, [_table_cfg(name)]).tables[0]
+    assert _ids(services, table) == [1, 2, 3]
+    capsys.readouterr()
+
+    assert main(["--config", new, "backfill", "--table", table_id]) == 1
+    assert _ids(services, table) == [1, 2, 3], "history re-sent under a new transactional_id_prefix"
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    renamed = channel_for(table, "renamed")
+    assert read_committed_progress(conf, renamed) is None
+
+    assert main(["--config", new, "reset", "--table", table_id, "--after", "3", "--reason", "prefix renamed"]) == 0
+    assert "progress reset to 3" in capsys.readouterr().out
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('after reset')"))
+    assert main(["--config", new, "backfill", "--table", table_id]) == 0
+    assert _ids(services, table) == [1, 2, 3, 4]
+    history = read_progress_history(conf, renamed)
+    assert (history[0].slice, history[0].hi, history[0].reset_reason) == ("reset-3", 3, "prefix renamed")
+    assert history[-1].hi == 4
+    observed = [r.asset_observation for r in dagster_instance.fetch_observations(asset_key(table), limit=10).records]
+    assert any(o is not None and o.metadata["rowrelay/reset_after"].value == 3 for o in observed)
+
+
+def test_transaction_timeout_bounds_slice_size() -> None:
+    """Slices are cut no larger than the table's recent rate can publish in half the transaction timeout."""
+    from orchestration.sensors import slice_rows_limit
+
+    def rec(rows: int, seconds: float) -> ProgressRecord:
+        return ProgressRecord("t", "k", 0, rows, rows, 0, "", "topic", transaction_s=seconds)
+
+    assert slice_rows_limit(100_000, [], 60_000) == 100_000  # no history: the configured size
+    assert slice_rows_limit(100_000, [rec(10_000, 1.0)], 60_000) == 100_000  # 10k rows/s: 300k fit in 30 s
+    assert slice_rows_limit(100_000, [rec(10_000, 10.0)], 60_000) == 30_000  # 1k rows/s: 30k rows in 30 s
+    assert slice_rows_limit(100_000, [rec(10_000, 1000.0)], 60_000) == 1_000  # never below 1000 rows
+    assert slice_rows_limit(100_000, [rec(10, 100.0)], 60_000) == 100_000  # too few rows to judge
+
+
+
+def test_slice_that_outlives_the_transaction_timeout_is_cut_again_smaller(services, pg_database, pg_engine,
+                                                                          dagster_instance, spark, name,
+                                                                          monkeypatch) -> None:
+    """A slice whose transaction outlives `transaction.timeout.ms` can never commit as cut: its run stops with
+    "transaction timed out" (not "fenced") and the sensor cuts the range again at a quarter of its rows."""
+    from dagster import RunsFilter
+
+    from orchestration.factory import job_name
+    from resources.kafka_io_manager import STOPPED_TAG
+
+    _pg_table(pg_engine, name, 4000)
+    cfg = relay_config(services, {"src": pg_database}, [_table_cfg(name, slice_max_rows=4000)],
+                       producer={"transaction.timeout.ms": "2000"})
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    (key,) = h.tick(table)
+    assert key == SliceRange(0, 4000).key
+    monkeypatch.setenv("ROWRELAY_FAILPOINT", "sleep:rows_produced:3.5")  # this slice takes longer than 2 s
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success
+    (run,) = dagster_instance.get_runs(RunsFilter(job_name=job_name(table)))
+    assert run.tags[STOPPED_TAG] == "transaction_timeout"
+    assert read_topic(services.kafka_bootstrap, table.topic_name) == [] and h.progress(table) is None
+    monkeypatch.delenv("ROWRELAY_FAILPOINT")
+    assert h.tick(table) == [f"{SliceRange(0, 1000).key}...{SliceRange(3000, 4000).key}"]
+    keys = dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
+    assert keys == [SliceRange(lo, lo + 1000).key for lo in range(0, 4000, 1000)]
+    h.drain(table, until_hi=4000, timeout=60)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 4001)))
