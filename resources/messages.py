@@ -51,8 +51,8 @@ def column_to_json_expr(field: StructField) -> Column:
     if client_type == "float4" and isinstance(dt, T.StringType):
         return col.cast("double")  # read as PostgreSQL's text: Java 17's Float.toString is not shortest
     if isinstance(dt, T.DecimalType):
-        if dt.scale == 0 and "UNSIGNED" in client_type.upper():
-            return col  # BIGINT UNSIGNED: a JSON number
+        if dt.scale == 0 and client_type.upper().startswith("BIGINT"):
+            return col  # BIGINT UNSIGNED (Spark's decimal(20,0)) is an integer: a JSON number
         return col.cast("string")  # "12.30": exact, scale kept, never exponent notation
     if isinstance(dt, T.TimestampNTZType):
         return F.date_format(col, TS_FORMAT)
@@ -126,6 +126,27 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
 ChunkReader = Callable[[SliceRange, int], "DataFrame"]
 
 
+class SourceReadError(RuntimeError):
+    """Spark could not read a slice from the source; the message carries the JDBC driver's own reason."""
+
+
+def jvm_cause(exc: BaseException) -> str | None:
+    """The JDBC driver's (or other non-Spark) reason behind a Spark error, from its JVM stack trace.
+
+    Spark's FAILED_JDBC.CONNECTION says only "Couldn't connect to the database"; the reason a user can act on
+    (a certificate problem, a refused login) is a "Caused by:" line: classic PySpark keeps the trace in
+    `_stackTrace`, Spark Connect in `getStackTrace()`.
+    """
+    get_trace = getattr(exc, "getStackTrace", None)
+    trace = get_trace() if callable(get_trace) else getattr(exc, "_stackTrace", None)
+    if not isinstance(trace, str):
+        return None
+    causes = [line.strip().removeprefix("Caused by: ") for line in trace.splitlines()
+              if line.strip().startswith("Caused by: ")]
+    own = [c for c in causes if not c.startswith(("org.apache.spark.", "java.util.concurrent."))]
+    return (own or causes or [None])[0]
+
+
 @dataclass
 class SliceFrame:
     """One slice to publish: its messages, read from the source one watermark sub-range (chunk) at a time.
@@ -148,7 +169,15 @@ class SliceFrame:
 
     def fetch(self, sub: SliceRange, expected_rows: int) -> pa.Table:
         assert self.read_chunk is not None
-        return self.read_chunk(sub, expected_rows).toArrow()
+        try:
+            return self.read_chunk(sub, expected_rows).toArrow()
+        except Exception as exc:
+            cause = jvm_cause(exc)
+            if cause is None or cause in str(exc):
+                raise
+            summary = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SourceReadError(f"{self.channel.table}: reading watermarks {sub} from the source failed: "
+                                  f"{summary}; caused by {cause}") from exc
 
     def iter_batches(self, chunk_rows: int, prefetch: int = 2) -> Iterator[MessageBatch]:
         """Stream the slice in watermark order, one Arrow batch of one sub-range at a time (flat memory).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from math import ceil
 from typing import TYPE_CHECKING, Any
@@ -45,16 +46,37 @@ def _with_sql_conf(session: SparkSession) -> SparkSession:
     return session
 
 
+# Spark's DecimalType holds at most 38 digits with 0 <= scale <= precision; outside that it rounds or fails.
+SPARK_MAX_DECIMAL_DIGITS = 38
+_DECIMAL_TYPE = re.compile(r"^(?:NUMERIC|DECIMAL)(?:\((\d+)(?:,\s*(-?\d+))?\))?(?:\s|$)", re.IGNORECASE)
+
+
+def exceeds_spark_decimal(type_name: str) -> bool:
+    """True for a NUMERIC/DECIMAL type Spark's DecimalType cannot hold exactly (from the reflected type name,
+    e.g. "NUMERIC(78, 0)", "DECIMAL(65, 30) UNSIGNED"; an unconstrained "NUMERIC" has no fixed scale)."""
+    match = _DECIMAL_TYPE.match(type_name.strip())
+    if match is None:
+        return False
+    if match.group(1) is None:
+        return True
+    precision, scale = int(match.group(1)), int(match.group(2) or 0)
+    return precision > SPARK_MAX_DECIMAL_DIGITS or not 0 <= scale <= precision
+
+
 def custom_schema_for(shape: TableShape) -> str:
     """Columns Spark's default JDBC mapping would not read exactly, re-typed as text (customSchema).
 
-    PostgreSQL unconstrained numeric becomes decimal(38,18) (overflows, no NaN); real (float4) through
-    Java 17's Float.toString is not the shortest text, so read PostgreSQL's own text and cast to double.
-    Decided from the reflected types, which saves Spark a second schema round trip.
+    Decimals beyond DecimalType (PostgreSQL unconstrained or numeric(78,0), numeric(5,7), MariaDB
+    DECIMAL(65,30)) would be rounded or overflow: read the driver's own text instead, which is exact, in plain
+    notation and keeps the column's scale. PostgreSQL real (float4) through Java 17's Float.toString is not the
+    shortest text, so read PostgreSQL's own text and cast to double. Decided from the reflected types, which
+    saves Spark a second schema round trip.
     """
-    if shape.dialect != "postgresql":
+    if shape.dialect not in ("postgresql", "mysql"):
         return ""
-    return ", ".join(f"`{c.name}` STRING" for c in shape.columns if c.type_name in ("REAL", "NUMERIC"))
+    as_text = [c.name for c in shape.columns
+               if exceeds_spark_decimal(c.type_name) or (shape.dialect == "postgresql" and c.type_name == "REAL")]
+    return ", ".join(f"`{c}` STRING" for c in as_text)
 
 
 class SparkResource(ConfigurableResource):

@@ -28,6 +28,8 @@ USER = "rowrelay"
 # A throwaway local stack: the password only guards loopback ports. Real deployments pass their own.
 PASSWORD = "rowrelay-local"
 DAGSTER_DB = "dagster"
+# A role pg_hba.conf admits over TLS only (hostnossl ... reject): a read as this role proves its connection was TLS.
+PG_TLS_USER = "rowrelay_tls"
 DEMO_DB = "rowrelay_demo"
 
 
@@ -334,6 +336,7 @@ def postgres_up(ports: Ports) -> None:
     data, logfile = base / "data", base / "postgres.log"
     if reuse_or_claim("postgresql", read_pid(data / "postmaster.pid"), lambda: pg_ready(ports.postgres),
                       ports.postgres, "ROWRELAY_PG_PORT", logfile, 60):
+        postgres_tls_up(ports.postgres, data, logfile)  # a running server gets TLS by a reload, no restart
         return
     base.mkdir(parents=True, exist_ok=True)
     if is_root():
@@ -367,8 +370,123 @@ def postgres_up(ports: Ports) -> None:
     except subprocess.CalledProcessError as exc:
         raise StackError(f"postgresql did not start; read {logfile}\n{exc.stdout}{exc.stderr}") from exc
     wait_until(lambda: pg_ready(ports.postgres), 60, "postgresql", logfile)
+    postgres_tls_up(ports.postgres, data, logfile)
     ensure_pg_database(ports.postgres, DAGSTER_DB)
     ensure_pg_database(ports.postgres, DEMO_DB)
+
+
+def tls_dir() -> Path:
+    return home() / "tls"
+
+
+def pg_ca_file() -> Path:
+    """The stack's own CA certificate; clients verify the local PostgreSQL against it (sslrootcert)."""
+    return tls_dir() / "ca.crt"
+
+
+def _openssl(*args: str) -> None:
+    try:
+        run(["openssl", *args])
+    except FileNotFoundError as exc:
+        raise StackError("openssl not found; run: apt-get install -y openssl") from exc
+    except subprocess.CalledProcessError as exc:
+        raise StackError(f"openssl {args[0]} failed:\n{exc.stdout}{exc.stderr}") from exc
+
+
+SERVER_CERT_EXTENSIONS = """\
+basicConstraints = CA:FALSE
+keyUsage = critical, digitalSignature, keyEncipherment
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1, DNS:localhost
+"""
+
+
+def ensure_pg_certificates(data: Path) -> bool:
+    """A self-signed CA (tls/ca.crt) and a server certificate for 127.0.0.1/localhost it signed, as server.crt and
+    server.key in the data dir. True if they were (re)made, i.e. the server must reload them."""
+    ca_crt, ca_key = pg_ca_file(), tls_dir() / "ca.key"
+    crt, key = data / "server.crt", data / "server.key"
+    if ca_crt.exists() and key.exists() and crt.exists() and subprocess.run(
+            ["openssl", "verify", "-CAfile", str(ca_crt), str(crt)], capture_output=True).returncode == 0:
+        return False
+    tls_dir().mkdir(parents=True, exist_ok=True)
+    log(f"postgresql: making a local CA ({ca_crt}) and a server certificate for 127.0.0.1")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256", "-days", "3650", "-subj",
+             "/CN=rowrelay local stack CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-keyout", str(ca_key), "-out", str(ca_crt))
+    os.chmod(ca_key, 0o600)
+    csr, ext = tls_dir() / "server.csr", tls_dir() / "server.ext"
+    ext.write_text(SERVER_CERT_EXTENSIONS)
+    new_key = tls_dir() / "server.key.new"
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-sha256", "-subj", "/CN=127.0.0.1",
+             "-keyout", str(new_key), "-out", str(csr))
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key), "-CAcreateserial",
+             "-days", "3650", "-sha256", "-extfile", str(ext), "-out", str(crt))
+    shutil.move(new_key, key)
+    csr.unlink(missing_ok=True)
+    # PostgreSQL refuses a key file others can read; it must belong to the server's OS user.
+    os.chmod(key, 0o600)
+    if is_root():
+        pw = pwd.getpwnam("postgres")
+        for path in (crt, key):
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+    return True
+
+
+TLS_ONLY_HBA_LINE = f"hostnossl all {PG_TLS_USER} all reject"
+
+
+def ensure_tls_only_role_hba(data: Path) -> bool:
+    """pg_hba.conf refuses PG_TLS_USER over plaintext (the first matching line decides). True if added."""
+    hba = data / "pg_hba.conf"
+    lines = hba.read_text().splitlines()
+    if TLS_ONLY_HBA_LINE in lines:
+        return False
+    hba.write_text("\n".join([f"# rowrelay stack: {PG_TLS_USER} may connect over TLS only", TLS_ONLY_HBA_LINE,
+                              *lines]) + "\n")
+    return True
+
+
+PG_TLS_SETTINGS = {"ssl": "on", "ssl_cert_file": "server.crt", "ssl_key_file": "server.key"}
+
+
+def pg_tls_ready(port: int) -> bool:
+    import psycopg
+
+    try:
+        with psycopg.connect(host="127.0.0.1", port=port, user=PG_TLS_USER, password=PASSWORD, dbname="postgres",
+                             sslmode="verify-full", sslrootcert=str(pg_ca_file()), connect_timeout=2):
+            return True
+    except Exception:
+        return False
+
+
+def postgres_tls_up(port: int, data: Path, logfile: Path) -> None:
+    """Serve TLS (server.crt/server.key signed by the stack's CA) next to plaintext, idempotently.
+
+    ssl settings and pg_hba.conf take effect on a reload (SIGHUP), so a running server needs no restart and
+    sessions already open are untouched; plaintext connections keep working for every other role.
+    """
+    import psycopg
+    from psycopg import sql
+
+    changed = ensure_pg_certificates(data)
+    changed |= ensure_tls_only_role_hba(data)
+    with psycopg.connect(host="127.0.0.1", port=port, user=USER, password=PASSWORD, dbname="postgres",
+                         autocommit=True, sslmode="disable") as conn:
+        if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (PG_TLS_USER,)).fetchone():
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(PG_TLS_USER),
+                                                                             sql.Literal(PASSWORD)))
+        for name, value in PG_TLS_SETTINGS.items():
+            current = conn.execute(sql.SQL("SELECT setting FROM pg_settings WHERE name = {}").format(
+                sql.Literal(name))).fetchone()
+            if current is None or current[0] != value:
+                conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+                changed = True
+        if changed:
+            log("postgresql: enabling TLS (pg_reload_conf, no restart)")
+            conn.execute("SELECT pg_reload_conf()")
+    wait_until(lambda: pg_tls_ready(port), 30, "postgresql over TLS", logfile)
 
 
 def ensure_pg_database(port: int, name: str) -> None:
@@ -532,6 +650,8 @@ def settings(ports: Ports | None = None, with_jars: bool = True) -> dict[str, st
         "ROWRELAY_PG_PORT": str(p.postgres),
         "ROWRELAY_PG_USER": USER,
         "ROWRELAY_PG_PASSWORD": PASSWORD,
+        "ROWRELAY_PG_SSLROOTCERT": str(pg_ca_file()),  # the local PostgreSQL also serves TLS, signed by this CA
+        "ROWRELAY_PG_TLS_USER": PG_TLS_USER,
         "ROWRELAY_MARIADB_HOST": "127.0.0.1",
         "ROWRELAY_MARIADB_PORT": str(p.mariadb),
         "ROWRELAY_MARIADB_USER": USER,

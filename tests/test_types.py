@@ -148,3 +148,70 @@ def test_mariadb_types_round_trip(services, mariadb_database, mariadb_engine, da
     assert got[0]["c_tiny1"] == 5 and got[0]["c_num"] == "12.30"
     assert got[0]["c_dt"] == "1000-01-01T00:00:00.000001"
     assert got[0]["c_blob"] == "AP8QYWJj"
+
+
+# Decimals beyond Spark's DecimalType (precision 38, 0 <= scale <= precision) must still arrive exactly.
+PG_WIDE_DDL = """CREATE TABLE {t} (id bigserial PRIMARY KEY, c_n78 numeric(78,0), c_n60 numeric(60,30),
+  c_frac numeric(5,7), c_negscale numeric(5,-2), c_num numeric(12,2))"""
+PG_WIDE_ROWS = [
+    "(123456789012345678901234567890123456789012345678901234567890123456789012345678,"
+    " 123456789012345678901234567890.123456789012345678901234567891, 0.0012345, 1234567, 12.30)",
+    f"(-{'9' * 78}, -0.000000000000000000000000000001, -0.0099999, -9999900, -0.01)",
+    "(0, 0.5, 0, 0, 0)",
+    "(NULL, NULL, NULL, NULL, NULL)",
+]
+
+
+def _assert_decimals_exact(expected_rows: list[dict], got: list[dict]) -> None:
+    assert [g["id"] for g in got] == [e["id"] for e in expected_rows]
+    for exp, value in zip(expected_rows, got, strict=True):
+        assert list(value) == list(exp), "fields in column order"
+        for col, v in exp.items():
+            assert value[col] == _expected(v), f"row {exp['id']} {col}: {value[col]!r} != {_expected(v)!r}"
+
+
+@pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
+def test_postgres_wide_decimals_are_exact(services, pg_database, pg_engine, dagster_instance, spark, name,
+                                          spark_remote: bool) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(PG_WIDE_DDL.format(t=name)))
+        for row in PG_WIDE_ROWS:
+            conn.execute(text(f"INSERT INTO {name} (c_n78, c_n60, c_frac, c_negscale, c_num) VALUES {row}"))
+    with pg_engine.connect() as conn:
+        expected_rows = [dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name} ORDER BY id"))]
+    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", len(PG_WIDE_ROWS), spark_remote)
+    _assert_decimals_exact(expected_rows, got)
+    assert got[0]["c_n78"] == "123456789012345678901234567890123456789012345678901234567890123456789012345678"
+    assert got[1]["c_n78"] == "-" + "9" * 78
+    assert got[2]["c_n60"] == "0.500000000000000000000000000000"
+    assert got[0]["c_negscale"] == "1234600"  # numeric(5,-2) rounds on insert; the stored value is sent
+
+
+MARIA_WIDE_DDL = """CREATE TABLE {t} (id bigint AUTO_INCREMENT PRIMARY KEY, c_d65 decimal(65,30),
+  c_d65u decimal(65,30) unsigned, c_d40 decimal(40,0), c_d20u decimal(20,0) unsigned, c_bu bigint unsigned,
+  c_num decimal(12,2))"""
+MARIA_WIDE_ROWS = [
+    "(123456789012345678901234567890123.123456789012345678901234567891,"
+    " 99999999999999999999999999999999999.999999999999999999999999999999,"
+    " 1234567890123456789012345678901234567890, 99999999999999999999, 18446744073709551615, 12.30)",
+    "(0.5, 0.5, -1234567890123456789012345678901234567890, 0, 0, -0.01)",
+    "(-99999999999999999999999999999999999.999999999999999999999999999999, 0, 0, 1, 1, 0)",
+    "(NULL, NULL, NULL, NULL, NULL, NULL)",
+]
+
+
+@pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
+def test_mariadb_wide_decimals_are_exact(services, mariadb_database, mariadb_engine, dagster_instance, spark, name,
+                                         spark_remote: bool) -> None:
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(MARIA_WIDE_DDL.format(t=name)))
+        for row in MARIA_WIDE_ROWS:
+            conn.execute(text(f"INSERT INTO {name} (c_d65, c_d65u, c_d40, c_d20u, c_bu, c_num) VALUES {row}"))
+    with mariadb_engine.connect() as conn:
+        expected_rows = [dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name} ORDER BY id"))]
+    got = _run_table(services, mariadb_database, dagster_instance, name, len(MARIA_WIDE_ROWS), spark_remote)
+    _assert_decimals_exact(expected_rows, got)
+    assert got[0]["c_d65"] == "123456789012345678901234567890123.123456789012345678901234567891"
+    assert got[1]["c_d65"] == "0.500000000000000000000000000000"
+    assert got[0]["c_bu"] == 18446744073709551615  # BIGINT UNSIGNED stays a JSON number
+    assert got[0]["c_d20u"] == "99999999999999999999"  # a DECIMAL, even unsigned with scale 0, is a string
