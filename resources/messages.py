@@ -173,9 +173,9 @@ class SliceFrame:
             return self.read_chunk(sub, expected_rows).toArrow()
         except Exception as exc:
             cause = jvm_cause(exc)
-            if cause is None or cause in str(exc):
-                raise
             summary = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if cause is None or cause in summary:
+                raise
             raise SourceReadError(f"{self.channel.table}: reading watermarks {sub} from the source failed: "
                                   f"{summary}; caused by {cause}") from exc
 

@@ -136,6 +136,39 @@ def test_wrong_ca_fails_clearly_and_publishes_nothing(services, pg_database, pg_
     assert progress is not None and progress.hi == 3
 
 
+def test_mariadb_tls_request_reaches_the_spark_read(services, mariadb_database, mariadb_engine, spark,
+                                                     name) -> None:
+    """pymysql's ssl_* parameters reach Connector/J: asked for TLS, Spark's read never falls back to plaintext."""
+    from assets.relay import channel_for
+    from resources.messages import SliceFrame, SourceReadError
+    from resources.source_database import SourceDatabaseResource
+    from resources.spark import SparkResource
+    from tests.pipeline import source_url
+
+    with mariadb_engine.begin() as conn:
+        if conn.execute(text("SELECT @@have_ssl")).scalar() == "YES":
+            pytest.skip("this MariaDB serves TLS; the test needs one that does not")
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b')"))
+    cfg = relay_config(services, {"src": mariadb_database}, [{"source": "src", "table": name, "watermark": "id"}])
+    plain = SourceDatabaseResource(url=source_url(mariadb_database))
+    tls = SourceDatabaseResource(url=source_url(mariadb_database.update_query_dict({"ssl_verify_cert": "false"})))
+    try:
+        shape = plain.table_shape(None, name, "id")
+        reader = SparkResource(master="local[2]", jars=services.jdbc_jars)
+
+        def frame(source: SourceDatabaseResource) -> SliceFrame:
+            return SliceFrame(channel_for(cfg.tables[0]), SliceRange(0, 2), expected_rows=2,
+                              read_chunk=lambda sub, rows: reader.read_slice(source, shape, sub, rows))
+
+        assert frame(plain).fetch(SliceRange(0, 2), 2).num_rows == 2
+        with pytest.raises(SourceReadError, match="ssl not enabled in the server"):
+            frame(tls).fetch(SliceRange(0, 2), 2)
+    finally:
+        plain.dispose()
+        tls.dispose()
+
+
 # -- the mapping itself (pure logic) ---------------------------------------------------------------------------
 
 
