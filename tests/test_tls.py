@@ -136,6 +136,23 @@ def test_wrong_ca_fails_clearly_and_publishes_nothing(services, pg_database, pg_
     assert progress is not None and progress.hi == 3
 
 
+def test_url_parameter_spark_cannot_honour_fails_the_run_clearly(services, pg_database, pg_engine,
+                                                                  dagster_instance, spark, name) -> None:
+    """libpq takes sslcrl, pgjdbc has no equivalent: the run fails naming it, rather than reading without it."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b')"))
+    url = _with_query(pg_database, sslmode="require", sslcrl="/nonexistent/crl.pem")
+    h = Harness(relay_config(services, {"src": url}, [{"source": "src", "table": f"public.{name}",
+                                                        "watermark": "id"}]), dagster_instance)
+    (key,) = h.tick(h.table())
+    result = h.run(h.table(), key, raise_on_error=False)
+    assert not result.success
+    assert "source URL parameter 'sslcrl'" in failure_text(result)
+    assert read_topic(services.kafka_bootstrap, h.table().topic_name) == []
+    assert h.progress(h.table()) is None
+
+
 def test_mariadb_tls_request_reaches_the_spark_read(services, mariadb_database, mariadb_engine, spark,
                                                      name) -> None:
     """pymysql's ssl_* parameters reach Connector/J: asked for TLS, Spark's read never falls back to plaintext."""
