@@ -1,0 +1,340 @@
+"""The safe high watermark at the edges (issue 9): ids drawn before a transaction is visible, database time zones,
+failed checks, BIGINT UNSIGNED watermarks. Real PostgreSQL, MariaDB, Kafka and Spark."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import yaml
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL, Engine
+
+from resources.slices import WatermarkCandidate
+from resources.source_database import SourceDatabaseResource, SourceError
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, source_url
+from tests.test_errors import failure_text
+
+pytestmark = pytest.mark.integration
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+# --------------------------------------------------------------------------- PostgreSQL: id drawn before an xid
+
+
+def create_holding_table(engine: Engine, name: str) -> int:
+    """`name (id bigserial, v int)` whose BEFORE INSERT trigger waits on an advisory lock when v = -1: the insert
+    then holds its `DEFAULT nextval` id without an xid. Row 1 is committed first, so the next nextval is not
+    WAL-logged (that would take an xid early). Returns the advisory lock key."""
+    key = uuid.uuid4().int % 2**31
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v int)"))
+        conn.execute(text(f"CREATE FUNCTION {name}_hold() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                          f"IF NEW.v = -1 THEN PERFORM pg_advisory_xact_lock({key}); END IF; RETURN NEW; END $$"))
+        conn.execute(text(f"CREATE TRIGGER {name}_hold BEFORE INSERT ON {name} FOR EACH ROW "
+                          f"EXECUTE FUNCTION {name}_hold()"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (0)"))
+    return key
+
+
+@contextmanager
+def id_held_without_xid(url: URL, name: str, key: int) -> Iterator[tuple[Callable[[], int], str]]:
+    """Session A inserts v = -1 and blocks in the trigger holding id 2 (no xid yet); then session B commits id 3.
+    Yields `release`, which lets A commit and returns A's id, and A's virtual transaction id."""
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    gate = admin.connect()
+    gate.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+    writer = create_engine(url)
+    outcome: dict[str, object] = {}
+
+    def insert_a() -> None:
+        try:
+            with writer.begin() as conn:
+                outcome["id"] = conn.execute(text(f"INSERT INTO {name} (v) VALUES (-1) RETURNING id")).scalar()
+        except Exception as exc:  # noqa: BLE001 - reported by release()
+            outcome["error"] = exc
+
+    a = threading.Thread(target=insert_a)
+    a.start()
+
+    def a_waiting() -> list:
+        return gate.execute(text(
+            "SELECT a.backend_xid, v.virtualxid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "JOIN pg_locks v ON v.pid = l.pid AND v.locktype = 'virtualxid' AND v.granted "
+            "WHERE l.locktype = 'advisory' AND NOT l.granted AND l.objid = :k"), {"k": key}).all()
+
+    released = False
+
+    def release() -> int:
+        nonlocal released
+        if not released:
+            released = True
+            gate.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            a.join(30)
+        assert "error" not in outcome, outcome.get("error")
+        return int(outcome["id"])  # type: ignore[call-overload]
+
+    try:
+        assert eventually(lambda: bool(a_waiting()), 10), "session A never blocked in the trigger"
+        assert a_waiting()[0][0] is None, "session A already has an xid: the reproduction needs one without"
+        with writer.begin() as conn:
+            assert conn.execute(text(f"INSERT INTO {name} (v) VALUES (2) RETURNING id")).scalar() == 3
+        yield release, a_waiting()[0][1]
+    finally:
+        release()
+        gate.close()
+        writer.dispose()
+        admin.dispose()
+
+
+@contextmanager
+def unprivileged_pg_role(services, pg_database: URL, pg_engine: Engine, table: str) -> Iterator[URL]:
+    """A login role with only CONNECT and SELECT on the table (no superuser, no pg_read_all_stats/pg_monitor)."""
+    role, password = f"{table}_reader", uuid.uuid4().hex
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
+        conn.execute(text(f'GRANT CONNECT ON DATABASE "{pg_database.database}" TO {role}'))
+        conn.execute(text(f"GRANT SELECT ON {table} TO {role}"))
+    try:
+        yield pg_database.set(username=role, password=password)
+    finally:
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))  # also revokes CONNECT on the database
+            conn.execute(text(f"DROP ROLE {role}"))
+
+
+def test_postgres_id_drawn_before_its_xid_holds_the_watermark(services, pg_database, pg_engine, name) -> None:
+    key = create_holding_table(pg_engine, name)
+    with unprivileged_pg_role(services, pg_database, pg_engine, name) as reader_url:
+        source = SourceDatabaseResource(url=source_url(reader_url))
+        try:
+            shape = source.table_shape("public", name, "id")
+            with id_held_without_xid(pg_database, name, key) as (release, a_vxid):
+                seen = source.observe(shape)
+                assert seen is not None and seen.watermark == 3
+                # Seen by a role without pg_read_all_stats: pg_locks and pg_stat_activity's pid/datid are public.
+                assert a_vxid in seen.waits, f"A's transaction {a_vxid} is not among {seen.waits}"
+                # Id 2 is taken but not committed: 3 must not be final, however long we look.
+                for _ in range(3):
+                    assert not source.is_final(seen, 0), f"{seen} declared final while id 2 is uncommitted"
+                    time.sleep(0.2)
+                assert release() == 2
+                assert eventually(lambda: source.is_final(seen, 0)), f"{seen} never became final after A committed"
+        finally:
+            source.dispose()
+
+
+def test_postgres_backfill_does_not_skip_an_id_drawn_before_its_xid(services, pg_database, pg_engine, dagster_home,
+                                                                      dagster_instance, spark, name, tmp_path,
+                                                                      monkeypatch) -> None:
+    from orchestration.cli import main
+
+    key = create_holding_table(pg_engine, name)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "settle_seconds": 0}])
+    table = cfg.tables[0]
+    config_file = tmp_path / "rowrelay.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    backfill = ["--config", str(config_file), "backfill", "--table", table.table_id, "--settle-timeout", "1"]
+    with id_held_without_xid(pg_database, name, key) as (release, _):
+        assert main(backfill) == 0
+        early = [m.value["id"] for m in read_topic(services.kafka_bootstrap, table.topic_name)]
+        assert set(early) <= {1}, f"published {early} while id 2 was uncommitted"
+        assert release() == 2
+    assert main(backfill) == 0
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3])
+
+
+# --------------------------------------------------------------------------- MariaDB: one clock, open transactions
+
+
+@contextmanager
+def global_time_zone(services, zone: str) -> Iterator[None]:
+    """The server's global time_zone (new connections take it), restored afterwards."""
+    admin = create_engine(services.mariadb_url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        previous = conn.execute(text("SELECT @@global.time_zone")).scalar()
+        conn.execute(text("SET GLOBAL time_zone = :z"), {"z": zone})
+        try:
+            yield
+        finally:
+            conn.execute(text("SET GLOBAL time_zone = :z"), {"z": previous})
+    admin.dispose()
+
+
+@pytest.mark.parametrize("zone", ["+05:00", "-05:00"])
+def test_mariadb_open_transaction_holds_the_watermark_in_any_time_zone(services, mariadb_database, mariadb_engine,
+                                                                       name, zone) -> None:
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (0)"))
+    source = SourceDatabaseResource(url=source_url(mariadb_database))
+    holder = create_engine(mariadb_database)
+    a, c = holder.connect(), holder.connect()
+    try:
+        with global_time_zone(services, zone):
+            with source.engine.connect() as conn:  # the resource connects after the zone changed
+                assert conn.execute(text("SELECT @@session.time_zone")).scalar() == zone
+            shape = source.table_shape(None, name, "id")
+            a_tx = a.begin()
+            assert a.execute(text(f"INSERT INTO {name} (v) VALUES (-1)")).lastrowid == 2  # open, holds id 2
+            with mariadb_engine.begin() as conn:
+                assert conn.execute(text(f"INSERT INTO {name} (v) VALUES (2)")).lastrowid == 3
+            seen = source.observe(shape)
+            assert seen is not None and seen.watermark == 3
+            time.sleep(0.7)  # past the settle delay
+            assert not source.is_final(seen, 0.5), f"{seen} declared final while id 2 is uncommitted ({zone})"
+            a_tx.commit()
+            # A transaction that began after the max was seen holds only higher ids: it must not hold it back.
+            c_tx = c.begin()
+            c.execute(text(f"INSERT INTO {name} (v) VALUES (4)"))
+            assert eventually(lambda: source.is_final(seen, 0.5)), f"{seen} never became final ({zone})"
+            c_tx.rollback()
+    finally:
+        a.close()  # an open transaction would block the database's DROP
+        c.close()
+        source.dispose()
+        holder.dispose()
+
+
+def test_mariadb_stale_innodb_trx_cache_does_not_hide_an_open_transaction(services, mariadb_database,
+                                                                          mariadb_engine, name) -> None:
+    """information_schema.innodb_trx is a cache, refreshed only when nobody read it for 100 ms: another client
+    reading it often (monitoring, other tables' sensors) keeps it stale, blind to a transaction that just began."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (0)"))
+    source = SourceDatabaseResource(url=source_url(mariadb_database))
+    reader = create_engine(services.mariadb_url())
+    holder = create_engine(mariadb_database)
+    a = holder.connect()
+    stop = threading.Event()
+
+    def read_often() -> None:  # for 0.8 s, every 20 ms
+        with reader.connect() as conn:
+            deadline = time.monotonic() + 0.8
+            while not stop.is_set() and time.monotonic() < deadline:
+                conn.execute(text("SELECT COUNT(*) FROM information_schema.innodb_trx")).scalar()
+                conn.rollback()
+                time.sleep(0.02)
+
+    monitor = threading.Thread(target=read_often)
+    try:
+        shape = source.table_shape(None, name, "id")
+        monitor.start()
+        time.sleep(0.1)  # the cache is refreshed once, then kept stale
+        a_tx = a.begin()
+        assert a.execute(text(f"INSERT INTO {name} (v) VALUES (-1)")).lastrowid == 2  # open, holds id 2
+        with mariadb_engine.begin() as conn:
+            assert conn.execute(text(f"INSERT INTO {name} (v) VALUES (2)")).lastrowid == 3
+        seen = source.observe(shape)
+        assert seen is not None and seen.watermark == 3
+        monitor.join(5)
+        time.sleep(0.7)  # past the settle delay; the cache is fresh again
+        assert not source.is_final(seen, 0.5), f"{seen} declared final while id 2 is uncommitted"
+        a_tx.commit()
+        assert eventually(lambda: source.is_final(seen, 0.5)), f"{seen} never became final"
+    finally:
+        stop.set()
+        if monitor.is_alive():
+            monitor.join(5)
+        a.close()
+        source.dispose()
+        holder.dispose()
+        reader.dispose()
+
+
+def test_mariadb_read_only_transactions_begun_later_do_not_hold_the_watermark(services, mariadb_database,
+                                                                             mariadb_engine, name) -> None:
+    """innodb_trx shows every read-only transaction with trx_id 0: a transaction is told by thread and start."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (0), (1)"))
+    source = SourceDatabaseResource(url=source_url(mariadb_database))
+    holder = create_engine(mariadb_database)
+    first, later = holder.connect(), holder.connect()
+    try:
+        first.execute(text(f"SELECT COUNT(*) FROM {name}")).scalar()  # a read-only transaction, open
+        time.sleep(0.15)  # let innodb_trx's cache see it
+        seen = source.observe(source.table_shape(None, name, "id"))
+        assert seen is not None and seen.watermark == 2 and seen.waits
+        first.rollback()
+        later.execute(text(f"SELECT COUNT(*) FROM {name}")).scalar()  # another one, begun after the max was seen
+        time.sleep(0.15)
+        assert eventually(lambda: source.is_final(seen, 0)), f"{seen} held back by a later read-only transaction"
+    finally:
+        first.close()
+        later.close()
+        source.dispose()
+        holder.dispose()
+
+
+def test_mariadb_without_process_privilege_is_a_clear_error(services, mariadb_database, mariadb_engine,
+                                                            name) -> None:
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (0), (1)"))
+    user, password = f"{name}_np", uuid.uuid4().hex
+    admin = create_engine(services.mariadb_url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE USER '{user}'@'%' IDENTIFIED BY '{password}'"))
+        conn.execute(text(f"GRANT SELECT ON `{mariadb_database.database}`.* TO '{user}'@'%'"))
+    source = SourceDatabaseResource(url=source_url(mariadb_database.set(username=user, password=password)))
+    try:
+        shape = source.table_shape(None, name, "id")
+        with pytest.raises(SourceError, match=r"GRANT PROCESS ON \*\.\* TO"):
+            source.observe(shape)
+        # A candidate from before the grant was lost: the check must not call it final without the guard.
+        with pytest.raises(SourceError, match=r"GRANT PROCESS ON \*\.\* TO"):
+            source.is_final(WatermarkCandidate(2, 0.0, ("1|2020-01-01 00:00:00",)), 0)
+    finally:
+        source.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP USER '{user}'@'%'"))
+        admin.dispose()
+
+
+@pytest.mark.parametrize("url", ["postgresql://rowrelay:x@127.0.0.1:1/db", "mysql://rowrelay:x@127.0.0.1:1/db"])
+def test_a_check_that_cannot_reach_the_database_is_not_final(url: str) -> None:
+    source = SourceDatabaseResource(url=url)
+    try:
+        assert source.is_final(WatermarkCandidate(10, 0.0, ("3/7",)), 0) is False
+    finally:
+        source.dispose()
+
+
+# --------------------------------------------------------------------------- BIGINT UNSIGNED beyond 2^63
+
+
+def test_bigint_unsigned_watermark_beyond_2_63_is_refused(services, mariadb_database, mariadb_engine,
+                                                          dagster_instance, spark, name) -> None:
+    beyond = 2**63 + 5
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id BIGINT UNSIGNED PRIMARY KEY, v int)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 0), ({beyond}, 1)"))
+    h = Harness(relay_config(services, {"src": mariadb_database},
+                             [{"source": "src", "table": name, "watermark": "id"}]), dagster_instance)
+    table = h.table()
+    expected = f"{name}: watermark column 'id' holds {beyond}"
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the message is asserted below
+        h.tick(table)
+    assert expected in str(info.value) and "2^63" in str(info.value)
+    key = "000000000000-000000000010"
+    h.instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [key])
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success and expected in failure_text(result)
+    assert read_topic(services.kafka_bootstrap, table.topic_name) == []
+    assert h.progress(table) is None
