@@ -225,7 +225,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                     break
                 state = plan.state
                 time.sleep(0.5)
-        except (SourceError, RelayError) as exc:
+        except (SourceError, RelayError, RuntimeError) as exc:  # RuntimeError: MariaDB's innodb_trx stayed stale
             print(f"rowrelay: {exc}", file=sys.stderr)
             return 1
         finally:
