@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import NoSuchTableError
 
 from resources.config import resolve_env
-from resources.jdbc import jdbc_options
+from resources.jdbc import UrlParameterError, jdbc_options
 from resources.slices import WatermarkCandidate
 
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
@@ -127,6 +127,10 @@ class SourceDatabaseResource(ConfigurableResource):
 
     def table_shape(self, schema: str | None, table: str, watermark: str, columns: list[str] | None = None
                     ) -> TableShape:
+        try:  # a URL parameter Spark's JDBC driver cannot honour fails the sensor tick, not only the run
+            self.jdbc_options()
+        except UrlParameterError as exc:
+            raise SourceError(str(exc)) from None
         t = self.reflect(schema, table)
         label = f"{schema}.{table}" if schema else table
         if watermark not in t.c:

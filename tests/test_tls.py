@@ -138,14 +138,18 @@ def test_wrong_ca_fails_clearly_and_publishes_nothing(services, pg_database, pg_
 
 def test_url_parameter_spark_cannot_honour_fails_the_run_clearly(services, pg_database, pg_engine,
                                                                   dagster_instance, spark, name) -> None:
-    """libpq takes sslcrl, pgjdbc has no equivalent: the run fails naming it, rather than reading without it."""
+    """libpq takes sslcrl, pgjdbc has no equivalent: the sensor tick and the run fail naming it, rather than
+    reading without it."""
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
         conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b')"))
     url = _with_query(pg_database, sslmode="require", sslcrl="/nonexistent/crl.pem")
     h = Harness(relay_config(services, {"src": url}, [{"source": "src", "table": f"public.{name}",
                                                         "watermark": "id"}]), dagster_instance)
-    (key,) = h.tick(h.table())
+    with pytest.raises(Exception, match="source URL parameter 'sslcrl'"):
+        h.tick(h.table())
+    key = "000000000000-000000000002"
+    dagster_instance.add_dynamic_partitions(f"{h.table().dagster_name}__slices", [key])
     result = h.run(h.table(), key, raise_on_error=False)
     assert not result.success
     assert "source URL parameter 'sslcrl'" in failure_text(result)
