@@ -196,7 +196,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from dagster import DagsterInstance, RunsFilter
     from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-    from assets.relay import partitions_for, pool_name
+    from assets.relay import channel_for, partitions_for, pool_name
     from orchestration.factory import build_definitions, job_name
     from orchestration.sensors import ACTIVE, SensorState, ensure_pool, plan_cut
     from resources.exactly_once import RelayError
@@ -219,8 +219,10 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         try:
             while True:  # the newest rows count once they are final (open transactions, settle delay)
                 keys = instance.get_dynamic_partitions(partitions.name)
-                plan = plan_cut(table, source, io_manager, keys, state, heal=not active, cut_while_pending=True,
-                                limit=100_000)
+                progress = read_committed_progress(io_manager.kafka_conf(), channel_for(table,
+                                                   io_manager.transactional_id_prefix))
+                plan = plan_cut(table, source, io_manager, progress, keys, state, heal=not active,
+                                cut_while_pending=True, limit=100_000)
                 if plan.add or not plan.state.pending or time.monotonic() > deadline:
                     break
                 state = plan.state

@@ -205,9 +205,9 @@ def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: 
             f"to send them, or `start_after: {start}` to skip them deliberately")
 
 
-def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: KafkaIOManager, keys: list[str],
-             state: SensorState, *, heal: bool, cut_while_pending: bool, limit: int = 500,
-             resplit: bool = False) -> CutPlan:
+def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: KafkaIOManager,
+             progress: ProgressRecord | None, keys: list[str], state: SensorState, *, heal: bool,
+             cut_while_pending: bool, limit: int = 500, resplit: bool = False) -> CutPlan:
     """The one way slices are cut, for the sensor and `rowrelay backfill` alike.
 
     Kafka's progress decides where the table stands, not the partitions: partitions off the chain that continues
@@ -216,10 +216,10 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     instead of failing "out of order" forever. New slices start where the chain ends, up to the safe watermark.
     `resplit`: the first uncommitted slice outlived the transaction timeout, so it can never commit as cut: the
     uncommitted slices are deleted and cut again from Kafka's progress at a quarter of its rows.
+    `progress`: the table's committed progress, just read from Kafka.
     """
     channel = channel_for(table, io_manager.transactional_id_prefix)
     conf = io_manager.kafka_conf()
-    progress = read_committed_progress(conf, channel)
     recent = [progress] if progress is not None else []
     shape = cached_table_shape(source, table)
     slices = [SliceRange.from_key(k) for k in keys]
@@ -410,8 +410,8 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
             # input): new slices would only fail "out of order" behind them.
             return SkipReason(f"{table.table_id}: slices after {committed_hi} are not committed yet; waiting for "
                               "their runs (or a resume)")
-        plan = plan_cut(table, source, io_manager, keys, SensorState.from_cursor(context.cursor), heal=True,
-                        cut_while_pending=False, resplit=resplit)
+        plan = plan_cut(table, source, io_manager, progress, keys, SensorState.from_cursor(context.cursor),
+                        heal=True, cut_while_pending=False, resplit=resplit)
         if plan.delete:
             context.log.warning(f"{table.table_id}: partitions {[s.key for s in plan.delete]} do not continue Kafka's "
                                 f"progress ({plan.committed_hi}) and can never commit: deleted, range cut again")
