@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -163,10 +162,21 @@ def run_raw(stack: Stack, table: str, topic: str) -> float:
 
 # -- rowrelay -----------------------------------------------------------------------------------------
 
-def dagster_env(stack: Stack, config: Path) -> dict[str, str]:
-    home = stack.home / "bench" / "dagster-home"
+# Appended to the bench instance's dagster.yaml to measure a run launcher other than the checkout's.
+LAUNCHERS = {
+    "default": "run_launcher:\n  module: dagster._core.launcher.default_run_launcher\n  class: DefaultRunLauncher\n",
+    "warm": "run_launcher:\n  module: orchestration.launcher\n  class: WarmRunLauncher\n",
+}
+
+
+def dagster_env(stack: Stack, config: Path, launcher: str | None = None) -> dict[str, str]:
+    home = stack.home / "bench" / ("dagster-home" + (f"-{launcher}" if launcher else ""))
     home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
+    text = (ROOT / "dagster.yaml").read_text()
+    if launcher:
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("run_launcher")) + "\n"
+        text += LAUNCHERS[launcher]
+    (home / "dagster.yaml").write_text(text)
     return {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_PG_DB": BENCH_DAGSTER_DB,
             "ROWRELAY_DAGSTER_DIR": str(stack.home / "bench" / "dagster-artifacts"),
             "ROWRELAY_CONFIG": str(config), "PYTHONPATH": str(ROOT)}
@@ -273,8 +283,42 @@ def idle_tick_ms(stack: Stack, config: Path, env: dict[str, str], ticks: int = 1
     return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def measure_freshness(stack: Stack, workdir: Path, samples: int, warm_spark: bool, label: str) -> list[float]:
-    """The daemon relays a live table; each sample inserts one row and times until it is read_committed."""
+@dataclass
+class FreshnessSample:
+    freshness_s: float  # insert -> visible read_committed
+    run_start_s: float | None  # the run launched -> its worker executing (Dagster's run stats)
+    run_overhead_s: float | None  # the run launched -> its first message produced (the message's CreateTime)
+
+
+def run_timings(env: dict[str, str], job: str, row_id: int, produced_ms: int) -> tuple[float | None, float | None]:
+    """(launch -> worker executing, launch -> first message) of the run that published `row_id`."""
+    from dagster import DagsterInstance, RunsFilter
+
+    from orchestration.sensors import run_slices
+
+    saved = dict(os.environ)
+    os.environ.update({k: env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_DB", "ROWRELAY_DAGSTER_DIR")})
+    try:
+        with DagsterInstance.get() as instance:
+            for run in instance.get_runs(RunsFilter(job_name=job), limit=20):
+                span = run_slices(dict(run.tags))
+                if span is None or not span[0].lo < row_id <= span[1].hi:
+                    continue
+                stats = instance.get_run_stats(run.run_id)
+                if stats.launch_time is None:
+                    return None, None
+                start = stats.start_time - stats.launch_time if stats.start_time else None
+                return start, produced_ms / 1000 - stats.launch_time
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return None, None
+
+
+def measure_freshness(stack: Stack, workdir: Path, samples: int, warm_spark: bool, label: str,
+                      launcher: str | None = None) -> list[FreshnessSample]:
+    """The daemon relays a live table; each sample inserts one row and times until it is read_committed, and
+    how long the run that published it took from launch to its worker executing and to its first message."""
     table = f"bench_fresh_{label}_{uuid.uuid4().hex[:6]}"
     source = f"fresh{label}"
     table_id = f"{source}.public.{table}"
@@ -282,14 +326,15 @@ def measure_freshness(stack: Stack, workdir: Path, samples: int, warm_spark: boo
         conn.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, category varchar, note text)")
     config = write_config(stack, workdir / f"fresh-{label}.yaml", [
         {"source": source, "table": f"public.{table}", "watermark": "id", "key": ["id"]}], warm_spark=warm_spark)
-    env = dagster_env(stack, config)
+    env = dagster_env(stack, config, launcher)
+    job = f"relay_{source}_public_{table}"
     daemon_log = (workdir / f"daemon-{label}.log").open("w")
     daemon = subprocess.Popen([sys.executable, "-m", "dagster._daemon", "run", "-w", "workspace.yaml"],
                               cwd=ROOT, env=env, stdout=daemon_log, stderr=subprocess.STDOUT, start_new_session=True)
     consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
                          "auto.offset.reset": "earliest"})
-    results: list[float] = []
+    results: list[FreshnessSample] = []
     try:
         # Warm-up: the first row also waits for the daemon and code server to start.
         for i in range(samples + 1):
@@ -313,8 +358,10 @@ def measure_freshness(stack: Stack, workdir: Path, samples: int, warm_spark: boo
                     continue
                 found = json.loads(msg.value())["id"] == row_id
             if i > 0:
-                results.append(time.perf_counter() - inserted)
-                log(f"freshness {label}: sample {i}: {results[-1]:.1f} s")
+                seen = time.perf_counter() - inserted
+                start, overhead = run_timings(env, job, row_id, msg.timestamp()[1])
+                results.append(FreshnessSample(seen, start, overhead))
+                log(f"freshness {label}: sample {i}: {seen:.1f} s (run start {start}, to first message {overhead})")
             time.sleep(0.5)
     finally:
         consumer.close()
@@ -342,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freshness-samples", type=int, default=20)
     parser.add_argument("--cold-samples", type=int, default=5, help="freshness samples with a JVM per run (0: skip)")
     parser.add_argument("--skip-dpone", action="store_true")
+    parser.add_argument("--launchers", nargs="+", choices=sorted(LAUNCHERS), default=["default"],
+                        help="run launchers to measure freshness and run overhead with (the first gives the "
+                             "unsuffixed keys)")
     parser.add_argument("--only", choices=["raw", "rowrelay", "dpone", "idle", "freshness", "memory"], nargs="*")
     args = parser.parse_args(argv)
     only = set(args.only or ["raw", "rowrelay", "dpone", "idle", "freshness", "memory"])
@@ -405,14 +455,25 @@ def main(argv: list[str] | None = None) -> int:
         log(f"idle sensor tick: {results['idle_tick_ms']} ms")
 
     if "freshness" in only:
-        warm = measure_freshness(stack, workdir, args.freshness_samples, warm_spark=True, label="warm")
-        results["freshness_samples_s"] = [round(x, 2) for x in warm]
-        results["freshness_p50_s"] = round(percentile(warm, 0.5), 2)
-        results["freshness_p95_s"] = round(percentile(warm, 0.95), 2)
+        # Each launcher relays its own live table through the daemon: freshness and what one run costs.
+        for launcher in args.launchers:
+            suffix = "" if launcher == args.launchers[0] else f"_{launcher}_launcher"
+            samples = measure_freshness(stack, workdir, args.freshness_samples, warm_spark=True,
+                                        label=f"warm-{launcher}", launcher=launcher)
+            fresh = [x.freshness_s for x in samples]
+            starts = [x.run_start_s for x in samples if x.run_start_s is not None]
+            overheads = [x.run_overhead_s for x in samples if x.run_overhead_s is not None]
+            results[f"freshness_samples_s{suffix}"] = [round(x, 2) for x in fresh]
+            results[f"freshness_p50_s{suffix}"] = round(percentile(fresh, 0.5), 2)
+            results[f"freshness_p95_s{suffix}"] = round(percentile(fresh, 0.95), 2)
+            results[f"run_start_s{suffix}"] = round(statistics.median(starts), 2) if starts else None
+            results[f"run_overhead_s{suffix}"] = round(statistics.median(overheads), 2) if overheads else None
+            results[f"run_overhead_samples_s{suffix}"] = [round(x, 2) for x in overheads]
+            results[f"launcher{suffix}"] = launcher
         if args.cold_samples:
             cold = measure_freshness(stack, workdir, args.cold_samples, warm_spark=False, label="cold")
-            results["freshness_cold_samples_s"] = [round(x, 2) for x in cold]
-            results["freshness_cold_p50_s"] = round(percentile(cold, 0.5), 2)
+            results["freshness_cold_samples_s"] = [round(x.freshness_s, 2) for x in cold]
+            results["freshness_cold_p50_s"] = round(percentile([x.freshness_s for x in cold], 0.5), 2)
 
     if "memory" in only and args.rss_rows:
         big = f"bench_big_{run_id}"
@@ -431,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     if results.get("dpone_rows_per_s") and results.get("rowrelay_rows_per_s"):
         results["ratio_vs_dpone"] = round(results["rowrelay_rows_per_s"] / results["dpone_rows_per_s"], 2)
     for key in ("raw_rows_per_s", "rowrelay_rows_per_s", "dpone_rows_per_s", "ratio_vs_raw", "ratio_vs_dpone",
-                "idle_tick_ms", "freshness_p50_s", "freshness_p95_s", "peak_rss_mib", "peak_rss_rows"):
+                "idle_tick_ms", "freshness_p50_s", "freshness_p95_s", "run_start_s", "run_overhead_s",
+                "peak_rss_mib", "peak_rss_rows"):
         results.setdefault(key, None)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
@@ -450,6 +512,8 @@ def print_table(r: dict[str, Any]) -> None:
              ("rowrelay / dpone", r["ratio_vs_dpone"]), ("idle sensor tick, ms", r["idle_tick_ms"]),
              ("freshness p50 / p95, s (warm Spark)",
               f"{fmt(r['freshness_p50_s'])} / {fmt(r['freshness_p95_s'])}"),
+             ("run start / to first message, s (median)",
+              f"{fmt(r['run_start_s'])} / {fmt(r['run_overhead_s'])}"),
              ("freshness p50, s (JVM per run)", r.get("freshness_cold_p50_s")),
              ("peak RSS of the run worker, MiB", r["peak_rss_mib"]),
              ("  for a one-slice run of rows", r["peak_rss_rows"])]
