@@ -3,8 +3,11 @@
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
+import sqlalchemy as sa
 from dagster import (
     AssetExecutionContext,
     AssetKey,
@@ -16,7 +19,7 @@ from dagster import (
 )
 
 from resources.config import TableConfig
-from resources.exactly_once import SliceOutOfOrder, TableChannel, read_committed_progress
+from resources.exactly_once import ProgressRecord, SliceOutOfOrder, TableChannel, read_committed_progress
 from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange
@@ -54,6 +57,67 @@ def channel_for(table: TableConfig, transactional_id_prefix: str = "rowrelay") -
 
 def table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:
     return source.table_shape(table.schema_name, table.table_name, table.watermark, table.columns)
+
+
+@dataclass(frozen=True)
+class TableLag:
+    """How far a table's committed progress is behind its source, for `rowrelay status` and the lag check."""
+
+    table: str
+    committed_hi: int | None  # None: nothing committed yet
+    source_max: int | None  # None: the source table is empty
+    lag_rows: int  # source rows above committed progress
+    lag_seconds: float | None  # None: nothing to measure it from (rows wait, nothing committed, no timestamp)
+    lag_basis: str  # oldest_unpublished_row | since_last_commit | caught_up | unknown
+    last_commit_at: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, after: int) -> float | None:
+    """Seconds since the oldest row above `after` was written, on the database's clock (None: no such row)."""
+    column = table.lag_timestamp_column
+    assert column is not None
+    t = source.reflect(table.schema_name, table.table_name)
+    if column not in t.c:
+        raise SourceError(f"{table.table_id}: lag_timestamp_column {column!r} does not exist "
+                          f"(columns: {list(t.c.keys())}); fix `lag_timestamp_column:` in rowrelay.yaml")
+    ts = t.c[column]
+    if not isinstance(ts.type, sa.DateTime):
+        raise SourceError(f"{table.table_id}: lag_timestamp_column {column!r} has type {ts.type}, not a timestamp; "
+                          "fix `lag_timestamp_column:` in rowrelay.yaml")
+    # "now" cast to the column's own type: naive columns compare in the session's time zone, aware ones in UTC.
+    now = sa.cast(sa.func.current_timestamp(), ts.type)
+    with source.engine.connect() as conn:
+        oldest, current = conn.execute(sa.select(sa.func.min(ts), now).where(t.c[table.watermark] > after)).one()
+    if oldest is None:
+        return None
+    return max(0.0, (current - oldest).total_seconds())
+
+
+def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: ProgressRecord | None,
+                start_after: int = 0) -> TableLag:
+    """Rows above the committed progress and how long they have waited: the age of the oldest of them when the
+    table has `lag_timestamp_column`, else the time since the last commit (an upper bound only while rows wait)."""
+    shape = table_shape(source, table)
+    hi = progress.hi if progress else start_after
+    top = source.max_watermark(shape)
+    rows = source.count_rows(shape, hi, top) if top is not None and top > hi else 0
+    last = progress.committed_at if progress and progress.committed_at else None
+    seconds: float | None
+    if rows == 0:
+        seconds, basis = 0.0, "caught_up"
+    elif table.lag_timestamp_column:
+        seconds, basis = _oldest_unpublished_age(source, table, hi), "oldest_unpublished_row"
+    elif last is not None:
+        seconds = max(0.0, (datetime.now(UTC) - datetime.fromisoformat(last)).total_seconds())
+        basis = "since_last_commit"
+    else:
+        seconds, basis = None, "unknown"
+    return TableLag(table=table.table_id, committed_hi=progress.hi if progress else None, source_max=top,
+                    lag_rows=rows, lag_seconds=None if seconds is None else round(seconds, 1), lag_basis=basis,
+                    last_commit_at=last)
 
 
 def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed_hi: int) -> list[SliceRange]:

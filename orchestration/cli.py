@@ -1,7 +1,7 @@
 """`rowrelay` command line: verify a topic against its source table, show progress, set up pools.
 
     rowrelay verify [--table ID] [--json]   # duplicates, missing, extra, order violations; exit 1 on any
-    rowrelay status                         # committed progress and lag per table
+    rowrelay status [--table ID] [--json]   # committed progress, source max, lag (rows, seconds), active runs
     rowrelay pools                          # create each table's pool (limit 1) on the Dagster instance
     rowrelay backfill --table ID            # cut the backlog into slices and run them now, in this process
     rowrelay reset --table ID --after W     # deliberate new baseline: rows after W are sent, the rest never
@@ -158,20 +158,70 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
-def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
-    from assets.relay import channel_for, table_shape
+def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:
+    """Queued or running runs per table on the Dagster instance; None without DAGSTER_HOME."""
+    import os
+
+    if not os.environ.get("DAGSTER_HOME"):
+        return None
+    from dagster import DagsterInstance, RunsFilter
+
+    from orchestration.factory import job_name
+    from orchestration.sensors import ACTIVE
+
+    with DagsterInstance.get() as instance:
+        return {t.table_id: instance.get_runs_count(RunsFilter(job_name=job_name(t), statuses=ACTIVE))
+                for t in tables}
+
+
+def table_status(config: RelayConfig, table: TableConfig) -> dict[str, Any]:
+    from assets.relay import channel_for, measure_lag
     from resources.source_database import SourceDatabaseResource
 
-    conf = kafka_conf(config)
-    for t in _tables(config, args.table):
-        progress = read_committed_progress(conf, channel_for(t, config.kafka.transactional_id_prefix))
-        source = SourceDatabaseResource(url=config.sources[t.source].url)
-        top = source.max_watermark(table_shape(source, t))
+    channel = channel_for(table, config.kafka.transactional_id_prefix)
+    progress = read_committed_progress(kafka_conf(config), channel)
+    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    try:
+        return measure_lag(source, table, progress, channel.start_after).as_dict()
+    finally:
         source.dispose()
-        hi = progress.hi if progress else None
-        lag = (top - hi) if (top is not None and hi is not None) else None
-        print(f"{t.table_id}: committed {hi} (slice {progress.slice if progress else '-'}, at "
-              f"{progress.committed_at if progress else '-'}), source max {top}, watermark lag {lag}")
+
+
+def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
+    from resources.exactly_once import RelayError
+    from resources.source_database import SourceError
+
+    tables = _tables(config, args.table)
+    try:
+        rows = [table_status(config, t) for t in tables]
+    except (SourceError, RelayError) as exc:
+        print(f"rowrelay: {exc}", file=sys.stderr)
+        return 1
+    active = _active_runs(tables)
+    for row in rows:
+        row["active_runs"] = active.get(row["table"]) if active is not None else None
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    view = Table(title="rowrelay status", title_justify="left")
+    for column in ("table", "committed", "source max", "lag rows", "lag s", "lag measured as", "last commit",
+                   "active runs"):
+        view.add_column(column, justify="right" if column in ("committed", "source max", "lag rows", "lag s",
+                                                             "active runs") else "left")
+    basis = {"oldest_unpublished_row": "age of oldest unpublished row", "since_last_commit": "time since last commit",
+             "caught_up": "caught up", "unknown": "rows wait, nothing committed yet"}
+
+    def cell(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    for row in rows:
+        view.add_row(row["table"], cell(row["committed_hi"]), cell(row["source_max"]), cell(row["lag_rows"]),
+                     cell(row["lag_seconds"]), basis[row["lag_basis"]], cell(row["last_commit_at"]),
+                     cell(row["active_runs"]))
+    Console(width=max(160, Console().width)).print(view)
     return 0
 
 
@@ -323,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="seconds to wait for the newest rows to become final")
         else:
             p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
-        if name == "verify":
-            p.add_argument("--json", action="store_true")
+        if name in ("verify", "status"):
+            p.add_argument("--json", action="store_true", help="machine-readable output for scripts")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)

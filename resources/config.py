@@ -75,6 +75,18 @@ class TableConfig(_Strict):
     max_slices_per_run: int = Field(20, ge=1, le=10_000, description="a backlog of slices runs as one run of up to "
                                     "this many slices (one worker start), each slice still its own transaction")
     skip_watermarks: list[int] = Field(default_factory=list, description="rows never to send (runbook)")
+    lag_timestamp_column: str | None = Field(
+        None, description="a column with each row's insert time: lag in seconds is then the age of the oldest "
+        "unpublished row; unset: the time since the last commit while rows wait")
+    warn_lag_seconds: float = Field(300.0, gt=0, description="the lag check warns above this many seconds")
+    error_lag_seconds: float = Field(3600.0, gt=0, description="the lag check fails (ERROR) above this many seconds")
+
+    @model_validator(mode="after")
+    def _lag_thresholds(self) -> TableConfig:
+        if self.warn_lag_seconds > self.error_lag_seconds:
+            raise ValueError(f"warn_lag_seconds ({self.warn_lag_seconds}) must not exceed error_lag_seconds "
+                             f"({self.error_lag_seconds})")
+        return self
 
     @field_validator("table")
     @classmethod
