@@ -5,11 +5,14 @@
     rowrelay pools                          # create each table's pool (limit 1) on the Dagster instance
     rowrelay backfill --table ID            # cut the backlog into slices and run them now, in this process
     rowrelay reset --table ID --after W     # deliberate new baseline: rows after W are sent, the rest never
+    rowrelay replay --table ID --from A --to B [--topic T]
+                                            # republish committed slices (A, B] once more, marked rowrelay.replay
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -353,14 +356,142 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+class ReplayError(ValueError):
+    """A replay request that cannot be served as asked; the message says what to fix. Nothing was produced."""
+
+
+def replay_records(history: list[Any], committed_hi: int | None, table_id: str, lo: int, hi: int) -> list[Any]:
+    """The committed slices' progress records that exactly cover (lo, hi], in order, or a ReplayError."""
+    slices = {(r.lo, r.hi): r for r in history if r.hi > r.lo}  # resets (lo == hi) carry no messages
+    if hi <= lo:
+        raise ReplayError(f"--to ({hi}) must be greater than --from ({lo})")
+    if committed_hi is None or hi > committed_hi:
+        raise ReplayError(f"{table_id}: range ({lo}, {hi}] is not fully committed: committed progress ends at "
+                          f"{committed_hi if committed_hi is not None else 'nothing yet'}")
+    los, his = sorted({a for a, _ in slices}), sorted({b for _, b in slices})
+    bad = ([f"--from {lo} is"] if lo not in los else []) + ([f"--to {hi} is"] if hi not in his else [])
+    if bad:
+        def near(values: list[int], v: int) -> list[int]:
+            return sorted(values, key=lambda x: abs(x - v))[:5]
+        raise ReplayError(f"{table_id}: {' and '.join(bad)} not a slice bound; slice lower bounds near it: "
+                          f"{sorted(near(los, lo))}, upper bounds near it: {sorted(near(his, hi))}")
+    chain, at = [], lo
+    while at < hi:
+        nxt = [r for (a, b), r in slices.items() if a == at and b <= hi]
+        if not nxt:
+            raise ReplayError(f"{table_id}: no committed slice starts at {at} within ({lo}, {hi}] (progress records "
+                              "compacted away or a reset in between); pick bounds inside one run of slices")
+        record = max(nxt, key=lambda r: r.hi)
+        chain.append(record)
+        at = record.hi
+    return chain
+
+
+def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topic: str | None) -> dict[str, Any]:
+    """Republish the committed messages of the slices covering (lo, hi] to `topic` (default: the table's) in one
+    transaction of the replay's own transactional id, each with its original headers plus `rowrelay.replay`. Reads
+    the data topic by the recorded offsets, never the source; never writes the table's progress."""
+    from confluent_kafka import KafkaException, Producer
+    from confluent_kafka.admin import AdminClient
+
+    from assets.relay import channel_for
+    from resources.exactly_once import base_conf, read_progress_history, read_published_messages
+
+    channel = channel_for(table, config.kafka.transactional_id_prefix)
+    conf = kafka_conf(config)
+    target = topic or table.topic_name
+    history = read_progress_history(conf, channel)
+    committed = read_committed_progress(conf, channel)
+    records = replay_records(history, committed.hi if committed else None, table.table_id, lo, hi)
+    meta = AdminClient(base_conf(conf)).list_topics(target, timeout=30).topics.get(target)
+    if meta is None or meta.error is not None or not meta.partitions:
+        raise ReplayError(f"topic {target!r} does not exist; create it first (rowrelay never creates a replay "
+                          "target) or pass an existing --topic")
+    needed = max(int(p) for r in records for p in r.offsets) if any(r.offsets for r in records) else 0
+    if needed >= len(meta.partitions):
+        raise ReplayError(f"topic {target!r} has {len(meta.partitions)} partition(s); the range's messages are in "
+                          f"partition {needed} of {channel.topic}: give --topic a topic with at least {needed + 1}")
+    replay_id = f"replay-{uuid.uuid4().hex[:12]}"
+    producer = Producer({**conf, "transactional.id": f"{config.kafka.transactional_id_prefix}.replay.{table.table_id}",
+                         "enable.idempotence": True})
+    marker = ("rowrelay.replay", replay_id.encode())
+    rows = 0
+    try:
+        producer.init_transactions(60)  # fences an earlier replay of this table that is still open
+        producer.begin_transaction()
+        try:
+            for record in records:
+                for msg in read_published_messages(conf, record):
+                    # Same partition as the original: per partition, consumers see watermark order again.
+                    producer.produce(target, msg.value(), msg.key(), partition=msg.partition(),
+                                     headers=[*(msg.headers() or []), marker])
+                    rows += 1
+                    producer.poll(0)
+            if rows != sum(r.rows for r in records):
+                raise ReplayError(f"{table.table_id}: read {rows} messages, but the progress records say "
+                                  f"{sum(r.rows for r in records)}; nothing was replayed")
+            producer.commit_transaction(60)
+        except BaseException:
+            with contextlib.suppress(KafkaException):
+                producer.abort_transaction(30)
+            raise
+    finally:
+        producer.flush(5)
+    return {"table": table.table_id, "replay_id": replay_id, "from": lo, "to": hi, "rows": rows, "topic": target,
+            "slices": [r.slice for r in records]}
+
+
+def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
+    """An explicit, recorded republish of a committed range, for a consumer that lost data."""
+    import os
+
+    from resources.exactly_once import RelayError
+
+    (table,) = _tables(config, args.table)
+    if not os.environ.get("DAGSTER_HOME"):
+        print("rowrelay: set DAGSTER_HOME: a replay is recorded on the Dagster instance (nothing was produced)",
+              file=sys.stderr)
+        return 2
+    from dagster import AssetObservation, DagsterInstance
+
+    from assets.relay import asset_key
+
+    with DagsterInstance.get() as instance:
+        try:
+            done = replay_range(config, table, args.from_, args.to, args.topic)
+        except (ReplayError, RelayError) as exc:
+            print(f"rowrelay: {exc}", file=sys.stderr)
+            return 1
+        instance.report_runless_asset_event(AssetObservation(
+            asset_key=asset_key(table),
+            description=f"rowrelay replay {done['replay_id']}: ({args.from_}, {args.to}] republished to "
+                        f"{done['topic']}",
+            metadata={"rowrelay/replay_id": done["replay_id"], "from": args.from_, "to": args.to,
+                      "rows": done["rows"], "topic": done["topic"], "slices": len(done["slices"])}))
+    if args.json:
+        print(json.dumps(done, indent=2))
+    else:
+        print(f"{table.table_id}: replayed ({args.from_}, {args.to}] = {len(done['slices'])} slice(s), "
+              f"{done['rows']} messages to {done['topic']} with header rowrelay.replay={done['replay_id']}; "
+              "progress unchanged", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("verify", "status", "pools", "backfill", "reset"):
+    for name in ("verify", "status", "pools", "backfill", "reset", "replay"):
         p = sub.add_parser(name)
-        if name == "reset":
+        if name == "replay":
+            p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
+            p.add_argument("--from", dest="from_", required=True, type=int,
+                           help="lower bound (exclusive): a committed slice's lower bound")
+            p.add_argument("--to", required=True, type=int,
+                           help="upper bound (inclusive): a committed slice's upper bound")
+            p.add_argument("--topic", help="an existing topic to replay to (default: the table's topic)")
+        elif name == "reset":
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
             p.add_argument("--after", required=True, type=int, help="the new baseline: rows with watermark > AFTER "
                            "are sent, rows at or below it never")
@@ -373,13 +504,13 @@ def main(argv: list[str] | None = None) -> int:
                            help="seconds to wait for the newest rows to become final")
         else:
             p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
-        if name in ("verify", "status"):
+        if name in ("verify", "status", "replay"):
             p.add_argument("--json", action="store_true", help="machine-readable output for scripts")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
         commands = {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools, "backfill": cmd_backfill,
-                    "reset": cmd_reset}
+                    "reset": cmd_reset, "replay": cmd_replay}
         return commands[args.cmd](config, args)
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)

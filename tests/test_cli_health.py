@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from sqlalchemy import text
 
 from orchestration.cli import main
 from resources.config import RelayConfig
-from tests.pipeline import Harness, relay_config
+from tests.pipeline import Harness, read_topic, relay_config
 
 pytestmark = pytest.mark.integration
 
@@ -66,3 +67,81 @@ def test_status_json_matches_the_real_lag(services, pg_database, pg_engine, dags
     assert "lag_timestamp_column 'nope' does not exist" in capsys.readouterr().err
     assert main(["--config", config_file, "status", "--table", "src.public.missing"]) == 2
     assert "no configured table 'src.public.missing'" in capsys.readouterr().err
+
+
+def _create_topic(bootstrap: str, topic: str) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    deadline = time.monotonic() + 30
+    while topic not in admin.list_topics(timeout=10).topics and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def test_replay_republishes_a_committed_range_once_and_refuses_bad_input(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    from assets.relay import asset_key
+    from resources.slices import SliceRange
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 300) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 100, "key": ["id"]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=300)
+    with pg_engine.begin() as conn:  # rows above committed progress: not replayable
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'late' FROM generate_series(1, 50) g"))
+    config_file = _config_file(cfg, tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    before = read_topic(services.kafka_bootstrap, table.topic_name)
+    progress = h.progress(table)
+    assert len(before) == 300
+
+    refusals = {
+        ("--from", "100", "--to", "350"): "is not fully committed: committed progress ends at 300",
+        ("--from", "150", "--to", "300"): "--from 150 is not a slice bound",
+        ("--from", "100", "--to", "250"): "--to 250 is not a slice bound",
+        ("--from", "200", "--to", "100"): "--to (100) must be greater than --from (200)",
+        ("--from", "0", "--to", "100", "--topic", f"{name}_missing"): f"topic '{name}_missing' does not exist",
+    }
+    for bounds, message in refusals.items():
+        assert main(["--config", config_file, "replay", "--table", table.table_id, *bounds]) == 1, bounds
+        assert message in capsys.readouterr().err, bounds
+    assert main(["--config", config_file, "replay", "--table", "src.public.nope", "--from", "0", "--to", "100"]) == 2
+    assert "no configured table 'src.public.nope'" in capsys.readouterr().err
+    assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 300  # nothing produced by a refusal
+
+    assert main(["--config", config_file, "replay", "--table", table.table_id, "--from", "100", "--to", "300",
+                 "--json"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert (done["rows"], done["topic"]) == (200, table.topic_name)
+    assert done["slices"] == [SliceRange(100, 200).key, SliceRange(200, 300).key]
+    after = read_topic(services.kafka_bootstrap, table.topic_name)
+    replayed = [m for m in after if "rowrelay.replay" in m.headers]
+    assert [m.watermark for m in replayed] == list(range(101, 301))  # exactly the range, once, in order
+    assert {m.headers["rowrelay.replay"].decode() for m in replayed} == {done["replay_id"]}
+    original = {m.watermark: m for m in before}
+    for m in replayed:  # the same message: key, value and the original headers (checksum, slice, table)
+        o = original[m.watermark]
+        assert (m.key, m.value) == (o.key, o.value)
+        assert {k: v for k, v in m.headers.items() if k != "rowrelay.replay"} == o.headers
+    assert [m.offset for m in after[:300]] == [m.offset for m in before]  # the originals are untouched
+    assert h.progress(table) == progress  # progress unchanged
+
+    # To another existing topic, and recorded on the asset.
+    other = f"{name}_replay"
+    _create_topic(services.kafka_bootstrap, other)
+    assert main(["--config", config_file, "replay", "--table", table.table_id, "--from", "0", "--to", "100",
+                 "--topic", other]) == 0
+    assert "100 messages to " + other in capsys.readouterr().out
+    assert [m.watermark for m in read_topic(services.kafka_bootstrap, other)] == list(range(1, 101))
+    observations = dagster_instance.fetch_observations(asset_key(table), limit=10).records
+    recorded = [{k: v.value for k, v in r.asset_observation.metadata.items()} for r in observations
+                if "rowrelay/replay_id" in r.asset_observation.metadata]
+    assert sorted((o["from"], o["to"], o["rows"], o["topic"]) for o in recorded) == [
+        (0, 100, 100, other), (100, 300, 200, table.topic_name)]
+    assert h.progress(table) == progress
