@@ -328,9 +328,13 @@ def cancel_committed_runs(context: SensorEvaluationContext, job_name: str, commi
 def fail_dead_runs(context: SensorEvaluationContext, job_name: str) -> list[str]:
     """Mark STARTED runs whose worker process is gone as failed, so run retries and the sensor move on.
 
-    Dagster's default run launcher has no worker health check: a worker killed by SIGKILL or the OOM killer
-    would leave its run STARTED forever and hold the table's pool. Only workers on this host are judged.
+    Only for a run launcher with no worker health check (Dagster's DefaultRunLauncher): there a worker killed by
+    SIGKILL or the OOM killer would leave its run STARTED forever and hold the table's pool. rowrelay's
+    WarmRunLauncher (and Dagster's container launchers) report worker health, and Dagster's run monitoring
+    fails such runs itself. Only workers on this host are judged.
     """
+    if context.instance.run_launcher.supports_check_run_worker_health:
+        return []
     failed = []
     host = socket.gethostname()
     for run in context.instance.get_runs(RunsFilter(job_name=job_name, statuses=[DagsterRunStatus.STARTED])):

@@ -116,19 +116,24 @@ class FaultPipeline:
             self.kill_daemon()
         self.daemon = None
 
+    def warm_workers(self) -> list[dict]:
+        """The warm launcher's record ({pid, host, start, server_pid}) of each STARTED run of this pipeline whose
+        worker is alive: the launcher tags every run it forks (orchestration/launcher.py WORKER_TAG)."""
+        from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+
+        from orchestration.launcher import WORKER_TAG
+
+        try:
+            with DagsterInstance.from_config(str(self.home)) as instance:
+                runs = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED]))
+        except Exception:  # noqa: BLE001 - the storage-restart scenario takes the database away for a moment
+            return []
+        found = [json.loads(r.tags[WORKER_TAG]) for r in runs if WORKER_TAG in r.tags]
+        return [w for w in found if Path(f"/proc/{w['pid']}").exists()]
+
     def workers(self) -> list[int]:
-        """Pids of live run workers of this pipeline: the code server starts each run in a process of its own
-        (multiprocessing spawn), which inherits this pipeline's DAGSTER_HOME."""
-        out = subprocess.run(["pgrep", "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
-        pids = []
-        for pid in map(int, out):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes()
-            except OSError:
-                continue
-            if str(self.home).encode() in environ:
-                pids.append(pid)
-        return pids
+        """Pids of live run workers of this pipeline (forked by the warm launcher's fork server)."""
+        return [w["pid"] for w in self.warm_workers()]
 
     def wait_for_worker(self, timeout: float = 90.0) -> int:
         deadline = time.monotonic() + timeout
@@ -191,6 +196,7 @@ concurrency:
   runs: {{max_concurrent_runs: 4}}
   pools: {{granularity: run, default_limit: 1}}
 run_monitoring: {{enabled: true, start_timeout_seconds: 20, poll_interval_seconds: 2}}
+run_launcher: {{module: orchestration.launcher, class: WarmRunLauncher}}
 sensors: {{use_threads: true, num_workers: 2}}
 telemetry: {{enabled: false}}
 """
@@ -321,6 +327,23 @@ def test_run_workers_sigkilled_in_a_loop(pipeline: FaultPipeline) -> None:
         except ProcessLookupError:
             continue
     pipeline.catch_up_and_verify("run worker SIGKILLed at random points", faults=kills, timeout=300)
+
+
+def test_fork_server_sigkilled_mid_run(pipeline: FaultPipeline) -> None:
+    """The warm launcher's fork server dies while a worker it forked publishes: the worker finishes, the next
+    launch starts a new fork server, nothing is lost or sent twice."""
+    pipeline.wait_for_worker()
+    time.sleep(random.uniform(0.2, 1.0))
+    servers = {w["server_pid"] for w in pipeline.warm_workers()}
+    assert servers, f"no run in flight to take the fork server from; see {pipeline.log}"
+    for pid in servers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not ({w["server_pid"] for w in pipeline.warm_workers()} - servers):
+        assert time.monotonic() < deadline, f"no run forked by a new fork server within 120 s; see {pipeline.log}"
+        time.sleep(0.5)
+    pipeline.catch_up_and_verify("warm launcher's fork server SIGKILLed mid-run", faults=len(servers))
 
 
 def test_daemon_killed_and_restarted(pipeline: FaultPipeline) -> None:
