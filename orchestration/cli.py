@@ -241,6 +241,74 @@ def cmd_pools(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+class BackfillProgress:
+    """Slices and rows a backfill has committed, from Kafka's progress (the authority), polled in a thread while
+    the runs execute, so the display advances per slice, not per run. A live rich bar on a TTY (slices, rows,
+    rows/s, ETA); otherwise one plain line per committed slice."""
+
+    def __init__(self, table_id: str, kafka: dict[str, Any], channel: Any, slices: list[Any], committed_hi: int,
+                 total_rows: int, tty: bool, poll_s: float = 0.5) -> None:
+        self.table_id, self.kafka, self.channel = table_id, kafka, channel
+        self.slices, self.start_hi, self.total_rows = slices, committed_hi, max(total_rows, 1)
+        self.tty, self.poll_s = tty, poll_s
+        self.seen_hi, self.rows = committed_hi, 0
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rowrelay-backfill-progress", daemon=True)
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> BackfillProgress:
+        if self.tty:
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                                 TextColumn("{task.fields[slices]} slices"), TextColumn("{task.fields[rows]} rows"),
+                                 TextColumn("{task.fields[rate]} rows/s"), TextColumn("ETA"), TimeRemainingColumn())
+            self._bar.start()
+            self._task = self._bar.add_task(self.table_id, total=self.total_rows, **self._fields())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._advance()  # the last slices, committed since the previous poll
+        if self._bar is not None:
+            self._bar.stop()
+
+    def _fields(self) -> dict[str, str]:
+        done = sum(1 for s in self.slices if s.hi <= self.seen_hi)
+        return {"slices": f"{done}/{len(self.slices)}", "rows": f"{self.rows:,}/{self.total_rows:,}",
+                "rate": f"{self.rows / max(time.monotonic() - self.started, 1e-3):,.0f}"}
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with contextlib.suppress(Exception):  # a failed poll only delays the display, never the backfill
+                self._advance()
+
+    def _advance(self) -> None:
+        from resources.exactly_once import read_progress_history
+
+        progress = read_committed_progress(self.kafka, self.channel, timeout=10)
+        if progress is None or progress.hi <= self.seen_hi:
+            return
+        # Only on a change: the history gives each new slice's own row count.
+        new = [r for r in read_progress_history(self.kafka, self.channel, timeout=10)
+               if r.hi > r.lo and self.seen_hi < r.hi <= progress.hi]
+        self.seen_hi = progress.hi
+        self.rows += sum(r.rows for r in {r.slice: r for r in new}.values())
+        fields = self._fields()
+        if self._bar is not None:
+            self._bar.update(self._task, completed=min(self.rows, self.total_rows), **fields)
+            return
+        elapsed = time.monotonic() - self.started
+        rate = self.rows / max(elapsed, 1e-3)
+        eta = (self.total_rows - self.rows) / rate if rate > 0 else float("nan")
+        print(f"{self.table_id}: committed up to {self.seen_hi}: {fields['slices']} slices, {fields['rows']} rows "
+              f"({100 * self.rows / self.total_rows:.0f}%), {fields['rate']} rows/s, ETA {eta:.0f} s", flush=True)
+
+
 def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     """Cut the table's backlog (up to its safe high watermark) into slices, add them as partitions and run every
     uncommitted slice in this process: one run per `max_slices_per_run` slices, recorded on the Dagster instance
@@ -249,7 +317,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from dagster import DagsterInstance, RunsFilter
     from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-    from assets.relay import channel_for, partitions_for, pool_name
+    from assets.relay import channel_for, partitions_for, pool_name, table_shape
     from orchestration.factory import build_definitions, job_name
     from orchestration.sensors import ACTIVE, SensorState, ensure_pool, plan_cut
     from resources.exactly_once import RelayError
@@ -299,16 +367,29 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             return 0
         job = defs.resolve_job_def(job_name(table))
         step = table.max_slices_per_run
-        for group in (todo[i:i + step] for i in range(0, len(todo), step)):
-            tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key, ASSET_PARTITION_RANGE_END_TAG: group[-1].key,
-                    "rowrelay/backfill": "cli"}
-            result = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
-            if not result.success:
-                print(f"rowrelay: run {result.run_id} for slices {group[0].key}...{group[-1].key} failed; see it "
-                      "in the Dagster UI. Slices before it stay committed; re-run backfill to continue.",
-                      file=sys.stderr)
-                return 1
-            print(f"slices {group[0].key}...{group[-1].key}: committed (run {result.run_id})", flush=True)
+        channel = channel_for(table, io_manager.transactional_id_prefix)
+        counter = SourceDatabaseResource(url=config.sources[table.source].url)
+        try:  # one indexed count for the bar's total
+            total_rows = counter.count_rows(table_shape(counter, table), plan.committed_hi, todo[-1].hi)
+        finally:
+            counter.dispose()
+        tty = sys.stdout.isatty()
+        # On a terminal the bar tells the story; Dagster's step-by-step DEBUG lines would scroll it away (they
+        # stay in the run's event log).
+        run_config = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}} if tty else None
+        with BackfillProgress(table.table_id, io_manager.kafka_conf(), channel, todo, plan.committed_hi, total_rows,
+                              tty=tty):
+            for group in (todo[i:i + step] for i in range(0, len(todo), step)):
+                tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key, ASSET_PARTITION_RANGE_END_TAG: group[-1].key,
+                        "rowrelay/backfill": "cli"}
+                result = job.execute_in_process(run_config=run_config, instance=instance, tags=tags,
+                                                raise_on_error=False)
+                if not result.success:
+                    print(f"rowrelay: run {result.run_id} for slices {group[0].key}...{group[-1].key} failed; see "
+                          "it in the Dagster UI. Slices before it stay committed; re-run backfill to continue.",
+                          file=sys.stderr)
+                    return 1
+                print(f"slices {group[0].key}...{group[-1].key}: committed (run {result.run_id})", flush=True)
     print(f"{table.table_id}: backfill done in {time.monotonic() - started:.1f} s", flush=True)
     return 0
 

@@ -12,7 +12,7 @@ from sqlalchemy import text
 
 from orchestration.cli import main
 from resources.config import RelayConfig
-from tests.pipeline import Harness, read_topic, relay_config
+from tests.pipeline import ROOT, Harness, read_topic, relay_config
 
 pytestmark = pytest.mark.integration
 
@@ -145,3 +145,82 @@ def test_replay_republishes_a_committed_range_once_and_refuses_bad_input(
     assert sorted((o["from"], o["to"], o["rows"], o["topic"]) for o in recorded) == [
         (0, 100, 100, other), (100, 300, 200, table.topic_name)]
     assert h.progress(table) == progress
+
+
+def _run_in_pty(argv: list[str], env: dict[str, str], timeout: float = 300.0) -> tuple[int, str]:
+    """Run a command with stdout and stderr on a pseudo-terminal (160 columns); return its code and output."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def test_backfill_shows_a_live_progress_bar_on_a_terminal(services, pg_database, pg_engine, dagster_home,
+                                                          dagster_instance, name, tmp_path) -> None:
+    import os
+    import re
+    import sys
+
+    from tests.pipeline import assert_exactly_once
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 50000) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 10000, "max_slices_per_run": 2,
+                                                         "settle_seconds": 0}], spark_remote=True)
+    table = cfg.tables[0]
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "TERM": "xterm-256color", "COLUMNS": "160"}
+    env.pop("NO_COLOR", None)
+    code, out = _run_in_pty([sys.executable, "-m", "orchestration.cli", "--config", _config_file(cfg, tmp_path),
+                             "backfill", "--table", table.table_id], env)
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)  # the bar's cursor movements and colours
+    assert code == 0, plain[-3000:]
+    assert "5/5 slices" in plain and "50,000/50,000 rows" in plain and "100%" in plain, plain[-3000:]
+    assert "rows/s" in plain and "ETA" in plain
+    assert "\x1b[" in out  # drawn as a live terminal bar, not as log lines
+    assert "rows (" not in plain  # the plain per-slice lines are for non-terminals
+    assert "STEP_START" not in plain  # Dagster's DEBUG lines stay in the event log, off the bar
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 50001)))
+
+    # Not a terminal: plain lines, one per committed slice, no terminal codes.
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'n' || g FROM generate_series(1, 20000) g"))
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "orchestration.cli", "--config", _config_file(cfg, tmp_path),
+                           "backfill", "--table", table.table_id], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\x1b[" not in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if "rows/s, ETA" in line]
+    assert lines and lines[-1].endswith("ETA 0 s") and "2/2 slices, 20,000/20,000 rows (100%)" in lines[-1], lines
