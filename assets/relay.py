@@ -9,17 +9,29 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from dagster import (
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetChecksDefinition,
+    AssetCheckSeverity,
     AssetExecutionContext,
     AssetKey,
+    AssetRecordsFilter,
     AssetsDefinition,
     BackfillPolicy,
     DynamicPartitionsDefinition,
     Failure,
     asset,
+    asset_check,
 )
 
 from resources.config import TableConfig
-from resources.exactly_once import ProgressRecord, SliceOutOfOrder, TableChannel, read_committed_progress
+from resources.exactly_once import (
+    ProgressRecord,
+    SliceOutOfOrder,
+    TableChannel,
+    read_committed_progress,
+    read_progress_history,
+)
 from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange
@@ -27,6 +39,7 @@ from resources.source_database import SourceDatabaseResource, SourceError, Table
 from resources.spark import SparkResource
 
 if TYPE_CHECKING:
+    from dagster import DagsterInstance
     from pyspark.sql import DataFrame
 
 WORKER_PID_TAG = "rowrelay/worker_pid"
@@ -204,3 +217,134 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         return result
 
     return relay_table
+
+
+# -- asset checks: slice parity and lag ---------------------------------------------------------------------------
+
+PARITY_CHECK = "slice_parity"
+LAG_CHECK = "lag"
+# Kafka reads of a check are bounded: a check must never hold up (or hang) the run it is part of.
+CHECK_KAFKA_TIMEOUT_S = 15.0
+
+
+def parity_result(table: TableConfig, source: SourceDatabaseResource, records: list[ProgressRecord],
+                  published_checksums: dict[str, str]) -> AssetCheckResult:
+    """Each slice's progress record against the source recounted now (rows in (lo, hi] minus skip_watermarks) and
+    against the checksum the publisher computed while it read the rows (recorded in the slice's materialization).
+    One indexed count per slice; no pass over the rows."""
+    shape = table_shape(source, table)
+    mismatches: list[dict[str, Any]] = []
+    for r in records:
+        counted = source.count_rows(shape, r.lo, r.hi)
+        skipped = [w for w in table.skip_watermarks if r.lo < w <= r.hi]
+        if skipped:
+            t = sa.table(shape.name, sa.column(shape.watermark), schema=shape.schema)
+            with source.engine.connect() as conn:
+                counted -= int(conn.execute(sa.select(sa.func.count()).select_from(t)
+                                            .where(t.c[shape.watermark].in_(skipped))).scalar())
+        read = published_checksums.get(r.slice)
+        if counted != r.rows:
+            mismatches.append({"slice": r.slice, "what": "rows", "progress_record": r.rows, "source_now": counted})
+        if read is not None and read != r.checksum:
+            mismatches.append({"slice": r.slice, "what": "checksum", "progress_record": r.checksum,
+                               "published": read})
+    checked = [r.slice for r in records]
+    if not mismatches:
+        return AssetCheckResult(check_name=PARITY_CHECK, passed=True, metadata={
+            "slices_checked": len(checked), "slices": ", ".join(checked) or "-",
+            "rows": sum(r.rows for r in records)})
+    first = mismatches[0]
+    figures = (f"{first['progress_record']} in the progress record vs "
+               f"{first.get('source_now', first.get('published'))} "
+               f"{'in the source now' if first['what'] == 'rows' else 'computed while publishing'}")
+    return AssetCheckResult(
+        check_name=PARITY_CHECK, passed=False, severity=AssetCheckSeverity.ERROR,
+        description=f"{table.table_id}: slice {first['slice']}: {first['what']} differ: {figures}",
+        metadata={"slices_checked": len(checked), "mismatches": mismatches,
+                  **{f"{first['what']}_progress_record": first["progress_record"]},
+                  **({"rows_source_now": first["source_now"]} if first["what"] == "rows"
+                     else {"checksum_published": first["published"]})})
+
+
+def lag_result(table: TableConfig, lag: TableLag) -> AssetCheckResult:
+    """WARN above warn_lag_seconds, ERROR above error_lag_seconds; rows waiting with no age known pass (said so)."""
+    seconds = lag.lag_seconds
+    metadata: dict[str, Any] = {"lag_rows": lag.lag_rows, "lag_seconds": seconds if seconds is not None else -1.0,
+                                "lag_measured_as": lag.lag_basis, "committed_hi": lag.committed_hi or 0,
+                                "source_max": lag.source_max or 0, "warn_lag_seconds": table.warn_lag_seconds,
+                                "error_lag_seconds": table.error_lag_seconds}
+    summary = f"{table.table_id}: {lag.lag_rows} row(s) waiting, lag {seconds} s ({lag.lag_basis})"
+    if seconds is None or seconds <= table.warn_lag_seconds:
+        return AssetCheckResult(check_name=LAG_CHECK, passed=True, description=summary, metadata=metadata)
+    severity = AssetCheckSeverity.ERROR if seconds > table.error_lag_seconds else AssetCheckSeverity.WARN
+    limit = table.error_lag_seconds if severity == AssetCheckSeverity.ERROR else table.warn_lag_seconds
+    return AssetCheckResult(check_name=LAG_CHECK, passed=False, severity=severity,
+                            description=f"{summary} > {limit} s", metadata=metadata)
+
+
+def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_conf: dict[str, Any],
+                    instance: "DagsterInstance", slice_keys: list[str] | None,
+                    transactional_id_prefix: str = "rowrelay") -> AssetCheckResult:
+    """slice_parity of the given slices (a run's), or of the last committed slice (the check run on its own)."""
+    history = read_progress_history(kafka_conf, channel_for(table, transactional_id_prefix),
+                                    timeout=CHECK_KAFKA_TIMEOUT_S)
+    by_range = {(r.lo, r.hi): r for r in history if r.hi > r.lo}  # the newest record of a slice wins
+    if slice_keys is not None:
+        wanted = [SliceRange.from_key(k) for k in slice_keys]
+        records = [by_range[(s.lo, s.hi)] for s in wanted if (s.lo, s.hi) in by_range]
+    else:
+        records = [r for r in history if r.hi > r.lo][-1:]
+        records = [by_range[(r.lo, r.hi)] for r in records]
+    checksums: dict[str, str] = {}
+    if records:
+        events = instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=asset_key(table), asset_partitions=[r.slice for r in records]),
+            limit=len(records) * 4).records
+        for event in reversed(events):  # oldest first: the newest materialization of a slice wins
+            mat = event.asset_materialization
+            value = mat.metadata.get("checksum") if mat is not None else None
+            if mat is not None and mat.partition and value is not None and value.value:
+                checksums[mat.partition] = str(value.value)
+    return parity_result(table, source, records, checksums)
+
+
+def _unevaluated(check_name: str, exc: Exception) -> AssetCheckResult:
+    # A check that cannot be evaluated (broker away, source down) says so; it must not fail the run that published.
+    return AssetCheckResult(check_name=check_name, passed=False, severity=AssetCheckSeverity.WARN,
+                            description=f"could not be evaluated: {exc}", metadata={"error": str(exc)[:2000]})
+
+
+def build_table_checks(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> list[AssetChecksDefinition]:
+    """slice_parity (the run's slices, or the last committed one when run alone) and lag, in each run of the
+    table's job; lag is also evaluated between runs by the table's lag sensor (orchestration/factory.py)."""
+    channel = channel_for(table, transactional_id_prefix)
+    source_key = source_resource_key(table.source)
+    key = asset_key(table)
+
+    @asset_check(asset=key, name=PARITY_CHECK, required_resource_keys={source_key, "kafka_io_manager"},
+                 description="Per slice: rows in the progress record = rows in (lo, hi] of the source now (minus "
+                             "skip_watermarks), and its checksum = the one computed while publishing. ERROR with "
+                             "both figures on a mismatch.")
+    def slice_parity(context: AssetCheckExecutionContext) -> AssetCheckResult:
+        op_context = context.op_execution_context
+        try:
+            return evaluate_parity(table, getattr(context.resources, source_key),
+                                   context.resources.kafka_io_manager.kafka_conf(), context.instance,
+                                   op_context.partition_keys if op_context.has_partitions else None,
+                                   transactional_id_prefix)
+        except Exception as exc:  # noqa: BLE001 - reported as the check's outcome
+            return _unevaluated(PARITY_CHECK, exc)
+
+    @asset_check(asset=key, name=LAG_CHECK, required_resource_keys={source_key, "kafka_io_manager"},
+                 description=f"Rows above committed progress and their age: WARN above {table.warn_lag_seconds} s, "
+                             f"ERROR above {table.error_lag_seconds} s (warn_lag_seconds / error_lag_seconds).")
+    def lag(context: AssetCheckExecutionContext) -> AssetCheckResult:
+        try:
+            progress = read_committed_progress(context.resources.kafka_io_manager.kafka_conf(), channel,
+                                               timeout=CHECK_KAFKA_TIMEOUT_S)
+            return lag_result(table, measure_lag(getattr(context.resources, source_key), table, progress,
+                                                 channel.start_after))
+        except Exception as exc:  # noqa: BLE001 - reported as the check's outcome
+            return _unevaluated(LAG_CHECK, exc)
+
+    return [slice_parity, lag]

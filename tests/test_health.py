@@ -1,0 +1,123 @@
+"""Asset checks per table asset on the real stack: slice_parity (in each run, and when re-evaluated after the
+source or the progress record changed) and lag (the lag sensor, between runs)."""
+
+from __future__ import annotations
+
+import pytest
+from dagster import AssetCheckKey, AssetCheckSeverity, build_sensor_context
+from sqlalchemy import text
+
+from assets.relay import LAG_CHECK, PARITY_CHECK, asset_key, channel_for, evaluate_parity
+from orchestration.factory import lag_sensor_name
+from resources.exactly_once import ProgressRecord, SlicePublisher
+from resources.source_database import SourceDatabaseResource
+from tests.pipeline import Harness, relay_config
+
+pytestmark = pytest.mark.integration
+
+
+def _latest(instance, table, check: str):  # -> AssetCheckEvaluation | None
+    record = instance.get_latest_asset_check_evaluation_record(AssetCheckKey(asset_key(table), check))
+    return record.evaluation if record is not None else None
+
+
+def test_slice_parity_passes_in_runs_and_fails_with_both_figures(services, pg_database, pg_engine, dagster_instance,
+                                                                 spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 300) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 100, "skip_watermarks": [150]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=300)
+
+    # Evaluated in the run, after the publish: every slice of the run agrees (the skipped row is not expected).
+    in_run = _latest(dagster_instance, table, PARITY_CHECK)
+    assert in_run is not None and in_run.passed, in_run
+    assert in_run.metadata["slices_checked"].value >= 1
+    assert h.materialization(table, "000000000100-000000000200")["rows"] == 99
+
+    source = SourceDatabaseResource(url=cfg.sources["src"].url)
+
+    def evaluate():  # what the check evaluates run alone (e.g. from the UI): the last committed slice, (200, 300]
+        return evaluate_parity(table, source, {"bootstrap.servers": services.kafka_bootstrap}, dagster_instance,
+                               None)
+
+    assert evaluate().passed
+
+    # A forged progress record for the slice: its checksum disagrees with what the publisher computed.
+    channel = channel_for(table)
+    real = h.progress(table)
+    assert real is not None and (real.lo, real.hi) == (200, 300)
+    forged = ProgressRecord(**{**real.__dict__, "checksum": "f" * 64})
+    publisher = SlicePublisher(channel, {"bootstrap.servers": services.kafka_bootstrap})
+    try:
+        publisher.publish_progress_only(forged)
+    finally:
+        publisher.close()
+    result = evaluate()
+    assert not result.passed and result.severity == AssetCheckSeverity.ERROR
+    assert result.metadata["checksum_progress_record"].value == "f" * 64
+    assert result.metadata["checksum_published"].value == real.checksum
+    assert "checksum differ" in result.description
+
+    # A row of the slice deleted after publish: the recount disagrees with the record; both figures shown.
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"DELETE FROM {name} WHERE id = 250"))
+    result = evaluate()
+    assert not result.passed and result.severity == AssetCheckSeverity.ERROR
+    assert (result.metadata["rows_progress_record"].value, result.metadata["rows_source_now"].value) == (100, 99)
+    assert "100 in the progress record vs 99 in the source now" in result.description
+    source.dispose()
+
+
+def test_lag_check_warns_while_rows_wait_and_passes_when_caught_up(services, pg_database, pg_engine,
+                                                                    dagster_instance, spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text, "
+                          "created_at timestamptz NOT NULL DEFAULT now())"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 100) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 1000,
+         "lag_timestamp_column": "created_at", "warn_lag_seconds": 30, "error_lag_seconds": 3600}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=100)
+    in_run = _latest(dagster_instance, table, LAG_CHECK)  # evaluated in the run too
+    assert in_run is not None and in_run.passed
+    sensor = h.defs.resolve_sensor_def(lag_sensor_name(table))
+    cursor: list[str | None] = [None]
+
+    def tick() -> str:
+        with build_sensor_context(cursor=cursor[0], resources=h.defs.resources, definitions=h.defs,
+                                  sensor_name=sensor.name, instance=dagster_instance) as ctx:
+            data = sensor.evaluate_tick(ctx)
+        cursor[0] = data.cursor
+        return data.skip_message or ""
+
+    assert "lag recorded" in tick()
+    assert _latest(dagster_instance, table, LAG_CHECK).passed
+
+    # The table's sensor is not ticking while a writer inserts: rows wait, the oldest for a minute.
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v, created_at) SELECT 'w', now() - interval '60 seconds' "
+                          "FROM generate_series(1, 25) g"))
+    assert "lag recorded" in tick()
+    warned = _latest(dagster_instance, table, LAG_CHECK)
+    assert not warned.passed and warned.severity == AssetCheckSeverity.WARN
+    assert warned.metadata["lag_rows"].value == 25 and 59 <= warned.metadata["lag_seconds"].value < 120
+    assert warned.metadata["lag_measured_as"].value == "oldest_unpublished_row"
+    # Unchanged outcome: not recorded again (bounded rate), the event log is not flooded.
+    assert "lag unchanged" in tick()
+    # Waiting past error_lag_seconds: ERROR.
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v, created_at) VALUES ('old', now() - interval '2 hours')"))
+    assert "lag recorded" in tick()
+    assert _latest(dagster_instance, table, LAG_CHECK).severity == AssetCheckSeverity.ERROR
+
+    # The relay resumes and catches up: the check passes again.
+    h.drain(table, until_hi=126)
+    assert "lag recorded" in tick()
+    recovered = _latest(dagster_instance, table, LAG_CHECK)
+    assert recovered.passed and recovered.metadata["lag_rows"].value == 0
