@@ -355,6 +355,9 @@ def read_progress_history(kafka_conf: dict[str, Any], channel: TableChannel, tim
         consumer.close()
 
 
+_LEADER_MOVING = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE)
+
+
 def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_conf: dict[str, Any]
                 ) -> tuple[int, int]:
     """(low, high) offsets of a partition; (0, 0) if its topic does not exist yet.
@@ -380,11 +383,16 @@ def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_co
         if time.monotonic() > deadline:  # a new topic's leader takes a moment to be known
             raise KafkaUnavailable(f"{tp.topic}[{tp.partition}] has no leader on {bootstrap}")
         time.sleep(0.2)
-    try:
-        return consumer.get_watermark_offsets(tp, timeout=timeout)
-    except KafkaException as exc:
-        raise KafkaUnavailable(f"cannot reach Kafka at {bootstrap} to read offsets of {tp.topic}: "
-                               f"{exc.args[0].str()}") from exc
+    while True:
+        try:
+            return consumer.get_watermark_offsets(tp, timeout=max(1.0, deadline - time.monotonic()))
+        except KafkaException as exc:
+            # A new topic's leader may be known to the metadata before it serves offsets (NOT_LEADER...).
+            if (exc.args[0].retriable() or exc.args[0].code() in _LEADER_MOVING) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            raise KafkaUnavailable(f"cannot reach Kafka at {bootstrap} to read offsets of {tp.topic}: "
+                                   f"{exc.args[0].str()}") from exc
 
 
 def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0

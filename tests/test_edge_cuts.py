@@ -183,7 +183,8 @@ def test_slice_that_outlives_the_transaction_timeout_is_cut_again_smaller(servic
     table = h.table()
     (key,) = h.tick(table)
     assert key == SliceRange(0, 4000).key
-    monkeypatch.setenv("ROWRELAY_FAILPOINT", "sleep:rows_produced:3.5")  # this slice takes longer than 2 s
+    # Longer than the 2 s timeout plus the broker's 2 s check for timed-out transactions (stack/local.py).
+    monkeypatch.setenv("ROWRELAY_FAILPOINT", "sleep:rows_produced:5.5")
     result = h.run(table, key, raise_on_error=False)
     assert not result.success
     (run,) = dagster_instance.get_runs(RunsFilter(job_name=job_name(table)))
