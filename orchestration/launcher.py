@@ -2,7 +2,7 @@
 libraries and the code location, instead of a fresh interpreter (Dagster's code server hard-codes
 multiprocessing "spawn", so every run re-imports everything, ~3 s on two cores).
 
-Opt-in, in dagster.yaml:
+Configured in rowrelay's dagster.yaml (delete the stanza for Dagster's default launcher):
 
     run_launcher:
       module: orchestration.launcher
