@@ -116,7 +116,7 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     shape = table_shape(source, table)
     hi = progress.hi if progress else start_after
     top = source.max_watermark(shape)
-    rows = source.count_rows(shape, hi - 1, top) if top is not None and top > hi else 0
+    rows = source.count_rows(shape, hi, top) if top is not None and top > hi else 0
     last = progress.committed_at if progress and progress.committed_at else None
     seconds: float | None
     if rows == 0:

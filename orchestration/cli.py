@@ -373,7 +373,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             total_rows = counter.count_rows(table_shape(counter, table), plan.committed_hi, todo[-1].hi)
         finally:
             counter.dispose()
-        tty = False
+        tty = sys.stdout.isatty()
         # On a terminal the bar tells the story; Dagster's step-by-step DEBUG lines would scroll it away (they
         # stay in the run's event log).
         run_config = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}} if tty else None
@@ -505,7 +505,7 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
                 for msg in read_published_messages(conf, record):
                     # Same partition as the original: per partition, consumers see watermark order again.
                     producer.produce(target, msg.value(), msg.key(), partition=msg.partition(),
-                                     headers=list(msg.headers() or []))
+                                     headers=[*(msg.headers() or []), marker])
                     rows += 1
                     producer.poll(0)
             if rows != sum(r.rows for r in records):
