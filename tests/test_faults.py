@@ -128,7 +128,7 @@ class FaultPipeline:
                 runs = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED]))
         except Exception:  # noqa: BLE001 - the storage-restart scenario takes the database away for a moment
             return []
-        found = [json.loads(r.tags[WORKER_TAG]) for r in runs if WORKER_TAG in r.tags]
+        found = [{**json.loads(r.tags[WORKER_TAG]), "run_id": r.run_id} for r in runs if WORKER_TAG in r.tags]
         return [w for w in found if Path(f"/proc/{w['pid']}").exists()]
 
     def workers(self) -> list[int]:
@@ -344,6 +344,39 @@ def test_fork_server_sigkilled_mid_run(pipeline: FaultPipeline) -> None:
         assert time.monotonic() < deadline, f"no run forked by a new fork server within 120 s; see {pipeline.log}"
         time.sleep(0.5)
     pipeline.catch_up_and_verify("warm launcher's fork server SIGKILLed mid-run", faults=len(servers))
+
+
+def test_run_terminated_mid_publish(pipeline: FaultPipeline) -> None:
+    """Terminate, as the UI's button does (the run coordinator asks the launcher to stop the worker): the run is
+    canceled, its worker stops, its open transaction is aborted, and the slice is published once later."""
+    from dagster import DagsterInstance, DagsterRunStatus
+
+    from orchestration.launcher import process_start_ticks
+
+    ended = (DagsterRunStatus.CANCELED, DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE)
+    canceled = None
+    with DagsterInstance.from_config(str(pipeline.home)) as instance:
+        for _ in range(5):  # a run may finish before the terminate reaches it: take the next one
+            pipeline.wait_for_worker()
+            time.sleep(random.uniform(0.2, 1.0))
+            running = pipeline.warm_workers()
+            if not running:
+                continue
+            worker = running[0]
+            instance.run_coordinator.cancel_run(worker["run_id"])
+            deadline = time.monotonic() + 60
+            while (run := instance.get_run_by_id(worker["run_id"])) is not None and run.status not in ended:
+                assert time.monotonic() < deadline, f"run {worker['run_id']} still {run.status} after terminate"
+                time.sleep(0.5)
+            if run is not None and run.status == DagsterRunStatus.CANCELED:
+                canceled = worker
+                break
+    assert canceled is not None, f"no run was caught mid-publish to terminate; see {pipeline.log}"
+    deadline = time.monotonic() + 10
+    while (proc := process_start_ticks(canceled["pid"])) is not None and proc[1] != "Z":  # gone, or a zombie
+        assert time.monotonic() < deadline, f"worker {canceled['pid']} still running after its run was canceled"
+        time.sleep(0.2)
+    pipeline.catch_up_and_verify("run terminated mid-publish (the UI's Terminate)", faults=1)
 
 
 def test_daemon_killed_and_restarted(pipeline: FaultPipeline) -> None:
