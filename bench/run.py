@@ -173,9 +173,17 @@ def dagster_env(stack: Stack, config: Path, launcher: str | None = None) -> dict
     home = stack.home / "bench" / ("dagster-home" + (f"-{launcher}" if launcher else ""))
     home.mkdir(parents=True, exist_ok=True)
     text = (ROOT / "dagster.yaml").read_text()
-    if launcher:
-        text = "\n".join(line for line in text.splitlines() if not line.startswith("run_launcher")) + "\n"
-        text += LAUNCHERS[launcher]
+    if launcher:  # drop the checkout's run_launcher stanza (the key and its indented lines), then add ours
+        kept, skipping = [], False
+        for line in text.splitlines():
+            if line.startswith("run_launcher:"):
+                skipping = True
+                continue
+            if skipping and (line.startswith(" ") or not line.strip()):
+                continue
+            skipping = False
+            kept.append(line)
+        text = "\n".join(kept) + "\n" + LAUNCHERS[launcher]
     (home / "dagster.yaml").write_text(text)
     return {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_PG_DB": BENCH_DAGSTER_DB,
             "ROWRELAY_DAGSTER_DIR": str(stack.home / "bench" / "dagster-artifacts"),
@@ -459,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         for launcher in args.launchers:
             suffix = "" if launcher == args.launchers[0] else f"_{launcher}_launcher"
             samples = measure_freshness(stack, workdir, args.freshness_samples, warm_spark=True,
-                                        label=f"warm-{launcher}", launcher=launcher)
+                                        label=f"warm_{launcher}", launcher=launcher)
             fresh = [x.freshness_s for x in samples]
             starts = [x.run_start_s for x in samples if x.run_start_s is not None]
             overheads = [x.run_overhead_s for x in samples if x.run_overhead_s is not None]

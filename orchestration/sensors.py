@@ -405,9 +405,10 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         resume = None if resplit else stalled_slice(context, job.name, chain, committed_hi, table.max_slices_per_run)
         if resume is not None:
             return SensorResult(run_requests=[resume])
-        if active:
+        if active > 1 or (active and chain):
             # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
-            # time a run takes, instead of the queue growing without bound.
+            # time a run takes, instead of the queue growing without bound. One run whose slices Kafka already
+            # has is only finishing (its checks): the next slice may queue behind it in the table's pool.
             return SkipReason(f"{active} run(s) of {table.table_id} still queued or running")
         if chain and not resplit:
             # Slices cut earlier are not committed yet (a retry about to be queued, a slice stopped by bad
