@@ -3,6 +3,7 @@
 import os
 import socket
 import threading
+import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,16 @@ if TYPE_CHECKING:
 
 WORKER_PID_TAG = "rowrelay/worker_pid"
 WORKER_HOST_TAG = "rowrelay/worker_host"
+
+
+def run_start_timings(stats: Any) -> dict[str, float]:
+    """launch -> worker executing -> this asset's body (resources built), from Dagster's run stats."""
+    out: dict[str, float] = {}
+    if stats.launch_time and stats.start_time:
+        out["launch_to_worker_s"] = stats.start_time - stats.launch_time
+    if stats.start_time:
+        out["worker_to_asset_s"] = time.time() - stats.start_time
+    return out
 
 
 def source_resource_key(source: str) -> str:
@@ -200,18 +211,26 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         context.instance.add_run_tags(context.run_id, {WORKER_PID_TAG: str(os.getpid()),
                                                        WORKER_HOST_TAG: socket.gethostname()})
         source: SourceDatabaseResource = getattr(context.resources, source_key)
+        timings = run_start_timings(context.instance.get_run_stats(context.run_id))
+        step = time.monotonic()
         # Cheap early answer from Kafka before any Spark work; the IO manager re-checks after fencing.
         committed = read_committed_progress(context.resources.kafka_io_manager.kafka_conf(), channel)
         committed_hi = committed.hi if committed else channel.start_after
+        timings["progress_read_s"], step = time.monotonic() - step, time.monotonic()
         if max(s.hi for s in slices) > committed_hi:
             # Connect (or start) Spark while the table is reflected and checked: it is the slowest first step.
-            threading.Thread(target=context.resources.spark.get_session, name="rowrelay-spark-warmup",
-                             daemon=True).start()
+            def warm_spark(started: float = step) -> None:
+                context.resources.spark.get_session()
+                timings["spark_session_s"] = time.monotonic() - started  # overlaps the table check
+
+            threading.Thread(target=warm_spark, name="rowrelay-spark-warmup", daemon=True).start()
         try:
             result = build_table_slices(source, context.resources.spark, table, channel, slices, committed_hi)
         except SourceError as exc:
             context.instance.add_run_tags(context.run_id, {STOPPED_TAG: "source"})
             raise Failure(description=str(exc), allow_retries=False) from exc
+        timings["table_check_s"] = time.monotonic() - step
+        result.timings = timings
         if not result.pending:
             context.log.info(f"{len(slices)} slice(s) already committed (progress at {committed_hi}); nothing to read")
         return result

@@ -1,6 +1,8 @@
 """Kafka IO manager: publishes a slice exactly once (resources/exactly_once.py) and loads it back by offsets."""
 
 
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dagster import ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
@@ -9,6 +11,7 @@ from pydantic import Field
 from resources.config import resolve_env
 from resources.exactly_once import (
     BadRowError,
+    MessageBatch,
     ProducerSettingsError,
     ProgressMissing,
     ProgressRecord,
@@ -77,6 +80,7 @@ class KafkaIOManager(ConfigurableIOManager):
         if not isinstance(obj, TableSlices):
             raise TypeError(f"KafkaIOManager stores TableSlices outputs, got {type(obj).__name__}")
         records: dict[str, tuple[PublishResult, int]] = {}
+        timings: dict[str, dict[str, float]] = {}  # per published slice: seconds per step of the run
         pending = {s.key for s in obj.pending}
         if len(obj.slices) > len(obj.pending):  # some were committed before this run: report their records
             history = {r.slice: r for r in read_progress_history(self.kafka_conf(), obj.channel)}
@@ -91,9 +95,21 @@ class KafkaIOManager(ConfigurableIOManager):
             try:
                 publisher = self.publisher(obj.channel)
                 for slice_range in obj.pending:
+                    started = time.monotonic()
                     frame = obj.read(slice_range)
-                    result = publisher.publish(slice_range, lambda f=frame: f.iter_batches(self.chunk_rows,
-                                                                                          self.prefetch_chunks))
+                    steps = {**obj.timings, "count_s": time.monotonic() - started}
+                    publish_started = time.monotonic()
+
+                    def batches(f: Any = frame, steps: dict[str, float] = steps, t0: float = publish_started
+                                ) -> Iterator[MessageBatch]:
+                        for batch in f.iter_batches(self.chunk_rows, self.prefetch_chunks):
+                            steps.setdefault("first_batch_s", time.monotonic() - t0)  # fencing + first read
+                            yield batch
+
+                    result = publisher.publish(slice_range, batches)
+                    steps["transaction_s"] = result.progress.transaction_s
+                    steps["publish_s"] = result.duration_s
+                    timings[slice_range.key] = steps
                     records[slice_range.key] = (result, frame.expected_rows)
                     context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
                                      f"rows in {result.duration_s:.1f} s")
@@ -114,7 +130,10 @@ class KafkaIOManager(ConfigurableIOManager):
                 if publisher is not None:
                     publisher.close()
         for key, (result, _) in records.items():
-            context.step_context.add_asset_metadata(self.slice_metadata(obj, result), partition_key=key)
+            metadata = self.slice_metadata(obj, result)
+            if key in timings:
+                metadata["timings_s"] = MetadataValue.json({k: round(v, 3) for k, v in timings[key].items()})
+            context.step_context.add_asset_metadata(metadata, partition_key=key)
         context.add_output_metadata({"slices": len(obj.slices), "slices_published": len(obj.pending),
                                      "rows_published": sum(r.progress.rows for r, _ in records.values()
                                                            if not r.already_committed)})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import ceil
 from typing import TYPE_CHECKING
 
@@ -225,3 +225,6 @@ class TableSlices:
     slices: list[SliceRange]
     pending: list[SliceRange]
     read: Callable[[SliceRange], SliceFrame] | None
+    # Seconds per step of the run before publishing (launch -> worker, progress read, table check, Spark session):
+    # reported with each slice's metadata, so a user sees where a run's time went.
+    timings: dict[str, float] = field(default_factory=dict)

@@ -28,10 +28,16 @@ def test_postgres_table_reaches_kafka_exactly_once(services, pg_database, pg_eng
     assert h.progress(table).hi == 2500
     meta = h.materialization(table, keys[0])
     assert meta["rows"] == 1000 and meta["already_committed"] is False
+    # Where the run's time went, per step (the run stats' launch time is unset for an in-process run).
+    steps = meta["timings_s"]
+    assert {"worker_to_asset_s", "progress_read_s", "table_check_s", "count_s", "first_batch_s", "transaction_s",
+            "publish_s"} <= set(steps), steps
+    assert 0 < steps["first_batch_s"] <= steps["publish_s"] and 0 < steps["transaction_s"] <= steps["publish_s"]
     again = h.run(table, keys[0])
     assert again.success
     meta_again = h.materialization(table, keys[0])  # the newest one
     assert meta_again["already_committed"] is True and meta_again["status"].startswith("already committed")
+    assert "timings_s" not in meta_again  # nothing was published: no steps to report
     assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 2500
 
 
