@@ -176,17 +176,10 @@ def test_transaction_timeout_setting_wins_and_is_checked(services, name) -> None
 def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, name) -> None:
     conf = _conf(services)
     table = f"edge.public.{name}"
-    first = SlicePublisher(TableChannel.for_table(table, name), conf)
-    try:
-        first.publish(SliceRange(0, 3), _rows(0, 3))
-    finally:
-        first.close()
+    eo.publish_slice(TableChannel.for_table(table, name), conf, SliceRange(0, 3), _rows(0, 3))
     # Another table sharing the topic, with empty progress of its own, still publishes.
-    neighbour = SlicePublisher(TableChannel.for_table(f"edge.public.{name}_other", name), conf)
-    try:
-        neighbour.publish(SliceRange(0, 2), _rows(0, 2, id_offset=100))
-    finally:
-        neighbour.close()
+    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}_other", name), conf, SliceRange(0, 2),
+                     _rows(0, 2, id_offset=100))
 
     # A new transactional_id_prefix: same table and topic, new (empty) progress topic.
     renamed = TableChannel.for_table(table, name, prefix="other")
@@ -211,11 +204,7 @@ def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, n
 def test_reset_sets_a_deliberate_baseline_and_fences(services, name) -> None:
     conf = _conf(services)
     table = f"edge.public.{name}"
-    first = SlicePublisher(TableChannel.for_table(table, name), conf)
-    try:
-        first.publish(SliceRange(0, 3), _rows(0, 3))
-    finally:
-        first.close()
+    eo.publish_slice(TableChannel.for_table(table, name), conf, SliceRange(0, 3), _rows(0, 3))
     renamed = TableChannel.for_table(table, name, prefix="other")
     running = SlicePublisher(renamed, conf)
     running.init()  # a publisher of the table already holding the current epoch
