@@ -7,6 +7,8 @@
     rowrelay reset --table ID --after W     # deliberate new baseline: rows after W are sent, the rest never
     rowrelay replay --table ID --from A --to B [--topic T]
                                             # republish committed slices (A, B] once more, marked rowrelay.replay
+    rowrelay history compact [--table ID] [--full]
+                                            # roll up old committed slices now (hour, then day): fewer partitions
 """
 
 from __future__ import annotations
@@ -319,6 +321,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
 
     from assets.relay import channel_for, partitions_for, pool_name, table_shape
     from orchestration.factory import build_definitions, job_name
+    from orchestration.history import open_keys
     from orchestration.sensors import ACTIVE, SensorState, ensure_pool, plan_cut
     from resources.exactly_once import RelayError
     from resources.kafka_io_manager import KafkaIOManager
@@ -339,9 +342,11 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         deadline = time.monotonic() + table.settle_seconds + args.settle_timeout
         try:
             while True:  # the newest rows count once they are final (open transactions, settle delay)
-                keys = instance.get_dynamic_partitions(partitions.name)
                 progress = read_committed_progress(io_manager.kafka_conf(), channel_for(table,
                                                    io_manager.transactional_id_prefix))
+                # Only the uncommitted keys matter to a cut: read from the newest end, not all of history.
+                keys = open_keys(instance, partitions.name, progress.hi if progress else
+                                 channel_for(table, io_manager.transactional_id_prefix).start_after)
                 plan = plan_cut(table, source, io_manager, progress, keys, state, heal=not active,
                                 cut_while_pending=True, limit=100_000)
                 if plan.add or not plan.state.pending or time.monotonic() > deadline:
@@ -558,14 +563,39 @@ def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_history(config: RelayConfig, args: argparse.Namespace) -> int:
+    """`history compact`: apply the slice-history policy now (the history sensor does it every few minutes).
+    `--full` reads the whole progress topic (what the sensor does on a table's first compaction)."""
+    from dagster import DagsterInstance
+
+    from orchestration.history import iter_compact
+
+    tables = _tables(config, args.table)
+    with DagsterInstance.get() as instance:
+        results = []
+        for result in iter_compact(instance, tables, kafka_conf(config), config.kafka.transactional_id_prefix,
+                                   full=args.full):
+            results.append(result)
+            if not args.json:
+                print(result.line(), flush=True)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("verify", "status", "pools", "backfill", "reset", "replay"):
+    for name in ("verify", "status", "pools", "backfill", "reset", "replay", "history"):
         p = sub.add_parser(name)
-        if name == "replay":
+        if name == "history":
+            p.add_argument("action", choices=["compact"], help="compact: roll up old committed slices now")
+            p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
+            p.add_argument("--full", action="store_true", help="read the whole progress topic (first compaction "
+                           "of an existing deployment); default: the last few days")
+        elif name == "replay":
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
             p.add_argument("--from", dest="from_", required=True, type=int,
                            help="lower bound (exclusive): a committed slice's lower bound")
@@ -585,13 +615,13 @@ def main(argv: list[str] | None = None) -> int:
                            help="seconds to wait for the newest rows to become final")
         else:
             p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
-        if name in ("verify", "status", "replay"):
+        if name in ("verify", "status", "replay", "history"):
             p.add_argument("--json", action="store_true", help="machine-readable output for scripts")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
         commands = {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools, "backfill": cmd_backfill,
-                    "reset": cmd_reset, "replay": cmd_replay}
+                    "reset": cmd_reset, "replay": cmd_replay, "history": cmd_history}
         return commands[args.cmd](config, args)
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)

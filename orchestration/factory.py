@@ -30,6 +30,7 @@ from assets.relay import (
     partitions_for,
     source_resource_key,
 )
+from orchestration.history import build_history_sensor
 from orchestration.sensors import build_slice_sensor
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import read_committed_progress
@@ -93,6 +94,8 @@ def build_definitions(config: RelayConfig) -> Definitions:
                                executor_def=in_process_executor)
         jobs.append(job)
         sensors.append(build_slice_sensor(table, job))
+    # One sensor rolls up every table's old slices (a slow cadence, a time budget per tick): partitions stay few.
+    sensors.append(build_history_sensor(config.tables, config.kafka.transactional_id_prefix))
     spark = SparkResource(master=config.spark.master, remote=config.spark.remote, conf=config.spark.conf)
     resources = {
         "spark": spark,

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,6 @@ from dagster import (
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
-    SkipReason,
     sensor,
 )
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
@@ -36,6 +36,7 @@ from assets.relay import (
     source_resource_key,
     table_shape,
 )
+from orchestration.history import open_keys
 from resources.config import TableConfig
 from resources.exactly_once import (
     ProgressRecord,
@@ -54,20 +55,44 @@ ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatu
 
 @dataclass
 class SensorState:
-    """The sensor cursor: max watermarks seen that are not yet known to be final."""
+    """The sensor cursor: max watermarks seen that are not yet known to be final, the uncommitted slices the
+    sensor cut (so a tick need not read the table's partitions), and since when rows have waited below
+    `min_slice_rows` (trickle batching)."""
 
     pending: list[WatermarkCandidate] = field(default_factory=list)
+    chain: list[SliceRange] | None = None  # None: not known (a first tick, an old cursor): read from storage
+    waiting_since: float | None = None
 
     def to_cursor(self) -> str:
-        return json.dumps({"pending": [[c.watermark, c.marker, list(c.waits)] for c in self.pending]})
+        data: dict[str, Any] = {"pending": [[c.watermark, c.marker, list(c.waits)] for c in self.pending]}
+        if self.chain is not None:
+            data["chain"] = [[s.lo, s.hi] for s in self.chain]
+        if self.waiting_since is not None:
+            data["waiting_since"] = self.waiting_since
+        return json.dumps(data)
 
     @classmethod
     def from_cursor(cls, cursor: str | None) -> "SensorState":
         if not cursor:
             return cls()
         data = json.loads(cursor)
+        chain = [SliceRange(int(lo), int(hi)) for lo, hi in data["chain"]] if "chain" in data else None
         return cls([WatermarkCandidate(int(c[0]), float(c[1]), tuple(c[2]) if len(c) > 2 else ())
-                    for c in data.get("pending", [])])
+                    for c in data.get("pending", [])], chain, data.get("waiting_since"))
+
+
+def known_chain(chain: list[SliceRange] | None, committed_hi: int) -> list[SliceRange] | None:
+    """The cursor's uncommitted slices still above committed progress, if they continue it without a gap; None
+    when they disagree with Kafka (unknown, progress inside a slice, a reset) and storage must be read."""
+    if chain is None:
+        return None
+    rest = [s for s in chain if s.hi > committed_hi]
+    position = committed_hi
+    for s in rest:
+        if s.lo != position:
+            return None
+        position = s.hi
+    return rest
 
 
 _SHAPES: dict[tuple[str, str], tuple[float, TableShape]] = {}
@@ -146,7 +171,25 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
         if slices and slices[-1].hi < safe_hi and len(slices) == limit:
             # More to cut next tick: keep the settled value as an already-final candidate.
             pending.insert(0, WatermarkCandidate(safe_hi, float("-inf")))
-    return TickPlan(slices=slices, state=SensorState(pending), safe_hi=safe_hi, cut_after=cut_after)
+    waiting_since = None
+    if slices and table.min_slice_rows > 1:
+        waiting_since, slices = trickle(slices, table, state.waiting_since, time.time(),
+                                        lambda: source.count_rows(shape, cut_after, slices[-1].hi))
+        if not slices and safe_hi is not None:  # keep the settled value: it is final, only held back
+            pending.insert(0, WatermarkCandidate(safe_hi, float("-inf")))
+    return TickPlan(slices=slices, state=SensorState(pending, waiting_since=waiting_since), safe_hi=safe_hi,
+                    cut_after=cut_after)
+
+
+def trickle(slices: list[SliceRange], table: TableConfig, waiting_since: float | None, now: float,
+            count_rows: Callable[[], int]) -> tuple[float | None, list[SliceRange]]:
+    """Trickle batching: hold back a cut of fewer than `min_slice_rows` rows until the rows have waited
+    `max_slice_delay_seconds`, so a trickle makes one partition per delay instead of one per tick. Returns (since
+    when rows wait, the slices to cut now)."""
+    since = waiting_since if waiting_since is not None else now
+    if now - since >= table.max_slice_delay_seconds or count_rows() >= table.min_slice_rows:
+        return None, slices
+    return since, []
 
 
 @dataclass
@@ -396,39 +439,58 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         default_status=DefaultSensorStatus.RUNNING,
         description=f"Cuts new watermark slices of {table.table_id} and requests their runs in order.",
     )
-    def slice_sensor(context: SensorEvaluationContext) -> SensorResult | SkipReason:
+    def slice_sensor(context: SensorEvaluationContext) -> SensorResult:
         source: SourceDatabaseResource = getattr(context.resources, source_key)
         io_manager: KafkaIOManager = context.resources.kafka_io_manager
-        ensure_pool(context.instance, pool_name(table))
+        instance = context.instance
+        ensure_pool(instance, pool_name(table))
         fail_dead_runs(context, job.name)
         cached_table_shape(source, table)  # a broken table or config fails the tick with its reason, every tick
         channel = channel_for(table, io_manager.transactional_id_prefix)
         progress = read_committed_progress(io_manager.kafka_conf(), channel)
         committed_hi = progress.hi if progress else channel.start_after
-        keys = list(context.instance.get_dynamic_partitions(partitions.name))
-        chain = reconcile([SliceRange.from_key(k) for k in keys], committed_hi).chain
+        state = SensorState.from_cursor(context.cursor)
+        # Flat ticks: the uncommitted slices come from the cursor, checked against storage by one key; the
+        # partitions are read (their newest end only) when the cursor disagrees with Kafka or the key is gone.
+        chain = known_chain(state.chain, committed_hi)
+        stored: list[str] | None = None
+        if chain is None or (chain and not instance.has_dynamic_partition(partitions.name, chain[0].key)):
+            stored = open_keys(instance, partitions.name, committed_hi)
+            chain = reconcile([SliceRange.from_key(k) for k in stored], committed_hi).chain
+        state = SensorState(state.pending, chain, state.waiting_since)
 
-        active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
+        def skip(reason: str) -> SensorResult:
+            return SensorResult(skip_reason=reason, cursor=state.to_cursor())
+
+        active = instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
         if active and cancel_committed_runs(context, job.name, committed_hi):
-            active = context.instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
+            active = instance.get_runs_count(RunsFilter(job_name=job.name, statuses=ACTIVE))
         # Self-healing: the first uncommitted slice has no run (retries exhausted, worker lost) while later ones
         # may be queued; without this they would fail "out of order" and retry forever.
         resplit = bool(chain) and not active and last_stop_reason(context, job.name, chain[0]) == TIMED_OUT
         resume = None if resplit else stalled_slice(context, job.name, chain, committed_hi, table.max_slices_per_run)
         if resume is not None:
-            return SensorResult(run_requests=[resume])
+            return SensorResult(run_requests=[resume], cursor=state.to_cursor())
         if active > 1 or (active and chain):
             # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
             # time a run takes, instead of the queue growing without bound. One run whose slices Kafka already
             # has is only finishing (its checks): the next slice may queue behind it in the table's pool.
-            return SkipReason(f"{active} run(s) of {table.table_id} still queued or running")
+            return skip(f"{active} run(s) of {table.table_id} still queued or running")
         if chain and not resplit:
             # Slices cut earlier are not committed yet (a retry about to be queued, a slice stopped by bad
             # input): new slices would only fail "out of order" behind them.
-            return SkipReason(f"{table.table_id}: slices after {committed_hi} are not committed yet; waiting for "
-                              "their runs (or a resume)")
-        plan = plan_cut(table, source, io_manager, progress, keys, SensorState.from_cursor(context.cursor),
-                        heal=True, cut_while_pending=False, resplit=resplit)
+            return skip(f"{table.table_id}: slices after {committed_hi} are not committed yet; waiting for "
+                        "their runs (or a resume)")
+        keys = stored if stored is not None else [s.key for s in chain]
+        plan = plan_cut(table, source, io_manager, progress, keys, state, heal=True, cut_while_pending=False,
+                        resplit=resplit)
+        if plan.add and stored is None:
+            # About to add partitions: another cutter (`rowrelay backfill`) may have cut slices this cursor does
+            # not know. Check the newest keys (cheap: only uncommitted ones are read) and plan again if so.
+            stored = open_keys(instance, partitions.name, committed_hi)
+            if set(stored) - set(keys):
+                plan = plan_cut(table, source, io_manager, progress, stored, state, heal=True,
+                                cut_while_pending=False, resplit=resplit)
         if plan.delete:
             context.log.warning(f"{table.table_id}: partitions {[s.key for s in plan.delete]} do not continue Kafka's "
                                 f"progress ({plan.committed_hi}) and can never commit: deleted, range cut again")
@@ -438,10 +500,10 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
             partition_requests.append(partitions.build_delete_request([s.key for s in plan.delete]))
         if plan.add:
             partition_requests.append(partitions.build_add_request([s.key for s in plan.add]))
+        cursor = SensorState(plan.state.pending, plan.chain, plan.state.waiting_since).to_cursor()
         if not requests and plan.waiting:
             return SensorResult(skip_reason=f"{table.table_id}: {plan.waiting}",
-                                dynamic_partitions_requests=partition_requests, cursor=plan.state.to_cursor())
-        return SensorResult(run_requests=requests, dynamic_partitions_requests=partition_requests,
-                            cursor=plan.state.to_cursor())
+                                dynamic_partitions_requests=partition_requests, cursor=cursor)
+        return SensorResult(run_requests=requests, dynamic_partitions_requests=partition_requests, cursor=cursor)
 
     return slice_sensor

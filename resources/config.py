@@ -80,6 +80,15 @@ class TableConfig(_Strict):
         "unpublished row; unset: the time since the last commit while rows wait")
     warn_lag_seconds: float = Field(300.0, gt=0, description="the lag check warns above this many seconds")
     error_lag_seconds: float = Field(3600.0, gt=0, description="the lag check fails (ERROR) above this many seconds")
+    rollup_after_seconds: float | None = Field(
+        3600.0, ge=0, description="committed slices older than this roll up into one partition per hour of their "
+        "commit (resources/history.py); null: every slice stays its own partition")
+    rollup_daily_after_seconds: float = Field(86_400.0, ge=0, description="committed slices older than this roll "
+                                              "up into one partition per day")
+    min_slice_rows: int = Field(1, ge=1, description="cut a slice only once this many rows wait (or the oldest "
+                                "has waited max_slice_delay_seconds): fewer, larger slices for a trickle")
+    max_slice_delay_seconds: float = Field(0.0, ge=0, le=86_400, description="the longest rows wait for "
+                                           "min_slice_rows; 0: cut every tick (freshest)")
 
     @model_validator(mode="after")
     def _lag_thresholds(self) -> TableConfig:

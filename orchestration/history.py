@@ -1,0 +1,268 @@
+"""Applies the slice-history policy (resources/history.py) to a table's partitions on the Dagster instance: roll-up
+keys recorded as materializations, the small keys deleted, insertion order kept in watermark order.
+
+Run by one global sensor at a slow cadence (a few tables per tick, within a time budget) and by
+`rowrelay history compact [--table]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from dagster import (
+    AssetMaterialization,
+    DagsterInstance,
+    DefaultSensorStatus,
+    MetadataValue,
+    RunsFilter,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SkipReason,
+    sensor,
+)
+
+from assets.relay import asset_key, channel_for, partitions_for
+from resources.config import TableConfig
+from resources.exactly_once import read_committed_progress
+from resources.history import HistoryPolicy, Rollup, plan_rollups, read_records, summarize
+from resources.slices import SliceRange
+
+BATCH = 10_000  # keys per storage statement
+
+
+# -- the instance's dynamic partitions: the two private Dagster calls, wrapped here only -----------------------
+
+
+def page_keys(instance: DagsterInstance, partitions_name: str, limit: int, ascending: bool,
+              cursor: str | None = None) -> tuple[list[str], str, bool]:
+    """A page of a dynamic partitions definition's keys in insertion order: (keys, cursor, has_more).
+
+    `DagsterInstance.get_paginated_dynamic_partitions` is not marked public, but it is what Dagster's own UI pages
+    with, and it is the only way to read the newest keys without loading all of them (the sensor's flat tick)."""
+    page = instance.get_paginated_dynamic_partitions(partitions_name, limit=limit, ascending=ascending,
+                                                     cursor=cursor)
+    return list(page.results), page.cursor, page.has_more
+
+
+def delete_keys(instance: DagsterInstance, partitions_name: str, keys: list[str]) -> None:
+    """Delete many keys at once. The public `delete_dynamic_partition` is one statement per key: ~300k of them
+    take minutes on PostgreSQL; this is the same DELETE for a batch of keys on the same table."""
+    from dagster._core.storage.event_log.schema import DynamicPartitionsTable
+    from dagster._core.storage.sql import SqlEventLogStorage
+
+    storage = instance.event_log_storage
+    if not isinstance(storage, SqlEventLogStorage):  # another storage: the public call, key by key
+        for key in keys:
+            instance.delete_dynamic_partition(partitions_name, key)
+        return
+    table = DynamicPartitionsTable
+    for i in range(0, len(keys), BATCH):
+        with storage.index_connection() as conn:
+            conn.execute(table.delete().where((table.c.partitions_def_name == partitions_name)
+                                              & table.c.partition.in_(keys[i:i + BATCH])))
+
+
+def all_keys(instance: DagsterInstance, partitions_name: str) -> list[str]:
+    return list(instance.get_dynamic_partitions(partitions_name))
+
+
+def open_keys(instance: DagsterInstance, partitions_name: str, committed_hi: int, page: int = 64) -> list[str]:
+    """Keys whose slices are not committed yet (hi above committed progress), from the newest end of the list only:
+    partitions are appended in watermark order (cuts append; roll-ups re-add what follows them), so uncommitted
+    keys are the newest. Pages back while a whole page is uncommitted: cost grows with the uncommitted keys,
+    never with history."""
+    found: list[str] = []
+    cursor = None
+    while True:
+        keys, cursor, more = page_keys(instance, partitions_name, page, ascending=False, cursor=cursor)
+        open_here = [k for k in keys if _hi(k) > committed_hi]
+        found.extend(open_here)
+        if not more or len(open_here) < len(keys):
+            return list(reversed(found))
+
+
+def _hi(key: str) -> int:
+    try:
+        return SliceRange.from_key(key).hi
+    except ValueError:
+        return -(2**63)  # not a slice key: never part of the chain
+
+
+# -- compaction ------------------------------------------------------------------------------------------------
+
+
+def policy_for(table: TableConfig) -> HistoryPolicy:
+    return HistoryPolicy(rollup_after_s=table.rollup_after_seconds, daily_after_s=table.rollup_daily_after_seconds)
+
+
+@dataclass
+class CompactResult:
+    table: str
+    keys_before: int = 0
+    keys_after: int = 0
+    rollups: int = 0
+    slices_rolled: int = 0
+    skipped: str = ""
+    seconds: float = 0.0
+    details: list[dict[str, Any]] = field(default_factory=list)
+
+    def line(self) -> str:
+        if self.skipped:
+            return f"{self.table}: {self.skipped}"
+        return (f"{self.table}: {self.keys_before} -> {self.keys_after} partitions ({self.rollups} roll-up(s) of "
+                f"{self.slices_rolled} keys) in {self.seconds:.1f} s")
+
+
+def rollup_metadata(rollup: Rollup, transactional_id: str) -> dict[str, Any]:
+    """The roll-up key's materialization metadata: the figures a slice carries (kafka_io_manager.slice_metadata)
+    summed over its slices, from Kafka's progress records."""
+    s = summarize(rollup.records)
+    return {
+        "status": MetadataValue.text(f"roll-up of {s['slices']} committed slices ({rollup.bucket[1:]})"),
+        "rollup": rollup.bucket,
+        "slices": s["slices"],
+        "rows": s["rows"],
+        "bytes": s["bytes"],
+        "topic": s["topic"],
+        "offsets": MetadataValue.json(s["offsets"]),
+        "watermark_lo": s["lo"],
+        "watermark_hi": s["hi"],
+        "checksum": s["checksum"],
+        "checksum_of": MetadataValue.text("sha256 over the slices' checksums, in watermark order"),
+        "first_committed_at": s["first_committed_at"],
+        "committed_at": s["last_committed_at"],
+        "rolled_up_keys": MetadataValue.json([rollup.keys[0].key, rollup.keys[-1].key]),
+        "transactional_id": transactional_id,
+    }
+
+
+def redundant(keys: list[SliceRange]) -> list[SliceRange]:
+    """Keys inside a wider key: left by a compaction interrupted after adding its roll-up key (the roll-up covers
+    them, so they go)."""
+    out: list[SliceRange] = []
+    reach: SliceRange | None = None
+    for k in sorted(keys, key=lambda k: (k.lo, -k.hi)):
+        if reach is not None and reach.lo <= k.lo and k.hi <= reach.hi:
+            out.append(k)
+        elif reach is None or k.hi > reach.hi:
+            reach = k
+    return out
+
+
+def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dict[str, Any],
+                  transactional_id_prefix: str = "rowrelay", *, now: datetime | None = None, full: bool = False,
+                  job_name: str | None = None) -> CompactResult:
+    """Roll up the table's committed slices per the policy. Only committed keys are touched, and only while no key
+    is uncommitted and no run of the table is active (so keys keep watermark order and no run loses its
+    partition). `full`: read the whole progress topic (a first compaction); otherwise the last few days."""
+    started = time.monotonic()
+    now = now or datetime.now(UTC)
+    result = CompactResult(table.table_id)
+    policy = policy_for(table)
+    if policy.rollup_after_s is None:
+        result.skipped = "rollup_after_seconds is off"
+        return result
+    channel = channel_for(table, transactional_id_prefix)
+    name = partitions_for(table).name
+    progress = read_committed_progress(kafka_conf, channel)
+    if progress is None:
+        result.skipped = "nothing committed"
+        return result
+    if job_name is not None:
+        from orchestration.sensors import ACTIVE
+
+        if instance.get_runs_count(RunsFilter(job_name=job_name, statuses=ACTIVE)):
+            result.skipped = "runs active; later"
+            return result
+    raw = all_keys(instance, name)
+    result.keys_before = result.keys_after = len(raw)
+    parsed: dict[str, SliceRange] = {}
+    for k in raw:
+        try:
+            parsed[k] = SliceRange.from_key(k)
+        except ValueError:
+            continue
+    if any(s.hi > progress.hi for s in parsed.values()):
+        result.skipped = "uncommitted slices; later"
+        return result
+    gone = {s.key for s in redundant(list(parsed.values()))} & set(parsed)
+    keys = [s for k, s in parsed.items() if k not in gone]
+    since = None if full else int((now - timedelta(seconds=policy.daily_after_s + 2 * 86_400)).timestamp() * 1000)
+    records = read_records(kafka_conf, channel, since_ms=since)
+    rollups = plan_rollups(keys, records, now, policy)
+    key_of = {s: k for k, s in parsed.items()}
+    for r in rollups:  # the roll-up key first: a crash after this leaves redundant keys, removed next time
+        instance.report_runless_asset_event(AssetMaterialization(
+            asset_key=asset_key(table), partition=r.range.key, metadata=rollup_metadata(r, channel.transactional_id),
+            description=f"{len(r.keys)} committed slices rolled up into {r.range}"))
+        gone.update(key_of[s] for s in r.keys)
+        result.details.append({"key": r.range.key, "keys": len(r.keys), "bucket": r.bucket})
+    survivors = [k for k in raw if k not in gone]
+    final = sorted([parsed[k] for k in survivors if k in parsed] + [r.range for r in rollups])
+    desired = [s.key for s in final] + [k for k in survivors if k not in parsed]
+    same = 0  # keep the common prefix of the current and desired order; re-add what follows
+    while same < min(len(survivors), len(desired)) and survivors[same] == desired[same]:
+        same += 1
+    delete_keys(instance, name, sorted(gone) + survivors[same:])
+    for i in range(same, len(desired), BATCH):
+        instance.add_dynamic_partitions(name, desired[i:i + BATCH])
+    result.rollups, result.slices_rolled = len(rollups), sum(len(r.keys) for r in rollups)
+    result.keys_after = len(desired)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def iter_compact(instance: DagsterInstance, tables: list[TableConfig], kafka_conf: dict[str, Any],
+                 transactional_id_prefix: str, full: bool = False) -> Iterator[CompactResult]:
+    from orchestration.factory import job_name
+
+    for table in tables:
+        yield compact_table(instance, table, kafka_conf, transactional_id_prefix, full=full,
+                            job_name=job_name(table))
+
+
+# -- the sensor -------------------------------------------------------------------------------------------------
+
+HISTORY_SENSOR = "rowrelay_history"
+HISTORY_INTERVAL_S = 60
+HISTORY_EVERY_S = 600.0  # each table compacted at most this often
+HISTORY_BUDGET_S = 20.0  # per tick: the daemon's sensor timeout is 60 s, and other sensors share its workers
+
+
+def due_tables(tables: list[TableConfig], last: dict[str, float], now: float) -> list[TableConfig]:
+    """Tables whose compaction is due, the longest-waiting first (never done: first)."""
+    due = [t for t in tables if now - last.get(t.table_id, 0.0) >= HISTORY_EVERY_S]
+    return sorted(due, key=lambda t: last.get(t.table_id, 0.0))
+
+
+def build_history_sensor(tables: list[TableConfig], transactional_id_prefix: str = "rowrelay") -> SensorDefinition:
+    """One sensor for every table: compacts due tables within a time budget per tick. The first compaction of a
+    table reads its whole progress topic (an existing deployment's history), later ones the last few days."""
+    from orchestration.factory import job_name
+
+    @sensor(name=HISTORY_SENSOR, minimum_interval_seconds=HISTORY_INTERVAL_S, required_resource_keys={
+            "kafka_io_manager"}, default_status=DefaultSensorStatus.RUNNING,
+            description="Rolls up old committed slices of every table (hour, then day) so partitions stay few.")
+    def history_sensor(context: SensorEvaluationContext) -> SkipReason:
+        conf = context.resources.kafka_io_manager.kafka_conf()
+        state = json.loads(context.cursor) if context.cursor else {}
+        last: dict[str, float] = state.get("last", {})
+        started = time.time()
+        done: list[str] = []
+        for table in due_tables(tables, last, started):
+            if time.time() - started > HISTORY_BUDGET_S:
+                break
+            result = compact_table(context.instance, table, conf, transactional_id_prefix,
+                                   full=table.table_id not in last, job_name=job_name(table))
+            if not result.skipped:
+                last[table.table_id] = time.time()
+                context.log.info(result.line())
+            done.append(result.line())
+        context.update_cursor(json.dumps({"last": last}))
+        return SkipReason("; ".join(done) or "no table due")
+    return history_sensor
