@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -170,6 +171,8 @@ def connector_props(pg: dict, table: str, topic_prefix: str, name: str, *, exact
         "max.batch.size": str(MAX_BATCH_SIZE),
         "max.queue.size": str(MAX_QUEUE_SIZE),
         "decimal.handling.mode": "string",
+        # Debezium 3.x adds four __debezium.context.* headers to every record; the other tools send none.
+        "extended.headers.enabled": "false",
         "transforms": "unwrap",
         "transforms.unwrap.type": "io.debezium.transforms.ExtractNewRecordState",
         # The topic is created before the timer; these only matter if it is not there.
@@ -310,7 +313,10 @@ def launch_worker(libs: Path, main_class: str, args: list[str], workdir: Path, e
     """Start the Connect JVM in its own process group (so one killpg stops it and anything it spawned)."""
     log4j = workdir / "log4j2.properties"
     log4j.write_text(LOG4J2.format(log=workdir / "connect.log"), encoding="utf-8")
-    cmd = ["java", *JVM_OPTS, f"-Dlog4j2.configurationFile={log4j}", "-cp", f"{libs}/*", main_class, *args]
+    tmp = workdir / "tmp"  # lz4/snappy/zstd unpack their native libraries into java.io.tmpdir: keep them here
+    tmp.mkdir(exist_ok=True)
+    cmd = ["java", *JVM_OPTS, f"-Djava.io.tmpdir={tmp}", f"-Dlog4j2.configurationFile={log4j}",
+           "-cp", f"{libs}/*", main_class, *args]
     with open(workdir / "connect.stdout.log", "wb") as out:  # the child keeps its own copy of the fd
         return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -365,6 +371,19 @@ def first_error(workdir: Path) -> str | None:
         if "] ERROR " in line:
             return " | ".join(x.strip() for x in lines[i:i + 3])[:1500]
     return None
+
+
+def snapshot_export_seconds(workdir: Path) -> float | None:
+    """Debezium's own figure for reading the table ("Finished exporting N records ... total duration 'H:M:S'")."""
+    path = workdir / "connect.log"
+    if not path.exists():
+        return None
+    match = re.search(r"Finished exporting \d+ records for table .*? total duration '(\d+):(\d+):([\d.]+)'",
+                      path.read_text(errors="replace"))
+    if not match:
+        return None
+    h, m, sec = match.groups()
+    return int(h) * 3600 + int(m) * 60 + float(sec)
 
 
 def _task_failure(base_url: str, name: str) -> str | None:
@@ -429,7 +448,8 @@ def run_debezium(pg: dict, table: str, bootstrap: str, topic_prefix: str, rows: 
     """Publish ``table``'s rows with Debezium's snapshot into ``<topic_prefix>.<schema>.<table>``; time and verify.
 
     Returns ``seconds`` (JVM launch -> every row in the topic, committed), ``messages`` (read_committed count
-    after the worker stopped), ``rows_per_s``, ``mode``, ``version``, ``topic`` and a ``note`` when the count is
+    after the worker stopped), ``rows_per_s``, ``mode``, ``version``, ``exactly_once``, ``topic``,
+    ``debezium_reported_seconds`` (Debezium's own snapshot timer, from its log) and a ``note`` when the count is
     off or the worker logged errors. Raises ``DebeziumPeerError`` when the run produced no figure.
     """
     from stack.debezium import ensure_debezium_jars, jar_version
@@ -471,12 +491,12 @@ def run_debezium(pg: dict, table: str, bootstrap: str, topic_prefix: str, rows: 
         try:
             if exactly_once:
                 _submit_connector(base_url, connector, proc)
-            seconds = _wait_for_rows(proc, counter, before + rows, started, timeout_s, base_url, name,
-                                     count_records=exactly_once)
+            seconds, why = _wait_for_rows(proc, counter, before + rows, started, timeout_s, base_url, name,
+                                          workdir, count_records=exactly_once)
         finally:
             stop_worker(proc)
         if seconds is None:
-            raise DebeziumPeerError(_failure_text(workdir, proc, base_url, name, counter, before + rows))
+            raise DebeziumPeerError(_failure_text(workdir, why))
     finally:
         counter.close()
         with contextlib.suppress(Exception):
@@ -496,6 +516,10 @@ def run_debezium(pg: dict, table: str, bootstrap: str, topic_prefix: str, rows: 
         "exactly_once": exactly_once,
         "topic": topic,
     }
+    export = snapshot_export_seconds(workdir)
+    if export is not None:
+        # Debezium's snapshot timer (SELECT -> last record handed to Connect): no JVM start-up, no last flush.
+        figures["debezium_reported_seconds"] = round(export, 3)
     if before:
         notes.append(f"topic already held {before} records before the run; they are not counted")
     if messages < rows:
@@ -510,33 +534,66 @@ def run_debezium(pg: dict, table: str, bootstrap: str, topic_prefix: str, rows: 
     return figures
 
 
+SNAPSHOT_DONE = "Snapshot completed"
+# After Debezium says its snapshot is complete, the last batch still has to be produced and committed.
+SNAPSHOT_GRACE_S = 30.0
+
+
+class LogWatch:
+    """Reads the worker's log incrementally for one marker line (cheap enough to ask every couple of seconds)."""
+
+    def __init__(self, path: Path, marker: str) -> None:
+        self.path, self.marker, self.pos, self.seen = path, marker, 0, False
+
+    def check(self) -> bool:
+        if not self.seen and self.path.exists():
+            with self.path.open("rb") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+            # Keep a partial last line for the next read.
+            cut = chunk.rfind(b"\n") + 1
+            self.pos += cut
+            self.seen = self.marker.encode() in chunk[:cut]
+        return self.seen
+
+
 def _wait_for_rows(proc: subprocess.Popen[bytes], counter: CommittedCounter, target: int, started: float,
-                   timeout_s: float, base_url: str, name: str, *, count_records: bool) -> float | None:
-    """Seconds from ``started`` until the topic holds ``target`` records, or None if the worker died/failed.
+                   timeout_s: float, base_url: str, name: str, workdir: Path, *, count_records: bool,
+                   ) -> tuple[float | None, str]:
+    """(seconds from ``started`` until the topic holds ``target`` records, or None; why it stopped waiting).
 
     Without transactions every offset is a record, so the high watermark is the count. With them, commit
     markers take offsets too: read the committed records up to the LSO (incrementally) and count them. The
     time is taken when the end offsets are asked for, not after reading, so counting adds no seconds.
+    It gives up when the worker exits, the task FAILED, or the snapshot completed without filling the topic.
     """
+    snapshot = LogWatch(workdir / "connect.log", SNAPSHOT_DONE)
+    snapshot_done_at: float | None = None
     next_status = time.monotonic() + 2.0
+    done = 0
     while time.perf_counter() - started < timeout_s:
         asked = time.perf_counter()
         done = counter.advance() if count_records else sum(counter.end_offsets().values())
         if done >= target:
-            return asked - started
+            return asked - started, "ok"
         if proc.poll() is not None:
-            return None
+            return None, f"the worker exited ({proc.returncode}) with {done} of {target} records in the topic"
         if time.monotonic() >= next_status:  # a failed task never fills the topic: stop waiting
             next_status = time.monotonic() + 2.0
-            if _task_failure(base_url, name):
-                return None
+            failure = _task_failure(base_url, name)
+            if failure:
+                return None, f"the task FAILED: {failure}"
+            if snapshot_done_at is None and snapshot.check():
+                snapshot_done_at = time.monotonic()
+            if snapshot_done_at is not None and time.monotonic() - snapshot_done_at > SNAPSHOT_GRACE_S:
+                return None, (f"the snapshot completed but the topic held {done} of {target} records "
+                              f"{SNAPSHOT_GRACE_S:.0f} s later")
         time.sleep(0.1)
-    return None
+    return None, f"timed out after {timeout_s:.0f} s with {done} of {target} records in the topic"
 
 
-def _failure_text(workdir: Path, proc: subprocess.Popen[bytes], base_url: str, name: str,
-                  counter: CommittedCounter, target: int) -> str:
-    parts = [f"Debezium did not deliver {target} records (worker exit code {proc.returncode})"]
+def _failure_text(workdir: Path, why: str) -> str:
+    parts = [f"Debezium gave no figure: {why}"]
     error = first_error(workdir)
     if error:
         parts.append(f"first error: {error}")
