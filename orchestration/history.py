@@ -53,7 +53,7 @@ def delete_keys(instance: DagsterInstance, partitions_name: str, keys: list[str]
     """Delete many keys at once. The public `delete_dynamic_partition` is one statement per key: ~300k of them
     take minutes on PostgreSQL; this is the same DELETE for a batch of keys on the same table."""
     from dagster._core.storage.event_log.schema import DynamicPartitionsTable
-    from dagster._core.storage.sql import SqlEventLogStorage
+    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
     storage = instance.event_log_storage
     if not isinstance(storage, SqlEventLogStorage):  # another storage: the public call, key by key

@@ -42,9 +42,9 @@ from resources.exactly_once import (
     ProgressRecord,
     SlicePublisher,
     TableChannel,
-    read_committed_progress,
     transaction_timeout_ms,
 )
+from resources.history import read_progress_tail
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape
@@ -404,15 +404,34 @@ def slice_tags(slice_range: SliceRange) -> dict[str, str]:
     return {"dagster/priority": str(-slice_range.lo)}
 
 
-def ensure_pool(instance: DagsterInstance, pool: str) -> None:
+_POOLS_SEEN: dict[tuple[str, str], float] = {}
+POOL_CHECK_S = 600.0
+
+
+def ensure_pool(instance: DagsterInstance, pool: str, *, cached: bool = False) -> None:
     """Give the table's pool its limit of 1 before any run of it is queued.
 
     Dagster creates a pool's default limit lazily, in the same pass that first sees its queued runs, and
     that pass does not enforce it: two runs of one table could start together.
+    `cached`: checked at most every POOL_CHECK_S per process and storage (the check is ~35 ms, a third of an idle
+    tick); the pool is made before the table's first cut, and a limit once set stays.
     """
     storage = instance.event_log_storage
+    key = (repr(instance.get_ref().event_storage_data), pool)
+    if cached and time.monotonic() - _POOLS_SEEN.get(key, -POOL_CHECK_S) < POOL_CHECK_S:
+        return
     if pool not in storage.get_concurrency_keys():
         storage.set_concurrency_slots(pool, 1)
+    _POOLS_SEEN[key] = time.monotonic()
+
+
+_SOURCES: dict[str, SourceDatabaseResource] = {}
+
+
+def shared_source(source: SourceDatabaseResource) -> SourceDatabaseResource:
+    """One source resource (and so one connection pool) per URL and process: Dagster builds resources anew for
+    every tick, and a new engine costs a database connection (~10 ms) each time."""
+    return _SOURCES.setdefault(source.url, source)
 
 
 # The sensor daemon evaluates sensors in a loop every 5 s (MIN_INTERVAL_LOOP_TIME in dagster/_daemon/sensor.py)
@@ -440,14 +459,15 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
         description=f"Cuts new watermark slices of {table.table_id} and requests their runs in order.",
     )
     def slice_sensor(context: SensorEvaluationContext) -> SensorResult:
-        source: SourceDatabaseResource = getattr(context.resources, source_key)
+        source = shared_source(getattr(context.resources, source_key))
         io_manager: KafkaIOManager = context.resources.kafka_io_manager
         instance = context.instance
-        ensure_pool(instance, pool_name(table))
+        ensure_pool(instance, pool_name(table), cached=True)
         fail_dead_runs(context, job.name)
         cached_table_shape(source, table)  # a broken table or config fails the tick with its reason, every tick
         channel = channel_for(table, io_manager.transactional_id_prefix)
-        progress = read_committed_progress(io_manager.kafka_conf(), channel)
+        # Kafka's progress through the process's long-lived reader: re-read only when the topic's end moved.
+        progress = read_progress_tail(io_manager.kafka_conf(), channel)
         committed_hi = progress.hi if progress else channel.start_after
         state = SensorState.from_cursor(context.cursor)
         # Flat ticks: the uncommitted slices come from the cursor, checked against storage by one key; the

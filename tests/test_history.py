@@ -1,0 +1,258 @@
+"""Issue 12: a slice history that stays small (roll-ups), flat sensor ticks, trickle batching, readable keys.
+
+The pure planning is tested on hand-made progress records; the scale test writes 300k committed slices straight
+into the stack's PostgreSQL, Kafka and a Dagster instance (bench/scale.py `seed_history`), then runs the policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from resources.config import TableConfig
+from resources.exactly_once import ProgressRecord
+from resources.history import HistoryPolicy, plan_rollups, summarize, tiling
+from resources.slices import SliceRange
+
+NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+SLICES = int(os.environ.get("ROWRELAY_HISTORY_SLICES", "300000"))
+
+
+def rec(lo: int, hi: int, at: datetime, rows: int = 1) -> ProgressRecord:
+    return ProgressRecord("t", SliceRange(lo, hi).key, lo, hi, rows, 10 * rows, hashlib.sha256(f"{lo}".encode())
+                          .hexdigest(), "topic", {"0": [lo, hi - 1]}, "tx", at.isoformat())
+
+
+# -- pure planning -------------------------------------------------------------------------------------------
+
+
+def test_rollups_group_by_hour_then_day_and_leave_recent_and_uncommitted_alone() -> None:
+    policy = HistoryPolicy(rollup_after_s=3600, daily_after_s=86_400)
+    times = {  # slice (i-1, i] committed at
+        1: NOW - timedelta(days=3, hours=5), 2: NOW - timedelta(days=3, hours=1),  # the same day: one daily key
+        3: NOW - timedelta(days=2),  # another day, alone: stays as it is
+        4: NOW - timedelta(hours=5, minutes=50), 5: NOW - timedelta(hours=5, minutes=10),  # one hour
+        6: NOW - timedelta(hours=4, minutes=30),  # next hour, alone
+        7: NOW - timedelta(minutes=30), 8: NOW - timedelta(minutes=20),  # too recent
+    }
+    records = [rec(i - 1, i, t) for i, t in times.items()]
+    keys = [SliceRange(i - 1, i) for i in range(1, 10)]  # (8, 9] is cut but not committed
+    rollups = plan_rollups(keys, records, NOW, policy)
+    assert [(r.range, r.bucket[0], len(r.keys)) for r in rollups] == [(SliceRange(0, 2), "d", 2),
+                                                                     (SliceRange(3, 5), "h", 2)]
+    assert plan_rollups(keys, records, NOW, HistoryPolicy(rollup_after_s=None)) == []
+
+
+def test_rollups_never_span_a_gap_a_missing_record_or_an_uncommitted_key() -> None:
+    old = NOW - timedelta(days=5)
+    records = [rec(0, 1, old), rec(1, 2, old), rec(5, 6, old), rec(6, 7, old), rec(7, 8, old)]
+    keys = [SliceRange(0, 1), SliceRange(1, 2), SliceRange(2, 5), SliceRange(5, 6), SliceRange(6, 7),
+            SliceRange(7, 8)]  # (2, 5] has no record (e.g. a reset skipped it)
+    assert [r.range for r in plan_rollups(keys, records, NOW, HistoryPolicy())] == [SliceRange(0, 2),
+                                                                                   SliceRange(5, 8)]
+    assert tiling(SliceRange(0, 3), records) is None  # (2, 3] not covered
+    assert [r.hi for r in tiling(SliceRange(5, 8), records) or []] == [6, 7, 8]
+
+
+def test_summary_is_the_same_however_the_range_was_rolled_up() -> None:
+    """The checksum is over the slices' checksums, so hourly-then-daily equals one daily roll-up; rows, bytes and
+    offset ranges add up."""
+    records = [rec(i, i + 1, NOW - timedelta(days=2, minutes=i), rows=i + 1) for i in range(6)]
+    direct = summarize(records)
+    assert direct["rows"] == sum(range(1, 7)) and direct["bytes"] == 10 * direct["rows"]
+    assert direct["offsets"] == {"0": [0, 5]} and direct["slices"] == 6 and (direct["lo"], direct["hi"]) == (0, 6)
+    expected = hashlib.sha256(b"".join(r.checksum.encode() + b"\n" for r in records)).hexdigest()
+    assert direct["checksum"] == expected
+    assert summarize(records[3:] + records[:3]) == direct  # order of the records given does not matter
+
+
+def test_trickle_waits_for_min_rows_or_the_delay() -> None:
+    from orchestration.sensors import trickle
+
+    table = TableConfig(source="s", table="t", watermark="id", min_slice_rows=100, max_slice_delay_seconds=30)
+    cut = [SliceRange(0, 5)]
+    assert trickle(cut, table, None, 1000.0, lambda: 5) == (1000.0, [])  # few rows: wait, remember since when
+    assert trickle(cut, table, 1000.0, 1020.0, lambda: 5) == (1000.0, [])
+    assert trickle(cut, table, 1000.0, 1030.0, lambda: 5) == (None, cut)  # waited long enough
+    assert trickle(cut, table, 1000.0, 1001.0, lambda: 100) == (None, cut)  # enough rows
+    default = TableConfig(source="s", table="t", watermark="id")
+    assert (default.min_slice_rows, default.max_slice_delay_seconds) == (1, 0.0)  # today's freshness by default
+
+
+# -- the scale test on the real stack -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def history(services, dagster_instance):
+    """SLICES committed one-row slices of one table over 42 days, written straight into the stack."""
+    from bench.scale import seed_history
+    from tests.conftest import unique
+    from tests.pipeline import relay_config
+
+    db = unique("db")
+    admin = sa.create_engine(services.pg_url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{db}"'))
+    name = unique("hist")
+    config = relay_config(services, {"src": services.pg_url(db)}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id"}])
+    table = config.tables[0]
+    started = time.monotonic()
+    seed_history(dagster_instance, table, services.pg_url(db).render_as_string(hide_password=False),
+                 {"bootstrap.servers": services.kafka_bootstrap}, SLICES, now=datetime.now(UTC))
+    print(f"seeded {SLICES} slices in {time.monotonic() - started:.1f} s")
+    yield config, table
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
+    admin.dispose()
+
+
+
+
+@pytest.mark.integration
+def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_instance, capsys) -> None:
+    from assets.relay import asset_key, channel_for, partitions_for
+    from bench.scale import idle_tick_times
+    from orchestration.cli import verify_table
+    from orchestration.factory import job_name
+    from orchestration.history import compact_table
+    from resources.history import records_in_range
+
+    config, table = history
+    instance = dagster_instance
+    name = partitions_for(table).name
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    keys = instance.get_dynamic_partitions(name)
+    assert len(keys) == SLICES
+
+    # Flat ticks: idle with the whole history still there (no partition scan).
+    ticks = idle_tick_times(instance, config, table, ticks=10)
+    with capsys.disabled():
+        print(f"\nidle tick with {SLICES} partitions: median {statistics.median(ticks):.1f} ms, {ticks}")
+    assert statistics.median(ticks) <= 100, ticks
+
+    # Materialization status of keys the roll-up re-adds (the newest, too recent to roll up) must survive.
+    from dagster import AssetMaterialization
+
+    newest = keys[-3:]
+    for k in newest:
+        instance.report_runless_asset_event(AssetMaterialization(asset_key(table), partition=k))
+
+    started = time.monotonic()
+    result = compact_table(instance, table, conf, full=True, job_name=job_name(table))
+    with capsys.disabled():
+        print(f"compaction: {result.line()} (wall {time.monotonic() - started:.1f} s)")
+    after = instance.get_dynamic_partitions(name)
+    assert len(after) <= 5000, len(after)
+    ranges = [SliceRange.from_key(k) for k in after]
+    assert ranges == sorted(ranges), "partitions are not listed in watermark order"
+    assert ranges[0].lo == 0 and ranges[-1].hi == SLICES
+    assert all(a.hi == b.lo for a, b in zip(ranges, ranges[1:], strict=False)), "a gap or an overlap"
+    assert sum(1 for r in ranges if r.hi - r.lo > 1) >= 40  # ~42 days and ~23 hours rolled up
+
+    from dagster import AssetPartitionStatus
+
+    status = instance.get_status_by_partition(asset_key(table), newest, partitions_for(table))
+    assert status is not None and all(status[k] == AssetPartitionStatus.MATERIALIZED for k in newest), status
+
+    # A roll-up key's figures come from Kafka's progress records and match what records_in_range reads back.
+    wide = next(r for r in ranges if r.hi - r.lo > SLICES // 100)  # a daily roll-up
+    mat = next(r.asset_materialization for r in instance.fetch_materializations(asset_key(table), limit=200).records
+               if r.asset_materialization is not None and r.asset_materialization.partition == wide.key)
+    meta = {k: v.value for k, v in mat.metadata.items()}
+    records = records_in_range(conf, channel_for(table), wide)
+    assert len(records) == meta["slices"] == meta["rows"] == wide.hi - wide.lo
+    assert meta["checksum"] == summarize(records)["checksum"]
+    assert meta["offsets"] == summarize(records)["offsets"]
+
+    assert compact_table(instance, table, conf, job_name=job_name(table)).rollups == 0  # nothing more due
+
+    report = verify_table(config, table)
+    assert report.ok and report.messages == SLICES and report.source_rows == SLICES, report
+
+    # Still flat and still cutting: a new row is cut from Kafka's progress after the roll-up re-added keys.
+    assert statistics.median(idle_tick_times(instance, config, table, ticks=5)) <= 100
+    with sa.create_engine(config.sources["src"].url.replace("postgresql://", "postgresql+psycopg://", 1)
+                          ).begin() as conn:
+        conn.execute(sa.text(f"INSERT INTO {table.table} VALUES ({SLICES + 1}, 'new')"))
+    from tests.pipeline import Harness
+
+    harness = Harness(config, instance)
+    assert harness.tick(table) == [SliceRange(SLICES, SLICES + 1).key]
+
+
+# -- the Partitions page in a real browser --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dagster_instance, tmp_path) -> None:
+    """The table's Partitions page (after the roll-up of the test above, or the whole history if run alone) loads
+    in Debian's headless Chromium within 5 s and lists partitions."""
+    from assets.relay import asset_key, partitions_for
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium on this machine")
+    config, table = history
+    keys = dagster_instance.get_dynamic_partitions(partitions_for(table).name)
+    path = tmp_path / "rowrelay.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    port = _free_port()
+    root = Path(__file__).resolve().parents[1]
+    web = subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port), "-w",
+                            str(root / "workspace.yaml")], cwd=root, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT, start_new_session=True,
+                           env={**os.environ, "DAGSTER_HOME": str(dagster_home), "ROWRELAY_CONFIG": str(path)})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "dagster-webserver did not start"
+            time.sleep(0.5)
+        url = f"http://127.0.0.1:{port}/assets/{'/'.join(asset_key(table).path)}?view=partitions"
+        urllib.request.urlopen(url, timeout=30).read()  # the code location loaded: the page's data is served
+        shot = tmp_path / "partitions.png"
+        started = time.monotonic()
+        # Budget 5 s of page time: the virtual time budget lets scripts and fetches run, then the DOM is dumped.
+        dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                              "--window-size=1600,1000", "--dump-dom", url], capture_output=True, text=True,
+                             timeout=60).stdout
+        elapsed = time.monotonic() - started
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                        "--window-size=1600,1000", f"--screenshot={shot}", url], capture_output=True, timeout=60)
+        assert shot.exists() and shot.stat().st_size > 10_000
+        shown = [k for k in (keys[0], keys[-1]) if k in dom]
+        assert shown, f"no partition key in the rendered page ({elapsed:.1f} s): {dom[:2000]}"
+        assert elapsed < 15, elapsed  # Chromium start + the 5 s page budget
+        print(f"partitions page: {len(keys)} keys, rendered in {elapsed:.1f} s, screenshot {shot}")
+    finally:
+        os.killpg(web.pid, 15)
+        try:
+            web.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(web.pid, 9)
+            web.wait()
