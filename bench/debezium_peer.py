@@ -250,6 +250,9 @@ class CommittedCounter:
 
     ``advance()`` asks for the end offsets (the LSO under read_committed), reads from where it stopped up to them
     and returns the running count; transaction markers and aborted records take offsets but are never counted.
+    A fetch can also bring records committed after the end offsets were asked for: they are counted (every
+    record read_committed is committed) and ``past_ends`` says so, so a timer knows the count is newer than
+    the moment it asked.
     """
 
     def __init__(self, bootstrap: str, topic: str, *, read_committed: bool = True) -> None:
@@ -261,6 +264,7 @@ class CommittedCounter:
         parts = sorted(self.consumer.list_topics(topic=topic, timeout=10).topics[topic].partitions)
         self.next_offset = {p: 0 for p in parts}
         self.count = 0
+        self.past_ends = False
         self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
 
     def end_offsets(self) -> dict[int, int]:
@@ -269,6 +273,7 @@ class CommittedCounter:
 
     def advance(self, timeout_s: float = 120.0) -> int:
         ends = self.end_offsets()
+        self.past_ends = False
         deadline = time.monotonic() + timeout_s
         while any(self.next_offset[p] < ends[p] for p in ends):
             if time.monotonic() > deadline:
@@ -277,8 +282,9 @@ class CommittedCounter:
                 if msg.error() is not None:
                     continue  # partition EOF and the like; real errors surface as a timeout
                 p = msg.partition()
-                if msg.offset() < ends[p]:
-                    self.count += 1
+                # Count it even past `ends`: skipping it would move next_offset beyond a record never counted.
+                self.count += 1
+                self.past_ends = self.past_ends or msg.offset() >= ends[p]
                 self.next_offset[p] = max(self.next_offset[p], msg.offset() + 1)
             # A partition whose tail is only markers/aborted records yields no message: the position says so.
             for tp in self.consumer.position([self._tp(self.topic, p) for p in ends]):
@@ -575,7 +581,8 @@ def _wait_for_rows(proc: subprocess.Popen[bytes], counter: CommittedCounter, tar
         asked = time.perf_counter()
         done = counter.advance() if count_records else sum(counter.end_offsets().values())
         if done >= target:
-            return asked - started, "ok"
+            # Records read past the end offsets asked for were committed later than `asked`: take the time now.
+            return (time.perf_counter() if count_records and counter.past_ends else asked) - started, "ok"
         if proc.poll() is not None:
             return None, f"the worker exited ({proc.returncode}) with {done} of {target} records in the topic"
         if time.monotonic() >= next_status:  # a failed task never fills the topic: stop waiting
