@@ -18,10 +18,12 @@ help:
 	@echo "make test   - install, start the local stack, run the test suite (make test-faults: fault scenarios)"
 	@echo "make stack | stack-down | stack-status | lint | bench"
 
-# The lock file pins every package; `uv sync --frozen` reproduces it exactly.
+# The lock file pins every package; `uv sync --frozen` reproduces it exactly. --compile-bytecode writes the .pyc
+# files at install: where PYTHONDONTWRITEBYTECODE is set (this machine), every process would otherwise compile
+# Dagster, pandas and PySpark from source at import (~2 s of CPU per process: CLI, daemon, code server, run).
 .venv/.synced: pyproject.toml uv.lock
 	$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet "uv==$(UV_VERSION)"
-	$(UV) sync --frozen
+	$(UV) sync --frozen --compile-bytecode
 	touch $@
 
 install: .venv/.synced

@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
+from itertools import islice
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -275,12 +276,17 @@ def base_conf(kafka_conf: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kafka_conf.items() if k.startswith(shared_prefixes)}
 
 
-def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> None:
+def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> int:
+    """Create the channel's topics if missing; returns the data topic's partition count."""
     admin = AdminClient(base_conf(kafka_conf))
     try:
         existing = admin.list_topics(timeout=timeout).topics
     except KafkaException as exc:
         raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')}: {exc}") from exc
+    if channel.topic in existing and existing[channel.topic].partitions:
+        partitions = len(existing[channel.topic].partitions)
+    else:
+        partitions = channel.topic_partitions
     wanted = []
     if channel.topic not in existing:
         wanted.append(NewTopic(channel.topic, channel.topic_partitions, channel.replication_factor))
@@ -288,7 +294,7 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
         wanted.append(NewTopic(channel.progress_topic, 1, channel.replication_factor,
                                config={"cleanup.policy": "compact", "min.insync.replicas": "1"}))
     if not wanted:
-        return
+        return partitions
     for topic, fut in admin.create_topics(wanted, request_timeout=timeout).items():
         try:
             fut.result(timeout=timeout)
@@ -302,8 +308,9 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
         topics = admin.list_topics(timeout=timeout).topics
         if all(n in topics and topics[n].partitions and all(p.leader >= 0 for p in topics[n].partitions.values())
                for n in names):
-            return
+            return partitions
         time.sleep(0.2)
+    return partitions
 
 
 def _consumer(kafka_conf: dict[str, Any]) -> Consumer:
@@ -507,6 +514,12 @@ class SlicePublisher:
         self._initialized = False
         self._own_progress: ProgressRecord | None = None
         self._topic_checked = False  # the data topic was checked for this table's messages (empty progress)
+        self._data_partitions = channel.topic_partitions
+        # A delivery report per row costs a Python Message and a callback per row (a third of the produce loop).
+        # With one data partition the first and last row of each batch give the slice's offsets, and a failed row
+        # still fails the commit (librdkafka: any permanent delivery failure makes the transaction abortable).
+        # After such an abort the slice is redone with a report per row, which names the row that failed.
+        self._report_every_row = False
         # The open transaction: when it began (monotonic; None: none open) and rows produced into it so far.
         self._txn_began: float | None = None
         self._txn_rows = 0
@@ -514,7 +527,8 @@ class SlicePublisher:
     # -- protocol steps ---------------------------------------------------------------------------
 
     def init(self) -> None:
-        ensure_topics(self.kafka_conf, self.channel)  # first: an unreachable broker fails here, clearly
+        # First: an unreachable broker fails here, clearly.
+        self._data_partitions = ensure_topics(self.kafka_conf, self.channel)
         broker_max = broker_max_transaction_timeout_ms(self.kafka_conf)
         if broker_max is not None and self.transaction_timeout_ms > broker_max:
             raise ProducerSettingsError(self._timeout_over_max(broker_max))
@@ -575,6 +589,7 @@ class SlicePublisher:
             except _AbortAndRedo as exc:
                 self._raise_if_timed_out(slice_range, exc)
                 self._abort()
+                self._report_every_row = True  # the redo names a row that fails delivery
                 if attempt >= self.max_attempts:
                     raise KafkaUnavailable(
                         f"{self.channel.table}: slice {slice_range} aborted {attempt} times: {exc}") from exc
@@ -692,6 +707,18 @@ class SlicePublisher:
         largest: tuple[int, int | None, bytes | None] = (0, None, None)
         table_header = ch.table.encode()
         slice_header = slice_range.key.encode()
+        produce, topic = self.producer.produce, ch.topic
+
+        def send(rows: Iterable[tuple[bytes | None, bytes, int, bytes, bytes]],
+                 report: Callable[..., None] | None) -> None:
+            for key, value, wm, wm_text, checksum in rows:
+                headers = [("rowrelay.table", table_header), ("rowrelay.watermark", wm_text),
+                           ("rowrelay.slice", slice_header), ("rowrelay.checksum", checksum)]
+                try:  # the hot path: one C call per row
+                    produce(topic, value, key, headers=headers, on_delivery=report)
+                except (BufferError, KafkaException):
+                    self._produce(topic, key, value, headers, report, wm)
+
         self._call(self.producer.begin_transaction)
         self._txn_began, self._txn_rows = time.monotonic(), 0
         self.on_stage("begun")
@@ -717,15 +744,14 @@ class SlicePublisher:
                     f"producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on the "
                     "producer and the topic (max.message.bytes), or skip the row (see README, runbook)",
                     table=ch.table, watermark=largest[1], column=column)
-            produce, topic = self.producer.produce, ch.topic
-            for key, value, wm, wm_text, checksum in zip(batch.keys, batch.values, batch.watermarks,
-                                                         batch.watermark_texts, batch.checksums, strict=True):
-                headers = [("rowrelay.table", table_header), ("rowrelay.watermark", wm_text),
-                           ("rowrelay.slice", slice_header), ("rowrelay.checksum", checksum)]
-                try:  # the hot path: one C call per row
-                    produce(topic, value, key, headers=headers, on_delivery=delivered)
-                except (BufferError, KafkaException):
-                    self._produce(topic, key, value, headers, delivered, wm)
+            rows_in = zip(batch.keys, batch.values, batch.watermarks, batch.watermark_texts, batch.checksums,
+                          strict=True)
+            if self._report_every_row or self._data_partitions != 1 or len(batch) <= 2:
+                send(rows_in, delivered)
+            else:  # the first and the last row report their offsets; one iterator, so order is kept
+                send(islice(rows_in, 1), delivered)
+                send(islice(rows_in, len(batch) - 2), None)
+                send(rows_in, delivered)
             digest.update(b"".join(batch.checksums))
             rows += len(batch)
             self._txn_rows = rows
@@ -807,7 +833,7 @@ class SlicePublisher:
                 return fn(*args)
             except KafkaException as exc:
                 err = exc.args[0]
-                if err.retriable() and time.monotonic() < deadline:
+                if err.retriable() and not err.txn_requires_abort() and time.monotonic() < deadline:
                     time.sleep(0.5)
                     continue
                 self._raise_for(err)
