@@ -34,6 +34,7 @@ from resources.slices import SliceRange
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 10_000
+MANY_DAGSTER_DB = "rowrelay_bench_many_dagster"
 
 
 def seed_history(instance: Any, table: TableConfig, source_url: str, kafka_conf: dict[str, Any], slices: int, *,
@@ -183,7 +184,14 @@ def sensor_lag_100_tables_s(stack: Any, workdir: Path, tables: int = 100, run_s:
         # start_after 1: the one row is skipped on purpose, so every sensor is idle (no run, no Spark): what is
         # measured is the daemon keeping 100 sensors' cadence, not run throughput.
         {"source": "many", "table": f"public.{n}", "watermark": "id", "start_after": 1} for n in names])
+    # Its own instance (database and DAGSTER_HOME): a daemon on the bench's shared instance would fight another
+    # daemon's heartbeat there.
+    ensure_database(stack, MANY_DAGSTER_DB, fresh=True)
     env = dagster_env(stack, config_path)
+    home = workdir / "dagster-home-many"
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "dagster.yaml").write_text((Path(env["DAGSTER_HOME"]) / "dagster.yaml").read_text())
+    env = {**env, "DAGSTER_HOME": str(home), "DAGSTER_PG_DB": MANY_DAGSTER_DB}
     log_file = (workdir / f"daemon-many-{tag}.log").open("w")
     daemon = subprocess.Popen([sys.executable, "-m", "dagster._daemon", "run", "-w", "workspace.yaml"], cwd=ROOT,
                               env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -203,4 +211,7 @@ def sensor_lag_100_tables_s(stack: Any, workdir: Path, tables: int = 100, run_s:
         from resources.config import load_config
 
         config = load_config(config_path)
+        with stack.connect() as conn:  # the 100 tables are only needed while the daemon runs
+            for n in names:
+                conn.execute(f"DROP TABLE IF EXISTS {n}")
         return worst_tick_gap_ratio(instance, [f"{t.dagster_name}_slices" for t in config.tables], 1.0, since)

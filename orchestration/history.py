@@ -97,7 +97,8 @@ def _hi(key: str) -> int:
 
 
 def policy_for(table: TableConfig) -> HistoryPolicy:
-    return HistoryPolicy(rollup_after_s=table.rollup_after_seconds, daily_after_s=table.rollup_daily_after_seconds)
+    return HistoryPolicy(rollup_after_s=table.rollup_after_seconds, daily_after_s=table.rollup_daily_after_seconds,
+                         monthly_after_s=table.rollup_monthly_after_seconds)
 
 
 @dataclass

@@ -85,6 +85,9 @@ class TableConfig(_Strict):
         "commit (resources/history.py); null: every slice stays its own partition")
     rollup_daily_after_seconds: float = Field(86_400.0, ge=0, description="committed slices older than this roll "
                                               "up into one partition per day")
+    rollup_monthly_after_seconds: float | None = Field(
+        90 * 86_400.0, ge=0, description="committed slices older than this roll up into one partition per month; "
+        "null: daily partitions stay")
     min_slice_rows: int = Field(1, ge=1, description="cut a slice only once this many rows wait (or the oldest "
                                 "has waited max_slice_delay_seconds): fewer, larger slices for a trickle")
     max_slice_delay_seconds: float = Field(0.0, ge=0, le=86_400, description="the longest rows wait for "

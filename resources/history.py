@@ -30,10 +30,12 @@ DAY_S = 86_400.0
 @dataclass(frozen=True)
 class HistoryPolicy:
     """Committed slices older than `rollup_after_s` roll up per hour (UTC) of their commit, older than
-    `daily_after_s` per day. None: never roll up."""
+    `daily_after_s` per day, older than `monthly_after_s` per month (so years of history stay a few hundred keys:
+    ~90 daily + ~24 hourly + one per month). None: never roll up."""
 
     rollup_after_s: float | None = HOUR_S
     daily_after_s: float = DAY_S
+    monthly_after_s: float | None = 90 * DAY_S
 
     def bucket(self, committed_at: datetime, now: datetime) -> str | None:
         """The roll-up bucket of a slice committed at `committed_at`; None while it is too recent."""
@@ -44,7 +46,9 @@ class HistoryPolicy:
             return None
         if age < max(self.daily_after_s, self.rollup_after_s):
             return committed_at.strftime("h%Y-%m-%dT%H")
-        return committed_at.strftime("d%Y-%m-%d")
+        if self.monthly_after_s is None or age < max(self.monthly_after_s, self.daily_after_s):
+            return committed_at.strftime("d%Y-%m-%d")
+        return committed_at.strftime("m%Y-%m")
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ def test_rollups_group_by_hour_then_day_and_leave_recent_and_uncommitted_alone()
     assert [(r.range, r.bucket[0], len(r.keys)) for r in rollups] == [(SliceRange(0, 2), "d", 2),
                                                                      (SliceRange(3, 5), "h", 2)]
     assert plan_rollups(keys, records, NOW, HistoryPolicy(rollup_after_s=None)) == []
+    months = [rec(i - 1, i, NOW - timedelta(days=100 + i)) for i in range(1, 5)]  # Aug 15 .. Aug 12
+    (monthly,) = plan_rollups([SliceRange(i - 1, i) for i in range(1, 5)], months, NOW, policy)
+    assert (monthly.range, monthly.bucket) == (SliceRange(0, 4), "m2026-08")
 
 
 def test_rollups_never_span_a_gap_a_missing_record_or_an_uncommitted_key() -> None:
@@ -150,8 +153,8 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
     for k in newest:
         instance.report_runless_asset_event(AssetMaterialization(asset_key(table), partition=k))
 
-    started = time.monotonic()
-    result = compact_table(instance, table, conf, full=True, job_name=job_name(table))
+    started, now = time.monotonic(), datetime.now(UTC)
+    result = compact_table(instance, table, conf, full=True, job_name=job_name(table), now=now)
     with capsys.disabled():
         print(f"compaction: {result.line()} (wall {time.monotonic() - started:.1f} s)")
     after = instance.get_dynamic_partitions(name)
@@ -177,7 +180,8 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
     assert meta["checksum"] == summarize(records)["checksum"]
     assert meta["offsets"] == summarize(records)["offsets"]
 
-    assert compact_table(instance, table, conf, job_name=job_name(table)).rollups == 0  # nothing more due
+    again = compact_table(instance, table, conf, job_name=job_name(table), now=now)  # reads the last days only
+    assert (again.rollups, again.keys_after) == (0, len(after)), again  # nothing more due at the same time
 
     report = verify_table(config, table)
     assert report.ok and report.messages == SLICES and report.source_rows == SLICES, report
@@ -204,15 +208,22 @@ def _free_port() -> int:
 
 @pytest.mark.integration
 def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dagster_instance, tmp_path) -> None:
-    """The table's Partitions page (after the roll-up of the test above, or the whole history if run alone) loads
-    in Debian's headless Chromium within 5 s and lists partitions."""
+    """The table's Partitions page, after the policy ran, loads in Debian's headless Chromium within 5 s of page
+    time and lists partitions; a screenshot is kept."""
     from assets.relay import asset_key, partitions_for
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("no chromium on this machine")
+    from orchestration.factory import job_name
+    from orchestration.history import compact_table
+
     config, table = history
+    # The policy has run (a no-op after the scale test): the page shows the rolled-up history.
+    compact_table(dagster_instance, table, {"bootstrap.servers": config.kafka.bootstrap_servers}, full=True,
+                  job_name=job_name(table))
     keys = dagster_instance.get_dynamic_partitions(partitions_for(table).name)
+    assert len(keys) <= 5000
     path = tmp_path / "rowrelay.yaml"
     import yaml
 
@@ -247,7 +258,8 @@ def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dag
         assert shot.exists() and shot.stat().st_size > 10_000
         shown = [k for k in (keys[0], keys[-1]) if k in dom]
         assert shown, f"no partition key in the rendered page ({elapsed:.1f} s): {dom[:2000]}"
-        assert elapsed < 15, elapsed  # Chromium start + the 5 s page budget
+        # Chromium's own start (~1-2 s) plus at most the 5 s page budget; the DOM check above proves the list rendered.
+        assert elapsed < 8, elapsed
         print(f"partitions page: {len(keys)} keys, rendered in {elapsed:.1f} s, screenshot {shot}")
     finally:
         os.killpg(web.pid, 15)
