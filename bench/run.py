@@ -192,7 +192,7 @@ def dagster_env(stack: Stack, config: Path, launcher: str | None = None) -> dict
 
 def write_config(stack: Stack, path: Path, tables: list[dict[str, Any]], warm_spark: bool = True) -> Path:
     url = ("postgresql://${ROWRELAY_PG_USER:-rowrelay}:${ROWRELAY_PG_PASSWORD}@${ROWRELAY_PG_HOST:-127.0.0.1}:"
-           "${ROWRELAY_PG_PORT:-15432}/" + BENCH_DB)
+           "${ROWRELAY_PG_PORT:-15432}/" + BENCH_DB + "?sslmode=disable")  # every tool reads over plain TCP here
     sources = {t["source"]: {"url": url} for t in tables}
     spark = {"remote": stack.spark_remote} if warm_spark and stack.spark_remote else {"master": "local[2]"}
     path.write_text(yaml.safe_dump({"sources": sources, "tables": tables, "spark": spark,

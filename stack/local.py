@@ -661,6 +661,10 @@ def settings(ports: Ports | None = None, with_jars: bool = True) -> dict[str, st
         "DAGSTER_PG_USER": USER,
         "DAGSTER_PG_PASSWORD": PASSWORD,
         "DAGSTER_PG_DB": DAGSTER_DB,
+        # libpq clients of this local stack skip TLS on localhost: Dagster's storage opens a new connection for
+        # every operation (NullPool), and a TLS handshake each time cost ~10 ms per storage call here. A URL's
+        # own sslmode still wins (tests/test_tls.py); pgjdbc (Spark) does not read this variable.
+        "PGSSLMODE": "disable",
         # dagster.yaml puts local artifacts and compute logs here, so nothing Dagster writes lands in a checkout.
         "ROWRELAY_DAGSTER_DIR": str(home() / "dagster"),
         "ROWRELAY_SPARK_REMOTE": f"sc://127.0.0.1:{p.spark_connect}",
