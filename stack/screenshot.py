@@ -235,10 +235,11 @@ def rendered(text: str, check_names: list[str]) -> bool:
 
 
 def shoot(base_url: str, key: tuple[str, ...], check: str | None, out: Path, width: int, height: int,
-          timeout: float) -> None:
+          timeout: float) -> str:
     """Open the Checks tab right after the checks have finished evaluating and save it once it shows their results.
     The demo writer keeps runs going, and a run marks its checks "In Progress" for most of its life, so this
-    may take a few tries: each waits for the next finished evaluation and reloads."""
+    may take a few tries: each waits for the next finished evaluation and reloads. Returns the page's text as
+    shot."""
     url = base_url.rstrip("/") + checks_path(list(key), check)
     wanted = "/".join(key)
     deadline = time.monotonic() + timeout
@@ -261,7 +262,8 @@ def shoot(base_url: str, key: tuple[str, ...], check: str | None, out: Path, wid
             if page_shows_results(text, names):
                 time.sleep(1.0)  # the status icons and the metadata table settle
                 data = page.call("Page.captureScreenshot", format="png")["data"]
-                if page_shows_results(page.text(), names):  # no run re-marked a check while the shot was taken
+                text = page.text()
+                if page_shows_results(text, names):  # no run re-marked a check while the shot was taken
                     break
             if time.monotonic() > deadline:
                 raise SystemExit(f"screenshot: the Checks tab never showed finished checks in {timeout:.0f} s; "
@@ -270,6 +272,7 @@ def shoot(base_url: str, key: tuple[str, ...], check: str | None, out: Path, wid
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(base64.b64decode(data))
     log(f"saved {out} ({out.stat().st_size:,} bytes, {width}x{height}) of {url}, try {attempt}")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
