@@ -223,7 +223,8 @@ def test_backfill_prints_plain_lines_when_not_a_terminal(services, pg_database, 
     for hi, done, done_rows, pct in seen:
         assert (hi, done_rows, pct) == (done * SLICE_ROWS, done * SLICE_ROWS, round(100 * done / 3)), out
     assert seen[-1][:2] == (rows, 3) and lines[-1][1].endswith("ETA 0 s"), out
-    assert ended - lines[0][0] > 1.0, "the first progress line arrived only as the backfill ended"
+    before_end = [round(ended - at, 1) for at, _ in lines]  # seconds before the process ended, per line
+    assert before_end[0] > 1.0, f"the first progress line arrived only as the backfill ended: {before_end}"
     assert all(int(m["rate"].replace(",", "")) > 0 for m in matches if m), out
     assert out.splitlines()[0] == f"{table.table_id}: committed up to 0; 3 new slice(s) cut; 3 slice(s) to publish"
     assert "backfill done in" in out.splitlines()[-1]
