@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 from sqlalchemy import text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import URL, Engine
 
 from resources.config import RelayConfig
+from tests.conftest import Services
 from tests.pipeline import ROOT, Harness, relay_config
 
 pytestmark = pytest.mark.integration
@@ -122,9 +123,9 @@ def _config_file(cfg: RelayConfig, tmp_path: Path) -> str:
     return str(path)
 
 
-def _backfill(services: object, pg_database: object, name: str, tmp_path: Path) -> tuple[RelayConfig, list[str]]:
+def _backfill(services: Services, pg_database: URL, name: str, tmp_path: Path) -> tuple[RelayConfig, list[str]]:
     """A config for the table (slices of SLICE_ROWS, Spark Connect) and the `rowrelay backfill` command line."""
-    cfg = relay_config(services, {"src": pg_database}, [  # type: ignore[arg-type]
+    cfg = relay_config(services, {"src": pg_database}, [
         {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": SLICE_ROWS,
          "key": ["id"], "settle_seconds": 0}], spark_remote=True)
     return cfg, [sys.executable, "-m", "orchestration.cli", "--config", _config_file(cfg, tmp_path), "backfill",
