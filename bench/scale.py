@@ -214,4 +214,8 @@ def sensor_lag_100_tables_s(stack: Any, workdir: Path, tables: int = 100, run_s:
         with stack.connect() as conn:  # the 100 tables are only needed while the daemon runs
             for n in names:
                 conn.execute(f"DROP TABLE IF EXISTS {n}")
-        return worst_tick_gap_ratio(instance, [f"{t.dagster_name}_slices" for t in config.tables], 1.0, since)
+        from orchestration.factory import sensor_groups
+
+        names = [f"slices_{g}" if g is not None else f"{t.dagster_name}_slices"
+                 for g, members in sensor_groups(config.tables).items() for t in (members if g is None else [None])]
+        return worst_tick_gap_ratio(instance, names, 1.0, since)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from dagster import (
     AssetCheckEvaluation,
     AssetCheckSeverity,
+    DagsterInstance,
     DefaultSensorStatus,
     Definitions,
     SensorDefinition,
@@ -31,9 +33,9 @@ from assets.relay import (
     source_resource_key,
 )
 from orchestration.history import build_history_sensor
-from orchestration.sensors import build_slice_sensor
+from orchestration.sensors import build_group_slice_sensor, build_slice_sensor
 from resources.config import RelayConfig, TableConfig
-from resources.exactly_once import read_committed_progress
+from resources.exactly_once import TableChannel, read_committed_progress
 from resources.kafka_io_manager import KafkaIOManager
 from resources.source_database import SourceDatabaseResource
 from resources.spark import SparkResource
@@ -53,6 +55,22 @@ def lag_sensor_name(table: TableConfig) -> str:
     return f"{table.dagster_name}_lag"
 
 
+def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChannel, source: SourceDatabaseResource,
+             kafka_conf: dict[str, Any], last: dict[str, Any], now: float) -> tuple[dict[str, Any], str]:
+    """One table's lag check between runs: recorded (a runless check evaluation) when its outcome changed or
+    LAG_RECORD_EVERY_S passed. Returns (the table's new cursor, what happened)."""
+    progress = read_committed_progress(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
+    result = lag_result(table, measure_lag(source, table, progress, channel.start_after))
+    outcome = "passed" if result.passed else str(result.severity.value)
+    if last.get("outcome") == outcome and now - float(last.get("at", 0)) < LAG_RECORD_EVERY_S:
+        return last, f"lag unchanged: {result.description}"
+    instance.report_runless_asset_event(AssetCheckEvaluation(
+        asset_key=asset_key(table), check_name=LAG_CHECK, passed=result.passed,
+        severity=result.severity or AssetCheckSeverity.ERROR, description=result.description,
+        metadata=result.metadata))
+    return {"outcome": outcome, "at": now}, f"lag recorded: {result.description}"
+
+
 def build_lag_sensor(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> SensorDefinition:
     """Evaluates the table's lag check between runs (the table's own sensor may be stopped, its runs failing):
     a runless check evaluation, recorded when it changes (pass / WARN / ERROR) or every LAG_RECORD_EVERY_S."""
@@ -63,37 +81,92 @@ def build_lag_sensor(table: TableConfig, transactional_id_prefix: str = "rowrela
             required_resource_keys={source_key, "kafka_io_manager"}, default_status=DefaultSensorStatus.RUNNING,
             description=f"Evaluates the lag check of {table.table_id} while no run does.")
     def lag_sensor(context: SensorEvaluationContext) -> SkipReason:
-        progress = read_committed_progress(context.resources.kafka_io_manager.kafka_conf(), channel,
-                                           timeout=CHECK_KAFKA_TIMEOUT_S)
-        result = lag_result(table, measure_lag(getattr(context.resources, source_key), table, progress,
-                                               channel.start_after))
-        outcome = "passed" if result.passed else str(result.severity.value)
         last = json.loads(context.cursor) if context.cursor else {}
-        now = time.time()
-        if last.get("outcome") == outcome and now - float(last.get("at", 0)) < LAG_RECORD_EVERY_S:
-            return SkipReason(f"lag unchanged: {result.description}")
-        context.instance.report_runless_asset_event(AssetCheckEvaluation(
-            asset_key=asset_key(table), check_name=LAG_CHECK, passed=result.passed,
-            severity=result.severity or AssetCheckSeverity.ERROR, description=result.description,
-            metadata=result.metadata))
-        context.update_cursor(json.dumps({"outcome": outcome, "at": now}))
-        return SkipReason(f"lag recorded: {result.description}")
+        cursor, note = lag_tick(context.instance, table, channel, getattr(context.resources, source_key),
+                                context.resources.kafka_io_manager.kafka_conf(), last, time.time())
+        if cursor is not last:
+            context.update_cursor(json.dumps(cursor))
+        return SkipReason(note)
 
     return lag_sensor
 
 
+def build_group_lag_sensor(name: str, tables: list[TableConfig], transactional_id_prefix: str = "rowrelay"
+                           ) -> SensorDefinition:
+    """The lag checks of a group of tables in one sensor (see orchestration/sensors.py build_group_slice_sensor)."""
+
+    @sensor(name=name, minimum_interval_seconds=LAG_SENSOR_INTERVAL_S,
+            required_resource_keys={source_resource_key(t.source) for t in tables} | {"kafka_io_manager"},
+            default_status=DefaultSensorStatus.RUNNING,
+            description=f"Evaluates the lag checks of {len(tables)} tables while no run does.")
+    def group_lag_sensor(context: SensorEvaluationContext) -> SkipReason:
+        cursors: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
+        conf = context.resources.kafka_io_manager.kafka_conf()
+        notes = []
+        for table in tables:
+            try:
+                cursors[table.table_id], note = lag_tick(
+                    context.instance, table, channel_for(table, transactional_id_prefix),
+                    getattr(context.resources, source_resource_key(table.source)), conf,
+                    cursors.get(table.table_id, {}), time.time())
+            except Exception as exc:  # one table's failure must not stop the others' checks
+                context.log.error(f"{table.table_id}: lag not measured: {type(exc).__name__}: {exc}")
+                note = f"{table.table_id}: {exc}"
+            notes.append(note)
+        context.update_cursor(json.dumps(cursors))
+        return SkipReason(f"{len(tables)} tables: " + "; ".join(notes)[:1500])
+
+    return group_lag_sensor
+
+
+# Beyond this many tables, tables without a `sensor_group` share sensors, GROUP_SIZE per sensor: the daemon
+# ticks each sensor with a fixed cost of its own, and 100 sensors every 5 s do not fit a small machine.
+AUTO_GROUP_OVER = 20
+GROUP_SIZE = 25
+
+
+def sensor_groups(tables: list[TableConfig]) -> dict[str | None, list[TableConfig]]:
+    """Tables per sensor group name; None: each table its own sensors. Explicit `sensor_group` first; with more
+    than AUTO_GROUP_OVER tables the rest are grouped by sensor interval, GROUP_SIZE per group, in config order."""
+    groups: dict[str | None, list[TableConfig]] = {}
+    loose = [t for t in tables if t.sensor_group is None]
+    for t in tables:
+        if t.sensor_group is not None:
+            groups.setdefault(t.sensor_group, []).append(t)
+    if len(tables) <= AUTO_GROUP_OVER:
+        groups[None] = loose
+        return groups
+    by_interval: dict[int, list[TableConfig]] = {}
+    for t in loose:
+        by_interval.setdefault(t.sensor_interval_seconds, []).append(t)
+    for interval, members in by_interval.items():
+        for k in range(0, len(members), GROUP_SIZE):
+            groups[f"auto_{interval}s_{k // GROUP_SIZE + 1}"] = members[k:k + GROUP_SIZE]
+    return groups
+
+
 def build_definitions(config: RelayConfig) -> Definitions:
     assets, checks, jobs, sensors = [], [], [], []
+    prefix = config.kafka.transactional_id_prefix
+    job_of = {}
     for table in config.tables:
-        assets.append(build_table_asset(table, config.kafka.transactional_id_prefix))
-        checks.extend(build_table_checks(table, config.kafka.transactional_id_prefix))
-        sensors.append(build_lag_sensor(table, config.kafka.transactional_id_prefix))
+        assets.append(build_table_asset(table, prefix))
+        checks.extend(build_table_checks(table, prefix))
         # In-process: one Spark session per run instead of one JVM per step. Selecting the asset selects its
         # checks too: slice_parity and lag are evaluated in every run, after the publish.
         job = define_asset_job(job_name(table), selection=[asset_key(table)], partitions_def=partitions_for(table),
                                executor_def=in_process_executor)
         jobs.append(job)
-        sensors.append(build_slice_sensor(table, job))
+        job_of[table.table_id] = job
+    for group, members in sensor_groups(config.tables).items():
+        if group is None:
+            for table in members:
+                sensors.append(build_lag_sensor(table, prefix))
+                sensors.append(build_slice_sensor(table, job_of[table.table_id]))
+        else:
+            sensors.append(build_group_lag_sensor(f"lag_{group}", members, prefix))
+            sensors.append(build_group_slice_sensor(f"slices_{group}", members,
+                                                    [job_of[t.table_id] for t in members]))
     # One sensor rolls up every table's old slices (a slow cadence, a time budget per tick): partitions stay few.
     sensors.append(build_history_sensor(config.tables, config.kafka.transactional_id_prefix))
     spark = SparkResource(master=config.spark.master, remote=config.spark.remote, conf=config.spark.conf)

@@ -88,6 +88,9 @@ class TableConfig(_Strict):
     rollup_monthly_after_seconds: float | None = Field(
         90 * 86_400.0, ge=0, description="committed slices older than this roll up into one partition per month; "
         "null: daily partitions stay")
+    sensor_group: str | None = Field(None, pattern=r"^[A-Za-z0-9_]{1,64}$", description="tables with the same "
+                                     "group share one slice sensor and one lag sensor (many tables: one daemon tick "
+                                     "for all); unset: own sensors, grouped automatically beyond 20 tables")
     min_slice_rows: int = Field(1, ge=1, description="cut a slice only once this many rows wait (or the oldest "
                                 "has waited max_slice_delay_seconds): fewer, larger slices for a trickle")
     max_slice_delay_seconds: float = Field(0.0, ge=0, le=86_400, description="the longest rows wait for "
