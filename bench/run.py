@@ -160,6 +160,29 @@ def run_raw(stack: Stack, table: str, topic: str) -> float:
     return time.perf_counter() - started
 
 
+# -- Spark ceiling ------------------------------------------------------------------------------------
+
+def source_url(stack: Stack) -> str:
+    return (f"postgresql://{stack.pg_user}:{stack.pg_password}@{stack.pg_host}:{stack.pg_port}/{BENCH_DB}"
+            "?sslmode=disable")
+
+
+def run_spark_ceiling(stack: Stack, table: str, rows: int) -> dict[str, Any]:
+    """rowrelay's slice path (reflection, JDBC read, JSON expressions, read-ahead into Python bytes) without
+    Kafka, in a fresh process timed from launch like a backfill (bench/spark_ceiling.py)."""
+    cmd = [sys.executable, "-m", "bench.spark_ceiling", "--url", source_url(stack), "--table", f"public.{table}",
+           "--rows", str(rows)] + (["--remote", stack.spark_remote] if stack.spark_remote else [])
+    started = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=1800)
+    seconds = time.perf_counter() - started
+    if out.returncode != 0:
+        raise RuntimeError(f"spark ceiling failed: {out.stderr[-2000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"seconds": round(seconds, 2), "read_seconds": result["read_seconds"], "rows": result["rows"],
+            "rows_per_s": round(rows / seconds)}
+
+
 # -- rowrelay -----------------------------------------------------------------------------------------
 
 # Appended to the bench instance's dagster.yaml to measure a run launcher other than the checkout's.
@@ -400,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launchers", nargs="+", choices=sorted(LAUNCHERS), default=["default"],
                         help="run launchers to measure freshness and run overhead with (the first gives the "
                              "unsuffixed keys)")
-    parser.add_argument("--only", choices=["raw", "rowrelay", "dpone", "idle", "freshness", "memory"], nargs="*")
+    parts = ["raw", "ceiling", "rowrelay", "dpone", "debezium", "idle", "freshness", "memory"]
+    parser.add_argument("--only", choices=parts, nargs="*")
     args = parser.parse_args(argv)
-    only = set(args.only or ["raw", "rowrelay", "dpone", "idle", "freshness", "memory"])
+    only = set(args.only or parts)
     stack = Stack()
     workdir = stack.home / "bench" / "work"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -428,6 +452,17 @@ def main(argv: list[str] | None = None) -> int:
         results["raw_rows_per_s"] = round(args.rows / seconds)
         log(f"raw: {seconds:.1f} s, {results['raw_rows_per_s']:,} rows/s, {count:,} messages")
 
+    if "ceiling" in only:
+        # A long-running Spark Connect server has a warm JIT; a fresh one compiles its JDBC and JSON code paths on
+        # the first read (the first 1M rows took 2-3x longer here). One untimed pass warms it for every figure.
+        log("spark ceiling: one untimed warm-up pass of the Spark Connect server")
+        run_spark_ceiling(stack, table, args.rows)
+        log("spark ceiling: the slice path into Python without Kafka")
+        c = run_spark_ceiling(stack, table, args.rows)
+        results["spark_ceiling"] = c
+        results["spark_ceiling_rows_per_s"] = c["rows_per_s"]
+        log(f"spark ceiling: {c['seconds']} s ({c['read_seconds']} s reading), {c['rows_per_s']:,} rows/s")
+
     if "rowrelay" in only:
         runs = []
         for slice_rows, label in ((100_000, "100k"), (1_000_000, "1m")):
@@ -436,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"rowrelay {label}: {r['seconds']} s, {r['rows_per_s']:,} rows/s, exactly once: {r['exactly_once']}")
             runs.append(r)
         results["rowrelay"] = runs
+        results["rowrelay_100k_slices_rows_per_s"] = runs[0]["rows_per_s"]
+        results["rowrelay_1m_slice_rows_per_s"] = runs[1]["rows_per_s"]
+        results["rowrelay_100k_vs_1m_slice"] = round(runs[0]["rows_per_s"] / runs[1]["rows_per_s"], 2)
         best = max(runs, key=lambda r: r["rows_per_s"])
         results["rowrelay_rows_per_s"] = best["rows_per_s"]
         results["rowrelay_best_slice_max_rows"] = best["slice_max_rows"]
@@ -452,6 +490,23 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - a peer failing is a figure to report, not a crash
             results["dpone"] = {"error": str(exc)[-2000:]}
             log(f"dpone failed: {exc}")
+
+    if "debezium" in only:
+        for exactly_once in (False, True):
+            label = "debezium_eos" if exactly_once else "debezium"
+            log(f"{label}: Kafka Connect + Debezium PostgreSQL connector, snapshot.mode=initial_only"
+                + (" (distributed worker, exactly.once.source.support)" if exactly_once else " (standalone)"))
+            try:
+                from bench.debezium_peer import run_debezium
+
+                d = run_debezium(stack.pg(), f"public.{table}", stack.bootstrap, f"bench.{label}.{run_id}",
+                                 args.rows, workdir / label, exactly_once=exactly_once)
+                results[label] = d
+                results[f"{label}_rows_per_s"] = round(d["rows_per_s"])
+                log(f"{label}: {d['seconds']:.1f} s, {d['rows_per_s']:,.0f} rows/s, {d['messages']:,} messages")
+            except Exception as exc:  # noqa: BLE001 - a peer failing is a figure to report, not a crash
+                results[label] = {"error": str(exc)[-2000:]}
+                log(f"{label} failed: {exc}")
 
     if "idle" in only:
         source = "bench100k"
@@ -495,11 +550,16 @@ def main(argv: list[str] | None = None) -> int:
         with stack.connect() as conn:
             conn.execute(f"DROP TABLE IF EXISTS {big}")
 
-    if results.get("raw_rows_per_s") and results.get("rowrelay_rows_per_s"):
-        results["ratio_vs_raw"] = round(results["rowrelay_rows_per_s"] / results["raw_rows_per_s"], 2)
-    if results.get("dpone_rows_per_s") and results.get("rowrelay_rows_per_s"):
-        results["ratio_vs_dpone"] = round(results["rowrelay_rows_per_s"] / results["dpone_rows_per_s"], 2)
+    mine = results.get("rowrelay_rows_per_s")
+    for peer, ratio in (("raw_rows_per_s", "ratio_vs_raw"), ("dpone_rows_per_s", "ratio_vs_dpone"),
+                        ("debezium_rows_per_s", "ratio_vs_debezium"),
+                        ("debezium_eos_rows_per_s", "ratio_vs_debezium_eos"),
+                        ("spark_ceiling_rows_per_s", "ratio_vs_spark_ceiling")):
+        if results.get(peer) and mine:
+            results[ratio] = round(mine / results[peer], 2)
     for key in ("raw_rows_per_s", "rowrelay_rows_per_s", "dpone_rows_per_s", "ratio_vs_raw", "ratio_vs_dpone",
+                "debezium_rows_per_s", "spark_ceiling_rows_per_s", "ratio_vs_debezium", "ratio_vs_spark_ceiling",
+                "rowrelay_100k_slices_rows_per_s",
                 "idle_tick_ms", "freshness_p50_s", "freshness_p95_s", "run_start_s", "run_overhead_s",
                 "peak_rss_mib", "peak_rss_rows"):
         results.setdefault(key, None)
@@ -516,8 +576,13 @@ def print_table(r: dict[str, Any]) -> None:
     rows = [("rows", r["rows"]), ("raw rows/s (COPY -> producer)", r["raw_rows_per_s"])]
     for run in r.get("rowrelay", []):
         rows.append((f"rowrelay rows/s, slice_max_rows {run['slice_max_rows']:,}", run["rows_per_s"]))
-    rows += [("dpone rows/s", r["dpone_rows_per_s"]), ("rowrelay / raw", r["ratio_vs_raw"]),
-             ("rowrelay / dpone", r["ratio_vs_dpone"]), ("idle sensor tick, ms", r["idle_tick_ms"]),
+    rows += [("Spark ceiling rows/s (slice path, no Kafka)", r["spark_ceiling_rows_per_s"]),
+             ("dpone rows/s", r["dpone_rows_per_s"]), ("Debezium rows/s (standalone)", r["debezium_rows_per_s"]),
+             ("Debezium rows/s (exactly-once source)", r.get("debezium_eos_rows_per_s")),
+             ("rowrelay / raw", r["ratio_vs_raw"]), ("rowrelay / dpone", r["ratio_vs_dpone"]),
+             ("rowrelay / Debezium", r["ratio_vs_debezium"]), ("rowrelay / Spark ceiling", r["ratio_vs_spark_ceiling"]),
+             ("rowrelay 100k slices / 1M slice", r.get("rowrelay_100k_vs_1m_slice")),
+             ("idle sensor tick, ms", r["idle_tick_ms"]),
              ("freshness p50 / p95, s (warm Spark)",
               f"{fmt(r['freshness_p50_s'])} / {fmt(r['freshness_p95_s'])}"),
              ("run start / to first message, s (median)",

@@ -171,10 +171,15 @@ class PublishResult:
     already_committed: bool
     duration_s: float
     attempts: int = 1
+    phases: dict[str, float] = field(default_factory=dict)  # read_s, produce_s, flush_s, commit_s (last attempt)
 
     @property
     def rows_per_s(self) -> float:
         return self.progress.rows / self.duration_s if self.duration_s > 0 and not self.already_committed else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.progress.bytes / self.duration_s if self.duration_s > 0 and not self.already_committed else 0.0
 
 
 # A stage hook lets tests pause or crash the publisher at exact points of the protocol.
@@ -520,6 +525,7 @@ class SlicePublisher:
         # still fails the commit (librdkafka: any permanent delivery failure makes the transaction abortable).
         # After such an abort the slice is redone with a report per row, which names the row that failed.
         self._report_every_row = False
+        self.last_phases: dict[str, float] = {}  # seconds per phase of the last transaction (see _transaction)
         # The open transaction: when it began (monotonic; None: none open) and rows produced into it so far.
         self._txn_began: float | None = None
         self._txn_rows = 0
@@ -585,7 +591,7 @@ class SlicePublisher:
                 record = self._transaction(slice_range, batches())
                 self._own_progress = record
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
-                                     attempts=attempt)
+                                     attempts=attempt, phases=dict(self.last_phases))
             except _AbortAndRedo as exc:
                 self._raise_if_timed_out(slice_range, exc)
                 self._abort()
@@ -722,7 +728,13 @@ class SlicePublisher:
         self._call(self.producer.begin_transaction)
         self._txn_began, self._txn_rows = time.monotonic(), 0
         self.on_stage("begun")
+        # Seconds per phase of this transaction: waiting for rows (read), producing them, flushing, committing.
+        phases = self.last_phases = {"read_s": 0.0, "produce_s": 0.0, "flush_s": 0.0, "commit_s": 0.0}
+        clock = time.monotonic()
         for batch in batches:
+            now = time.monotonic()
+            phases["read_s"] += now - clock
+            clock = now
             if not isinstance(batch, MessageBatch):
                 batch = MessageBatch.of(batch)
             if not batch.values:
@@ -757,8 +769,13 @@ class SlicePublisher:
             self._txn_rows = rows
             nbytes += sum(sizes)
             self._serve(self.producer.poll, 0)  # delivery reports so far
+            now = time.monotonic()
+            phases["produce_s"] += now - clock
+            clock = now
             if errors:
                 break
+        phases["read_s"] += time.monotonic() - clock  # the wait for the end of the rows
+        clock = time.monotonic()
         self.on_stage("rows_produced")
         # Delivery of every row (uncommitted) before the progress record, so it can carry their offsets.
         # Short flushes: a failed delivery ends the wait at once instead of after the whole timeout.
@@ -766,6 +783,7 @@ class SlicePublisher:
         while self._serve(self.producer.flush, 1.0) and not errors:
             if time.monotonic() > deadline:
                 raise _AbortAndRedo(f"messages not delivered within {self.flush_timeout_s:.0f} s")
+        phases["flush_s"] = time.monotonic() - clock
         self.on_stage("flushed")
         if errors:
             err, _ = errors[0]
@@ -790,7 +808,9 @@ class SlicePublisher:
         )
         self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None)
         self.on_stage("before_commit")
+        clock = time.monotonic()
         self._commit()
+        phases["commit_s"] = time.monotonic() - clock
         self._txn_began = None
         self.on_stage("committed")
         return record

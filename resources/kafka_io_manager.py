@@ -25,7 +25,7 @@ from resources.exactly_once import (
     read_progress_history,
     read_published_messages,
 )
-from resources.messages import TableSlices
+from resources.messages import ReadAhead, SliceFrame, TableSlices
 from resources.slices import SliceRange
 from resources.spark import SparkResource
 
@@ -81,6 +81,7 @@ class KafkaIOManager(ConfigurableIOManager):
             raise TypeError(f"KafkaIOManager stores TableSlices outputs, got {type(obj).__name__}")
         records: dict[str, tuple[PublishResult, int]] = {}
         timings: dict[str, dict[str, float]] = {}  # per published slice: seconds per step of the run
+        phase_times: dict[str, dict[str, float]] = {}  # per published slice: read, convert, produce, flush, commit
         pending = {s.key for s in obj.pending}
         if len(obj.slices) > len(obj.pending):  # some were committed before this run: report their records
             history = {r.slice: r for r in read_progress_history(self.kafka_conf(), obj.channel)}
@@ -91,25 +92,52 @@ class KafkaIOManager(ConfigurableIOManager):
                     records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
         if obj.pending:
             assert obj.read is not None
+            read = obj.read
             publisher: SlicePublisher | None = None
+            counts: dict[str, float] = {}
+
+            def frames_in_order() -> Iterator[SliceFrame]:
+                for s in obj.pending:  # each slice's count query runs when the read-ahead reaches it
+                    began = time.monotonic()
+                    frame = read(s)
+                    counts[s.key] = time.monotonic() - began
+                    yield frame
+
+            ahead = ReadAhead(frames_in_order(), self.chunk_rows, self.prefetch_chunks)
             try:
                 publisher = self.publisher(obj.channel)
                 for slice_range in obj.pending:
-                    started = time.monotonic()
-                    frame = obj.read(slice_range)
-                    steps = {**obj.timings, "count_s": time.monotonic() - started}
+                    frame = ahead.frame_at_head()
+                    if frame is None or frame.slice != slice_range:
+                        raise RuntimeError(f"{obj.channel.table}: read-ahead lost its place at slice {slice_range}")
+                    steps = {**obj.timings, "count_s": counts.get(slice_range.key, 0.0)}
                     publish_started = time.monotonic()
+                    convert_before = ahead.convert_s
+                    first_call = [True]
 
-                    def batches(f: Any = frame, steps: dict[str, float] = steps, t0: float = publish_started
-                                ) -> Iterator[MessageBatch]:
-                        for batch in f.iter_batches(self.chunk_rows, self.prefetch_chunks):
+                    def batches(f: SliceFrame = frame, steps: dict[str, float] = steps, t0: float = publish_started,
+                                first: list[bool] = first_call) -> Iterator[MessageBatch]:
+                        # The first attempt streams from the read-ahead; a redo (after an abort) reads the slice
+                        # again on its own.
+                        source = ahead.batches(f) if first[0] else f.iter_batches(self.chunk_rows,
+                                                                                   self.prefetch_chunks)
+                        first[0] = False
+                        for batch in source:
                             steps.setdefault("first_batch_s", time.monotonic() - t0)  # fencing + first read
                             yield batch
 
                     result = publisher.publish(slice_range, batches)
+                    if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
+                        ahead.skip(frame)
                     steps["transaction_s"] = result.progress.transaction_s
                     steps["publish_s"] = result.duration_s
+                    convert = ahead.convert_s - convert_before
+                    phases = dict(result.phases)
+                    if "read_s" in phases:  # Arrow -> Python bytes happens while the producer waits for rows
+                        phases["read_s"] = max(0.0, phases["read_s"] - convert)
+                        phases["convert_s"] = convert
                     timings[slice_range.key] = steps
+                    phase_times[slice_range.key] = phases
                     records[slice_range.key] = (result, frame.expected_rows)
                     context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
                                      f"rows in {result.duration_s:.1f} s")
@@ -127,12 +155,15 @@ class KafkaIOManager(ConfigurableIOManager):
                     metadata["topic_watermark"] = exc.topic_watermark
                 raise Failure(description=str(exc), allow_retries=False, metadata=metadata) from exc
             finally:
+                ahead.close()
                 if publisher is not None:
                     publisher.close()
         for key, (result, _) in records.items():
             metadata = self.slice_metadata(obj, result)
             if key in timings:
                 metadata["timings_s"] = MetadataValue.json({k: round(v, 3) for k, v in timings[key].items()})
+            if phase_times.get(key):
+                metadata["phases_s"] = MetadataValue.json({k: round(v, 3) for k, v in phase_times[key].items()})
             context.step_context.add_asset_metadata(metadata, partition_key=key)
         context.add_output_metadata({"slices": len(obj.slices), "slices_published": len(obj.pending),
                                      "rows_published": sum(r.progress.rows for r, _ in records.values()
@@ -160,6 +191,7 @@ class KafkaIOManager(ConfigurableIOManager):
             "checksum": p.checksum,
             "duration_s": round(result.duration_s, 3),
             "rows_per_s": round(result.rows_per_s, 1),
+            "bytes_per_s": round(result.bytes_per_s, 1),
             "transactional_id": obj.channel.transactional_id,
             "committed_at": p.committed_at,
         }

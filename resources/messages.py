@@ -8,8 +8,10 @@ zone), dates, binary as base64, JSON columns embedded, NULL as null.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import ceil
 from typing import TYPE_CHECKING
@@ -185,33 +187,110 @@ class SliceFrame:
         Up to `prefetch` later sub-ranges are fetched while the current one is produced, so Spark's task slots
         and the producer work at the same time; at most `prefetch + 1` sub-ranges are in memory.
         """
-        import pyarrow.compute as pc
+        ahead = ReadAhead([self], chunk_rows, prefetch)
+        try:
+            yield from ahead.batches(self)
+        finally:
+            ahead.close()
 
+    def chunks(self, chunk_rows: int) -> list[tuple[SliceRange, int]]:
+        """The slice's sub-ranges with the rows each is expected to hold."""
         if self.read_chunk is None:
             raise RuntimeError(f"{self.channel.table}: slice {self.slice} was read as committed but is not")
         subs = self.sub_ranges(chunk_rows)
         per_chunk = ceil(self.expected_rows / len(subs))
-        last = self.slice.lo
-        depth = max(1, prefetch)
-        with ThreadPoolExecutor(max_workers=depth, thread_name_prefix="rowrelay-fetch") as pool:
-            ahead = [pool.submit(self.fetch, sub, per_chunk) for sub in subs[:depth]]
-            for i in range(len(subs)):
-                table = ahead.pop(0).result()
-                if i + depth < len(subs):
-                    ahead.append(pool.submit(self.fetch, subs[i + depth], per_chunk))
+        return [(sub, per_chunk) for sub in subs]
+
+
+def to_message_batch(frame: SliceFrame, table: pa.Table, after: int) -> tuple[MessageBatch, int]:
+    """An Arrow chunk as produce-ready columns, after checking its rows follow watermark `after` in order."""
+    import pyarrow.compute as pc
+
+    wms = table.column("watermark")
+    # Vectorised order check: Spark sorted each partition; partitions must come back in order.
+    if pc.min(wms).as_py() < after or (table.num_rows > 1 and not pc.all(pc.greater_equal(
+            wms.slice(1), wms.slice(0, table.num_rows - 1))).as_py()):
+        raise RuntimeError(f"{frame.channel.table}: rows of slice {frame.slice} out of watermark order")
+    column = table.column
+    batch = MessageBatch(keys=column("key").to_pylist(), values=column("value").to_pylist(),
+                         watermarks=wms.to_pylist(), watermark_texts=column("watermark_text").to_pylist(),
+                         checksums=column("checksum").to_pylist())
+    return batch, pc.max(wms).as_py()
+
+
+class ReadAhead:
+    """Reads the chunks of consecutive slices ahead of the producer, across slice boundaries.
+
+    A run's slices are read in order; fetching slice k+1's first chunks while slice k is flushed and committed
+    keeps Spark busy through every commit (with 100k-row slices and 100k-row chunks nothing overlapped before).
+    Reading ahead is only reading: a slice that fails leaves nothing behind but discarded chunks. At most
+    `prefetch` chunks are in flight plus the one being produced.
+    """
+
+    def __init__(self, frames: Iterable[SliceFrame], chunk_rows: int, prefetch: int = 2) -> None:
+        self._tasks: Iterator[tuple[SliceFrame, SliceRange, int, bool]] = (
+            (frame, sub, rows, i == len(chunks) - 1)
+            for frame in frames for chunks in [frame.chunks(chunk_rows)] for i, (sub, rows) in enumerate(chunks))
+        self._depth = max(1, prefetch)
+        self._pool = ThreadPoolExecutor(max_workers=self._depth, thread_name_prefix="rowrelay-fetch")
+        self._ahead: deque[tuple[SliceFrame, bool, Future[pa.Table]]] = deque()
+        self._next: tuple[SliceFrame, SliceRange, int, bool] | None = None
+        self.convert_s = 0.0  # Arrow -> Python bytes, for the run's per-phase timings
+
+    def _peek(self) -> tuple[SliceFrame, SliceRange, int, bool] | None:
+        if self._next is None:
+            self._next = next(self._tasks, None)
+        return self._next
+
+    def _fill(self) -> None:
+        while len(self._ahead) < self._depth and self._peek() is not None:
+            frame, sub, rows, last = self._next  # type: ignore[misc]
+            self._next = None
+            self._ahead.append((frame, last, self._pool.submit(frame.fetch, sub, rows)))
+
+    def batches(self, frame: SliceFrame) -> Iterator[MessageBatch]:
+        """`frame`'s batches in watermark order; frames must be asked for in the order they were given."""
+        after, done = frame.slice.lo, False
+        try:
+            while not done:
+                self._fill()
+                if not self._ahead or self._ahead[0][0] is not frame:
+                    raise RuntimeError(f"{frame.channel.table}: read-ahead is not at slice {frame.slice}")
+                _, done, future = self._ahead.popleft()
+                table = future.result()
+                self._fill()  # keep the fetch threads busy while this chunk is produced
                 if table.num_rows == 0:
                     continue
-                wms = table.column("watermark")
-                # Vectorised order check: Spark sorted each partition; partitions must come back in order.
-                if pc.min(wms).as_py() < last or (table.num_rows > 1 and not pc.all(pc.greater_equal(
-                        wms.slice(1), wms.slice(0, table.num_rows - 1))).as_py()):
-                    raise RuntimeError(f"{self.channel.table}: rows of slice {self.slice} out of watermark order")
-                last = pc.max(wms).as_py()
-                column = table.column
-                yield MessageBatch(keys=column("key").to_pylist(), values=column("value").to_pylist(),
-                                   watermarks=wms.to_pylist(), watermark_texts=column("watermark_text").to_pylist(),
-                                   checksums=column("checksum").to_pylist())
+                started = time.monotonic()
+                batch, after = to_message_batch(frame, table, after)
+                self.convert_s += time.monotonic() - started
                 del table
+                yield batch
+        finally:
+            if not done:
+                self._skip(frame)
+
+    def frame_at_head(self) -> SliceFrame | None:
+        """The slice whose chunks come next (None: no slice left)."""
+        self._fill()
+        return self._ahead[0][0] if self._ahead else None
+
+    def skip(self, frame: SliceFrame) -> None:
+        """Move past a slice that will not be read (already committed)."""
+        self._skip(frame)
+
+    def _skip(self, frame: SliceFrame) -> None:
+        """Drop what is left of `frame` (it failed or stopped early): later slices keep their chunks."""
+        while self._ahead and self._ahead[0][0] is frame:
+            self._ahead.popleft()[2].cancel()
+        while (task := self._peek()) is not None and task[0] is frame:
+            self._next = None
+
+    def close(self) -> None:
+        for _, _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass

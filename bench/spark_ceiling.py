@@ -1,0 +1,76 @@
+"""The Spark ceiling: a table read through rowrelay's own slice path into Python, without Kafka.
+
+Same reflection, the same JDBC read (`SparkResource.read_slice`), the same JSON/key/checksum expressions
+(`message_columns`) and the same chunked read-ahead into produce-ready Python bytes (`ReadAhead`) as a run, then
+nothing: what Spark can deliver on this machine, for `make bench` to set rowrelay's end-to-end figure against.
+
+    python -m bench.spark_ceiling --url URL --table public.t --rows N [--remote sc://...]
+
+Prints one JSON line: {"rows", "seconds" (process launch -> last row in Python), "read_seconds" (the read
+alone, after imports and the Spark connection)}.
+"""
+
+from __future__ import annotations
+
+import time
+
+LAUNCHED = time.monotonic()  # before the heavy imports below: the figure is from process launch, like a run's
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+
+def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -> tuple[int, float]:
+    from assets.relay import table_shape
+    from resources.config import TableConfig
+    from resources.exactly_once import TableChannel
+    from resources.kafka_io_manager import KafkaIOManager
+    from resources.messages import ReadAhead, SliceFrame, message_columns
+    from resources.slices import SliceRange
+    from resources.source_database import SourceDatabaseResource
+    from resources.spark import SparkResource
+
+    spark = SparkResource(remote=remote) if remote else SparkResource(master=master)
+    source = SourceDatabaseResource(url=url)
+    config = TableConfig(source="bench", table=table, watermark="id", key=["id"])
+    shape = table_shape(source, config)
+    spark.get_session()
+    # The IO manager's defaults: the ceiling reads in the same chunks with the same read-ahead as a run.
+    defaults = KafkaIOManager.model_fields
+    chunk_rows, prefetch = defaults["chunk_rows"].default, defaults["prefetch_chunks"].default
+    started = time.monotonic()
+
+    def read_chunk(sub: SliceRange, expected: int):  # noqa: ANN202 - a Spark DataFrame
+        frame = spark.read_slice(source, shape, sub, expected)
+        return message_columns(frame, shape, ["id"], False, "bench", "ceiling")
+
+    frame = SliceFrame(channel=TableChannel.for_table("bench", "bench"), slice=SliceRange(0, rows),
+                       read_chunk=read_chunk, expected_rows=rows)
+    ahead = ReadAhead([frame], chunk_rows, prefetch)
+    count = 0
+    try:
+        for batch in ahead.batches(frame):
+            count += len(batch)
+    finally:
+        ahead.close()
+        source.dispose()
+    return count, time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--table", required=True, help="schema.table, watermark column id")
+    parser.add_argument("--rows", type=int, required=True)
+    parser.add_argument("--remote", default=None, help="Spark Connect URL (default: a local session)")
+    parser.add_argument("--master", default="local[2]")
+    args = parser.parse_args(argv)
+    count, read_seconds = read_all(args.url, args.table, args.rows, args.remote, args.master)
+    print(json.dumps({"rows": count, "seconds": round(time.monotonic() - LAUNCHED, 3),
+                      "read_seconds": round(read_seconds, 3)}))
+    return 0 if count == args.rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Pure logic: the read-ahead that fetches later slices' chunks while a slice is produced (fake Spark frames)."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import pytest
+
+from resources.exactly_once import TableChannel
+from resources.messages import ReadAhead, SliceFrame
+from resources.slices import SliceRange
+
+CHANNEL = TableChannel.for_table("src.public.t", "src.public.t")
+
+
+class FakeChunk:
+    """Stands in for a Spark DataFrame: toArrow() returns the chunk's message columns."""
+
+    def __init__(self, sub: SliceRange, log: list[SliceRange], gate: threading.Event | None = None) -> None:
+        self.sub, self.log, self.gate = sub, log, gate
+
+    def toArrow(self) -> pa.Table:  # noqa: N802 - Spark's name
+        if self.gate is not None:
+            self.gate.wait(5)
+        self.log.append(self.sub)
+        wms = list(range(self.sub.lo + 1, self.sub.hi + 1))
+        values = [b'{"id":%d}' % w for w in wms]
+        return pa.table({"key": values, "value": values, "watermark": pa.array(wms, pa.int64()),
+                         "watermark_text": [str(w).encode() for w in wms], "checksum": [b"x" * 64] * len(wms)})
+
+
+def frames(slices: list[SliceRange], log: list[SliceRange], gate: threading.Event | None = None) -> list[SliceFrame]:
+    return [SliceFrame(channel=CHANNEL, slice=s, read_chunk=lambda sub, _rows: FakeChunk(sub, log, gate),
+                       expected_rows=s.hi - s.lo) for s in slices]
+
+
+def test_reads_every_slice_in_order_and_fetches_the_next_slice_ahead() -> None:
+    log: list[SliceRange] = []
+    slices = [SliceRange(0, 10), SliceRange(10, 20), SliceRange(20, 30)]
+    fs = frames(slices, log)
+    ahead = ReadAhead(fs, chunk_rows=10, prefetch=2)
+    try:
+        first = ahead.frame_at_head()
+        assert first is fs[0]
+        got = [w for b in ahead.batches(fs[0]) for w in b.watermarks]
+        assert got == list(range(1, 11))
+        # While slice 1 was produced, slice 2 was already being fetched (one chunk per slice here).
+        assert ahead.frame_at_head() is fs[1]
+        assert SliceRange(10, 20) in [f.slice for f, _, _ in ahead._ahead]
+        assert [w for b in ahead.batches(fs[1]) for w in b.watermarks] == list(range(11, 21))
+        assert [w for b in ahead.batches(fs[2]) for w in b.watermarks] == list(range(21, 31))
+        assert ahead.frame_at_head() is None
+    finally:
+        ahead.close()
+    assert sorted(log, key=lambda s: s.lo) == slices
+
+
+def test_a_slice_stopped_midway_is_skipped_and_the_next_one_is_whole() -> None:
+    log: list[SliceRange] = []
+    fs = frames([SliceRange(0, 40), SliceRange(40, 50)], log)
+    ahead = ReadAhead(fs, chunk_rows=10, prefetch=2)  # slice 1: four chunks
+    try:
+        gen = ahead.batches(fs[0])
+        assert next(gen).watermarks == list(range(1, 11))
+        gen.close()  # the publisher gave up on slice 1 (e.g. an abort)
+        assert ahead.frame_at_head() is fs[1]
+        assert [w for b in ahead.batches(fs[1]) for w in b.watermarks] == list(range(41, 51))
+    finally:
+        ahead.close()
+
+
+def test_asking_for_slices_out_of_order_is_an_error() -> None:
+    fs = frames([SliceRange(0, 10), SliceRange(10, 20)], [])
+    ahead = ReadAhead(fs, chunk_rows=10, prefetch=1)
+    try:
+        with pytest.raises(RuntimeError, match="read-ahead is not at slice"):
+            list(ahead.batches(fs[1]))
+    finally:
+        ahead.close()
+
+
+def test_out_of_order_rows_are_refused() -> None:
+    class Shuffled(FakeChunk):
+        def toArrow(self) -> pa.Table:  # noqa: N802
+            t = super().toArrow()
+            return t.take(pa.array(list(reversed(range(t.num_rows)))))
+
+    f = SliceFrame(channel=CHANNEL, slice=SliceRange(0, 5), read_chunk=lambda sub, _r: Shuffled(sub, []),
+                   expected_rows=5)
+    with pytest.raises(RuntimeError, match="out of watermark order"):
+        list(f.iter_batches(chunk_rows=5))
