@@ -141,7 +141,15 @@ def idle_tick_large_history_ms(stack: Any, workdir: Path, slices: int = 300_000,
         with DagsterInstance.get() as instance:
             seed_history(instance, table, resolve_env(config.sources["hist"].url).replace(
                 "postgresql://", "postgresql+psycopg://", 1), {"bootstrap.servers": stack.bootstrap}, slices)
-            return statistics.median(idle_tick_times(instance, config, table, ticks))
+            try:
+                return statistics.median(idle_tick_times(instance, config, table, ticks))
+            finally:  # the bench instance and database are kept between runs: leave no 300k keys behind
+                from orchestration.history import all_keys, delete_keys
+
+                partitions = partitions_for(table).name
+                delete_keys(instance, partitions, all_keys(instance, partitions))
+                with stack.connect() as conn:
+                    conn.execute(f"DROP TABLE IF EXISTS {name}")
 
 
 def worst_tick_gap_ratio(instance: Any, sensor_names: list[str], interval_s: float, since: float) -> float:

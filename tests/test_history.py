@@ -125,6 +125,7 @@ def history(services, dagster_instance):
 
 
 @pytest.mark.integration
+@pytest.mark.faults  # slow (~80 s with the 300k-slice seed): make test-faults
 def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_instance, capsys) -> None:
     from assets.relay import asset_key, channel_for, partitions_for
     from bench.scale import idle_tick_times
@@ -207,6 +208,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.integration
+@pytest.mark.faults  # shares the 300k-slice seed with the scale test: make test-faults
 def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dagster_instance, tmp_path) -> None:
     """The table's Partitions page, after the policy ran, loads in Debian's headless Chromium within 5 s of page
     time and lists partitions; a screenshot is kept."""
@@ -268,3 +270,62 @@ def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dag
         except subprocess.TimeoutExpired:
             os.killpg(web.pid, 9)
             web.wait()
+
+
+# -- many tables -----------------------------------------------------------------------------------------------
+
+
+def test_tables_beyond_twenty_share_sensors_by_interval() -> None:
+    from orchestration.factory import AUTO_GROUP_OVER, GROUP_SIZE, sensor_groups
+
+    def tables(n: int, **extra) -> list[TableConfig]:
+        return [TableConfig(source="s", table=f"t{i}", watermark="id", **extra) for i in range(n)]
+
+    assert list(sensor_groups(tables(AUTO_GROUP_OVER))) == [None]  # few tables: a sensor each
+    many = tables(60)
+    groups = sensor_groups(many)
+    assert [len(v) for v in groups.values()] == [GROUP_SIZE, GROUP_SIZE, 10]
+    explicit = [TableConfig(source="s", table="a", watermark="id", sensor_group="hot"),
+                TableConfig(source="s", table="b", watermark="id")]
+    assert {k: [t.table for t in v] for k, v in sensor_groups(explicit).items()} == {"hot": ["a"], None: ["b"]}
+
+
+@pytest.mark.integration
+def test_group_sensor_cuts_each_table_and_keeps_their_cursors(services, pg_database, pg_engine,
+                                                              dagster_instance) -> None:
+    """Two tables in one sensor group: one tick cuts both, each run request names its table's job, and the next
+    tick knows both uncommitted slices from the per-table cursors."""
+    import json
+
+    from dagster import build_sensor_context
+
+    from orchestration.factory import build_definitions, job_name
+    from tests.conftest import unique
+    from tests.pipeline import relay_config
+
+    names = [unique("g"), unique("g")]
+    with pg_engine.begin() as conn:
+        for n, rows in zip(names, (3, 5), strict=True):
+            conn.execute(sa.text(f"CREATE TABLE {n} (id bigserial PRIMARY KEY, v text)"))
+            conn.execute(sa.text(f"INSERT INTO {n} (v) SELECT 'r' FROM generate_series(1, {rows})"))
+    config = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{n}", "watermark": "id", "sensor_group": "pair"} for n in names])
+    defs = build_definitions(config)
+    sensor = defs.resolve_sensor_def("slices_pair")
+    with build_sensor_context(resources=defs.resources, definitions=defs, sensor_name=sensor.name,
+                              instance=dagster_instance) as ctx:
+        data = sensor.evaluate_tick(ctx)
+    got = sorted((r.job_name, r.partition_key) for r in data.run_requests)
+    assert got == sorted([(job_name(config.tables[0]), SliceRange(0, 3).key),
+                          (job_name(config.tables[1]), SliceRange(0, 5).key)])
+    assert len({r.run_key for r in data.run_requests}) == 2  # run keys carry the job: no clash between tables
+    cursors = json.loads(data.cursor)
+    assert cursors[config.tables[1].table_id] and json.loads(cursors[config.tables[1].table_id])["chain"] == [[0, 5]]
+    for req in data.dynamic_partitions_requests:
+        dagster_instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+    with build_sensor_context(cursor=data.cursor, resources=defs.resources, definitions=defs,
+                              sensor_name=sensor.name, instance=dagster_instance) as ctx:
+        again = sensor.evaluate_tick(ctx)
+    # No run was launched here, so each table's slice is "stalled" and resumed: the chain came from the cursor.
+    assert sorted((r.job_name, r.partition_key) for r in again.run_requests) == got
+    assert all(r.tags.get("rowrelay/resume") == "true" for r in again.run_requests)
