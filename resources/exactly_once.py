@@ -715,11 +715,12 @@ class SlicePublisher:
         slice_header = slice_range.key.encode()
         produce, topic = self.producer.produce, ch.topic
 
+        table_pair, slice_pair = ("rowrelay.table", table_header), ("rowrelay.slice", slice_header)
+
         def send(rows: Iterable[tuple[bytes | None, bytes, int, bytes, bytes]],
                  report: Callable[..., None] | None) -> None:
             for key, value, wm, wm_text, checksum in rows:
-                headers = [("rowrelay.table", table_header), ("rowrelay.watermark", wm_text),
-                           ("rowrelay.slice", slice_header), ("rowrelay.checksum", checksum)]
+                headers = [table_pair, ("rowrelay.watermark", wm_text), slice_pair, ("rowrelay.checksum", checksum)]
                 try:  # the hot path: one C call per row
                     produce(topic, value, key, headers=headers, on_delivery=report)
                 except (BufferError, KafkaException):

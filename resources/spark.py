@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from resources.source_database import SourceDatabaseResource, TableShape
 
 _lock = threading.Lock()
+# One LazyPySparkResource per Spark endpoint and process: it creates the SparkSession on first use.
+_lazy_sessions: dict[str, Any] = {}
 
 
 def default_jars() -> str:
@@ -90,28 +92,38 @@ class SparkResource(ConfigurableResource):
     max_partitions: int = Field(4, description="cap on parallel JDBC connections per slice read")
     fetchsize: int = 10_000
 
+    def session_config(self) -> dict[str, str]:
+        """The SparkSession builder settings: `spark.remote` for Spark Connect, else a local/cluster session."""
+        if self.remote:
+            return {"spark.remote": resolve_env(self.remote)}
+        return {
+            "spark.master": self.master,
+            "spark.app.name": "rowrelay",
+            # Timestamps are read and formatted in UTC whatever the machine's zone.
+            "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
+            "spark.executor.extraJavaOptions": "-Duser.timezone=UTC",
+            "spark.ui.enabled": "false",
+            "spark.sql.shuffle.partitions": "4",
+            "spark.sql.execution.arrow.pyspark.enabled": "true",
+            "spark.jars": self.jars or self.conf.get("spark.jars") or default_jars(),
+            **{key: resolve_env(value) for key, value in self.conf.items()},
+        }
+
     def get_session(self) -> SparkSession:
+        """The session, created once per process by dagster-pyspark's LazyPySparkResource (on first use)."""
+        from dagster_pyspark import LazyPySparkResource
         from pyspark.sql import SparkSession
 
         with _lock:
-            if self.remote:
-                return _with_sql_conf(SparkSession.builder.remote(resolve_env(self.remote)).getOrCreate())
-            active = SparkSession.getActiveSession()
-            if active is not None:
-                return active
-            builder = (
-                SparkSession.builder.master(self.master).appName("rowrelay")
-                # Timestamps are read and formatted in UTC whatever the machine's zone.
-                .config("spark.driver.extraJavaOptions", "-Duser.timezone=UTC")
-                .config("spark.executor.extraJavaOptions", "-Duser.timezone=UTC")
-                .config("spark.ui.enabled", "false")
-                .config("spark.sql.shuffle.partitions", "4")
-                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-                .config("spark.jars", self.jars or self.conf.get("spark.jars") or default_jars())
-            )
-            for key, value in self.conf.items():
-                builder = builder.config(key, resolve_env(value))
-            return _with_sql_conf(builder.getOrCreate())
+            if not self.remote:
+                active = SparkSession.getActiveSession()
+                if active is not None:
+                    return active
+            lazy = _lazy_sessions.get(self.remote or self.master)
+            if lazy is None:
+                lazy = _lazy_sessions[self.remote or self.master] = LazyPySparkResource(
+                    spark_config=self.session_config())
+            return _with_sql_conf(lazy.spark_session)
 
     def read_slice(self, source: SourceDatabaseResource, shape: TableShape, slice_range: SliceRange,
                    expected_rows: int) -> DataFrame:
