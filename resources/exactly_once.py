@@ -721,8 +721,9 @@ class SlicePublisher:
                  report: Callable[..., None] | None) -> None:
             for key, value, wm, wm_text, checksum in rows:
                 headers = [table_pair, ("rowrelay.watermark", wm_text), slice_pair, ("rowrelay.checksum", checksum)]
-                try:  # the hot path: one C call per row
-                    produce(topic, value, key, headers=headers, on_delivery=report)
+                try:  # the hot path: one C call per row, positional (keyword parsing cost 20 % of the loop):
+                    # topic, value, key, partition (-1: the partitioner), on_delivery, callback, timestamp, headers
+                    produce(topic, value, key, -1, report, None, 0, headers)
                 except (BufferError, KafkaException):
                     self._produce(topic, key, value, headers, report, wm)
 
