@@ -11,7 +11,7 @@ PY := .venv/bin/python
 # Load the stack's connection settings (written by `python -m stack up`) into a recipe's environment.
 WITH_ENV := set -a; source $(STACK_ENV); set +a;
 
-.PHONY: help install stack stack-down stack-status demo-tables run test test-unit test-faults lint bench clean
+.PHONY: help install stack stack-down stack-status demo-tables run test test-unit test-faults test-bench lint bench clean
 
 help:
 	@echo "make run    - install, start the local stack, create demo tables + writer, serve the Dagster UI on :3000"
@@ -43,14 +43,18 @@ run: stack
 
 test: stack
 	$(PY) -m ruff check .
-	$(WITH_ENV) $(PY) -m pytest -q tests -m "not faults"
+	$(WITH_ENV) $(PY) -m pytest -q tests -m "not faults and not bench"
 
 test-unit: install
-	$(PY) -m pytest -q tests -m "not integration and not faults"
+	$(PY) -m pytest -q tests -m "not integration and not faults and not bench"
 
 # Fault scenarios against the Dagster daemon (broker/database restarts, SIGKILL loop, zombie publisher).
 test-faults: stack
 	$(WITH_ENV) $(PY) -m pytest -q -s tests -m faults
+
+# The benchmark peers' own tests (Debezium's JVM runs, ~1 min): not part of `make test`.
+test-bench: stack
+	$(WITH_ENV) $(PY) -m pytest -q tests -m bench
 
 lint: install
 	$(PY) -m ruff check .

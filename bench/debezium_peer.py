@@ -159,6 +159,7 @@ def connector_props(pg: dict, table: str, topic_prefix: str, name: str, *, exact
         "database.user": str(pg["user"]),
         "database.password": f"${{env:{PASSWORD_ENV}}}",
         "database.dbname": str(pg["dbname"]),
+        "database.sslmode": "disable",  # every tool in the bench reads PostgreSQL over plain TCP
         "topic.prefix": topic_prefix,
         "table.include.list": f"{schema}.{tname}",
         "snapshot.mode": "initial_only",
