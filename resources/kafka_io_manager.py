@@ -25,6 +25,7 @@ from resources.exactly_once import (
     read_progress_history,
     read_published_messages,
 )
+from resources.history import records_in_range, summarize
 from resources.messages import ReadAhead, SliceFrame, TableSlices
 from resources.slices import SliceRange
 from resources.spark import SparkResource
@@ -83,13 +84,14 @@ class KafkaIOManager(ConfigurableIOManager):
         timings: dict[str, dict[str, float]] = {}  # per published slice: seconds per step of the run
         phase_times: dict[str, dict[str, float]] = {}  # per published slice: read, convert, produce, flush, commit
         pending = {s.key for s in obj.pending}
-        if len(obj.slices) > len(obj.pending):  # some were committed before this run: report their records
-            history = {r.slice: r for r in read_progress_history(self.kafka_conf(), obj.channel)}
-            for s in obj.slices:
-                if s.key not in pending:
-                    record = history.get(s.key) or ProgressRecord(obj.channel.table, s.key, s.lo, s.hi, 0, 0, "",
-                                                                  obj.channel.topic)
-                    records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
+        committed = [s for s in obj.slices if s.key not in pending]
+        if committed:  # committed before this run (a re-run, a roll-up key): report what they published
+            # Many keys: one pass over the progress history beats a search per key.
+            history = {(r.lo, r.hi): r for r in read_progress_history(self.kafka_conf(), obj.channel)
+                       } if len(committed) > 20 else {}
+            for s in committed:
+                record = history.get((s.lo, s.hi)) or self.committed_record(obj.channel, s)
+                records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
         if obj.pending:
             assert obj.read is not None
             read = obj.read
@@ -169,6 +171,20 @@ class KafkaIOManager(ConfigurableIOManager):
                                      "rows_published": sum(r.progress.rows for r, _ in records.values()
                                                            if not r.already_committed)})
 
+    def committed_record(self, channel: TableChannel, rng: SliceRange) -> ProgressRecord:
+        """What a committed key published: its slice's progress record, or for a roll-up key (a range over several
+        committed slices, resources/history.py) their records summed; a range covered by progress without slices
+        of its own (below start_after, a baseline) published nothing."""
+        tiles = records_in_range(self.kafka_conf(), channel, rng)
+        if len(tiles) == 1:
+            return tiles[0]
+        if not tiles:
+            return ProgressRecord(channel.table, rng.key, rng.lo, rng.hi, 0, 0, "", channel.topic)
+        summary = summarize(tiles)
+        return ProgressRecord(channel.table, rng.key, rng.lo, rng.hi, summary["rows"], summary["bytes"],
+                              summary["checksum"], summary["topic"], offsets=summary["offsets"],
+                              transactional_id=channel.transactional_id, committed_at=summary["last_committed_at"])
+
     @staticmethod
     def _mark_stopped(context: OutputContext, reason: str) -> None:
         """Tell the table's sensor to back off: a retry of this run would fail the same way."""
@@ -215,14 +231,18 @@ class KafkaIOManager(ConfigurableIOManager):
         rows: list[dict[str, Any]] = []
         conf = self.kafka_conf()
         for key in keys:
-            record: ProgressRecord | None = find_slice_progress(conf, channel, SliceRange.from_key(key))
-            if record is None:
+            rng = SliceRange.from_key(key)
+            record: ProgressRecord | None = find_slice_progress(conf, channel, rng)
+            # A roll-up key spans several committed slices: read each of them, in order.
+            tiles = [record] if record is not None else records_in_range(conf, channel, rng)
+            if not tiles:
                 raise Failure(f"{channel.table}: slice {key} has not been published (no progress record)")
-            for msg in read_published_messages(conf, record):
-                headers = dict(msg.headers() or [])
-                rows.append({"slice": key, "partition": msg.partition(), "offset": msg.offset(),
-                             "key": msg.key().decode() if msg.key() is not None else None,
-                             "value": msg.value().decode(),
-                             "watermark": int(headers["rowrelay.watermark"])})
+            for tile in tiles:
+                for msg in read_published_messages(conf, tile):
+                    headers = dict(msg.headers() or [])
+                    rows.append({"slice": key, "partition": msg.partition(), "offset": msg.offset(),
+                                 "key": msg.key().decode() if msg.key() is not None else None,
+                                 "value": msg.value().decode(),
+                                 "watermark": int(headers["rowrelay.watermark"])})
         frame = pd.DataFrame(rows, columns=["slice", "partition", "offset", "key", "value", "watermark"])
         return self.spark.get_session().createDataFrame(frame)
