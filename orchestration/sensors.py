@@ -158,6 +158,7 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
     """Observe the table, settle pending candidates, cut slices above `cut_after` up to the safe watermark."""
     shape = cached_table_shape(source, table)
     check_null_watermarks(source, shape, table)
+    waiting_since = state.waiting_since  # settled_watermark returns a fresh state: keep the trickle clock
     safe_hi, state = settled_watermark(source, shape, table, cut_after, state)
     pending = list(state.pending)
     slices: list[SliceRange] = []
@@ -171,9 +172,10 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
         if slices and slices[-1].hi < safe_hi and len(slices) == limit:
             # More to cut next tick: keep the settled value as an already-final candidate.
             pending.insert(0, WatermarkCandidate(safe_hi, float("-inf")))
-    waiting_since = None
-    if slices and table.min_slice_rows > 1:
-        waiting_since, slices = trickle(slices, table, state.waiting_since, time.time(),
+    if table.min_slice_rows <= 1 or (not slices and not pending):
+        waiting_since = None  # no trickle batching, or no rows wait: the clock starts with the next rows
+    elif slices:
+        waiting_since, slices = trickle(slices, table, waiting_since, time.time(),
                                         lambda: source.count_rows(shape, cut_after, slices[-1].hi))
         if not slices and safe_hi is not None:  # keep the settled value: it is final, only held back
             pending.insert(0, WatermarkCandidate(safe_hi, float("-inf")))

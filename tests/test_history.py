@@ -372,3 +372,38 @@ def test_history_compact_cli_rolls_up_and_verify_passes(services, pg_database, d
     assert main(["--config", str(path), "verify", "--table", table.table_id]) == 0
     assert main(["--config", str(path), "history", "compact", "--table", table.table_id]) == 0
     assert "0 roll-up(s)" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_engine, dagster_instance) -> None:
+    """min_slice_rows 5 / max_slice_delay_seconds 2: a table with 2 rows waits, a third row arriving meanwhile
+    joins them, and the three are cut as one slice once the delay is over; a table with 5 rows is cut at once."""
+    from tests.conftest import unique
+    from tests.pipeline import Harness, relay_config
+
+    few, many = unique("few"), unique("many")
+    with pg_engine.begin() as conn:
+        for n, rows in ((few, 2), (many, 5)):
+            conn.execute(sa.text(f"CREATE TABLE {n} (id bigserial PRIMARY KEY, v text)"))
+            conn.execute(sa.text(f"INSERT INTO {n} (v) SELECT 'r' FROM generate_series(1, {rows})"))
+    h = Harness(relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{n}", "watermark": "id", "min_slice_rows": 5,
+         "max_slice_delay_seconds": 2} for n in (few, many)]), dagster_instance)
+
+    def tick_until_cut(table: TableConfig) -> list[str]:
+        for _ in range(10):  # a tick may also wait on other sessions' open PostgreSQL transactions
+            got = h.tick(table)
+            if got:
+                return got
+        return []
+
+    started = time.monotonic()
+    assert tick_until_cut(h.table(1)) == [SliceRange(0, 5).key]  # enough rows: no wait
+    assert h.tick(h.table(0)) == []  # 2 rows < 5: held back
+    with pg_engine.begin() as conn:
+        conn.execute(sa.text(f"INSERT INTO {few} (v) VALUES ('late')"))
+    if time.monotonic() - started < 1.5:
+        assert h.tick(h.table(0)) == []  # still within the delay
+    while time.monotonic() - started < 2.2:
+        time.sleep(0.2)
+    assert tick_until_cut(h.table(0)) == [SliceRange(0, 3).key]  # the delay is over: one slice of 3 rows
