@@ -28,8 +28,7 @@ from dagster import (
 
 from assets.relay import asset_key, channel_for, partitions_for
 from resources.config import TableConfig
-from resources.exactly_once import read_committed_progress
-from resources.history import HistoryPolicy, Rollup, plan_rollups, read_records, summarize
+from resources.history import HistoryPolicy, Rollup, plan_rollups, read_progress_tail, read_records, summarize
 from resources.slices import SliceRange
 
 BATCH = 10_000  # keys per storage statement
@@ -170,7 +169,7 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
         return result
     channel = channel_for(table, transactional_id_prefix)
     name = partitions_for(table).name
-    progress = read_committed_progress(kafka_conf, channel)
+    progress = read_progress_tail(kafka_conf, channel)
     if progress is None:
         result.skipped = "nothing committed"
         return result
