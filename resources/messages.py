@@ -114,7 +114,9 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
     if isinstance(key, list):
         key_col = json_object_expr([fields[c] for c in key], json_cols)
     elif key == "hash_row":
-        key_col = F.sha2(value, 256)
+        # The row's data only (the JSON object of its columns), never the envelope: the same row gets the same key
+        # whichever slice (or replay) publishes it.
+        key_col = F.sha2(data, 256)
     else:
         key_col = F.lit(None).cast("string")
     # Bytes, not strings, leave the JVM: Python then hands them to the producer without encoding per row.
