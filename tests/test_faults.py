@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 
 from orchestration.cli import verify_table
 from resources.config import RelayConfig
@@ -222,16 +222,25 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         conn.execute(text("CREATE TABLE orders (id bigserial PRIMARY KEY, v bigint)"))
     with engines["maria"].begin() as conn:
         conn.execute(text("CREATE TABLE clicks (id bigint AUTO_INCREMENT PRIMARY KEY, v bigint)"))
+    # SQLite too (a database file the daemon's runs read through Spark's JDBC while a writer inserts): WAL lets
+    # readers and the writer work at the same time.
+    lite_url = f"sqlite:///{home / 'source.db'}"
+    engines["lite"] = create_engine(lite_url)
+    with engines["lite"].begin() as conn:
+        conn.execute(text("PRAGMA journal_mode=WAL"))
+        conn.execute(text("CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, v bigint)"))
     # Source names unique per run: a table's identity (progress topic, transactional id) must be new too.
-    pg_src, maria_src = unique("pg"), unique("maria")
-    cfg = relay_config(services, {pg_src: pg_url, maria_src: maria_url}, [
+    pg_src, maria_src, lite_src = unique("pg"), unique("maria"), unique("lite")
+    cfg = relay_config(services, {pg_src: pg_url, maria_src: maria_url, lite_src: make_url(lite_url)}, [
         {"source": pg_src, "table": "public.orders", "watermark": "id", "slice_max_rows": 5000,
          "sensor_interval_seconds": 1, "topic": f"faults.{db_names['pgsrc']}.orders"},
         {"source": maria_src, "table": "clicks", "watermark": "id", "slice_max_rows": 3000, "settle_seconds": 1,
          "sensor_interval_seconds": 1, "topic": f"faults.{db_names['mariasrc']}.clicks", "key": ["id"],
          "topic_partitions": 2},
+        {"source": lite_src, "table": "events", "watermark": "id", "slice_max_rows": 3000, "settle_seconds": 1,
+         "sensor_interval_seconds": 1, "topic": f"faults.{db_names['pgsrc']}.events"},
     ], spark_remote=True)
-    engines[pg_src], engines[maria_src] = engines["pg"], engines["maria"]
+    engines[pg_src], engines[maria_src], engines[lite_src] = engines["pg"], engines["maria"], engines["lite"]
     config_file = home / "rowrelay.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
     (home / "dagster.yaml").write_text(DAGSTER_YAML.format(user=services.pg_user, password=services.pg_password,
@@ -240,7 +249,8 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
     (home / "workspace.yaml").write_text(yaml.safe_dump({"load_from": [{"python_module": {
         "module_name": "orchestration.definitions", "working_directory": str(ROOT)}}]}))
     p = FaultPipeline(services, cfg, home, config_file, engines)
-    p.writers = [Writer(engines["pg"], "orders"), Writer(engines["pg"], "orders"), Writer(engines["maria"], "clicks")]
+    p.writers = [Writer(engines["pg"], "orders"), Writer(engines["pg"], "orders"), Writer(engines["maria"], "clicks"),
+                 Writer(engines["lite"], "events")]
     p.start_daemon()
     for w in p.writers:
         w.resume()
@@ -250,7 +260,7 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
     p.stop_daemon()
     print("FAULT RESULTS " + json.dumps(RESULTS))
     (ROOT / "tests" / ".fault-results.json").write_text(json.dumps(RESULTS, indent=2))
-    for e in (engines["pg"], engines["maria"]):
+    for e in (engines["pg"], engines["maria"], engines["lite"]):
         e.dispose()
     with pg_admin.connect() as conn:
         for k in ("dagster", "pgsrc"):
