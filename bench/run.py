@@ -1,10 +1,15 @@
-"""`make bench`: rowrelay against this box's raw limit and a peer (dpone) on one PostgreSQL table.
+"""`make bench`: rowrelay against this box's raw limit, a Spark ceiling and two peers on one PostgreSQL table.
 
-Measured back to back in one run, on the local stack (python -m stack up):
+Measured back to back in one run, on the local stack (python -m stack up); every tool reads PostgreSQL over plain
+TCP (sslmode=disable) and produces lz4 to the same broker:
   raw       COPY (SELECT row_to_json(t) ...) TO STDOUT streamed into a plain producer (no transactions, lz4)
-  rowrelay  `rowrelay backfill` of the whole backlog from the CLI, until the last slice is visible
+  ceiling   rowrelay's slice path (JDBC read, JSON expressions, read-ahead into Python bytes) without Kafka, from
+            process launch (bench/spark_ceiling.py), after one untimed pass that warms the Connect server's JIT
+  rowrelay  `rowrelay backfill` of the whole backlog from the CLI, from launch until the last slice is visible
             read_committed; slice_max_rows 100k and 1M
   dpone     its PostgreSQL -> Kafka sink on the same table (own venv, at-least-once)
+  debezium  Kafka Connect + Debezium's PostgreSQL connector, snapshot.mode=initial_only, from JVM launch until the
+            topic holds every row: standalone (at-least-once) and distributed with exactly-once source support
   idle tick one sensor evaluation with no new rows
   freshness insert one row, time until it is visible read_committed, with the daemon's sensor ticking at
             the default interval; warm Spark (Connect server) and cold Spark (a JVM per run)
@@ -420,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freshness-samples", type=int, default=20)
     parser.add_argument("--cold-samples", type=int, default=5, help="freshness samples with a JVM per run (0: skip)")
     parser.add_argument("--skip-dpone", action="store_true")
-    parser.add_argument("--launchers", nargs="+", choices=sorted(LAUNCHERS), default=["default"],
+    parser.add_argument("--launchers", nargs="+", choices=sorted(LAUNCHERS), default=["warm"],
                         help="run launchers to measure freshness and run overhead with (the first gives the "
                              "unsuffixed keys)")
     parts = ["raw", "ceiling", "rowrelay", "dpone", "debezium", "idle", "freshness", "memory"]
