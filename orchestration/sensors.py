@@ -147,10 +147,20 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
     return safe_hi, SensorState(pending)
 
 
+_NULLS_OK: dict[tuple[str, str], float] = {}
+
+
 def check_null_watermarks(source: SourceDatabaseResource, shape: TableShape, table: TableConfig) -> None:
+    """Refuse a table with NULL watermarks. A clean result is trusted for SHAPE_TTL_S per process (like the
+    shape): one query less per idle tick, which counts with many tables per sensor; runs check afresh."""
+    key = (source.url, table.table_id)
+    if time.monotonic() - _NULLS_OK.get(key, -SHAPE_TTL_S) < SHAPE_TTL_S:
+        return
     if source.has_null_watermarks(shape):
+        _NULLS_OK.pop(key, None)
         raise SourceError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
                           "sent; make the column NOT NULL or fill it")
+    _NULLS_OK[key] = time.monotonic()
 
 
 def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int, state: SensorState,
