@@ -31,6 +31,12 @@ DAGSTER_DB = "dagster"
 # A role pg_hba.conf admits over TLS only (hostnossl ... reject): a read as this role proves its connection was TLS.
 PG_TLS_USER = "rowrelay_tls"
 DEMO_DB = "rowrelay_demo"
+# The broker's SASL_SSL listener: one SCRAM user the stack creates, a certificate signed by the stack's CA.
+KAFKA_SASL_USER = "rowrelay"
+KAFKA_SASL_PASSWORD = "rowrelay-local-scram"  # loopback only, like PASSWORD
+KAFKA_SASL_MECHANISM = "SCRAM-SHA-512"
+# Guards the broker's PKCS12 key store under ROWRELAY_HOME (Kafka's file-based PEM store needs an encrypted key).
+KAFKA_KEYSTORE_PASSWORD = "rowrelay-local-keystore"
 
 
 class StackError(RuntimeError):
@@ -52,6 +58,7 @@ class Ports:
     postgres: int
     mariadb: int
     spark_connect: int
+    kafka_sasl: int = 19094
 
     @classmethod
     def from_env(cls) -> Ports:
@@ -62,6 +69,7 @@ class Ports:
             postgres=int(os.environ.get("ROWRELAY_PG_PORT", 15432)),
             mariadb=int(os.environ.get("ROWRELAY_MARIADB_PORT", 13306)),
             spark_connect=int(os.environ.get("ROWRELAY_SPARK_CONNECT_PORT", 15102)),
+            kafka_sasl=int(os.environ.get("ROWRELAY_KAFKA_SASL_PORT", 19094)),
         )
 
 
@@ -213,6 +221,14 @@ def kafka_classpath() -> str:
     return f"{fetch_jars('kafka')}/*"
 
 
+def kafka_jars_stale() -> bool:
+    """True if `fetch_jars('kafka')` would re-fetch (stack/poms/kafka.xml changed since the jars were copied)."""
+    if os.environ.get("KAFKA_HOME"):
+        return False
+    marker = jar_dir("kafka") / ".complete"
+    return not marker.exists() or marker.read_text() != (STACK_DIR / "poms" / "kafka.xml").read_text()
+
+
 KAFKA_LOG4J = """\
 status = warn
 appender.out.type = Console
@@ -228,16 +244,25 @@ logger.state.level = WARN
 """
 
 
-def kafka_properties(ports: Ports, data: Path) -> str:
-    return f"""\
+def kafka_properties(ports: Ports, data: Path, keystore: Path | None = None, fingerprint: str = "") -> str:
+    """server.properties. With a key store: a SASL_SSL listener (SCRAM-SHA-512) next to PLAINTEXT, which stays
+    the inter-broker listener and what every other client uses. `fingerprint` (jars, certificate) is written as
+    a comment so that `kafka_up` restarts a running broker when anything it loaded at start changed."""
+    sasl = keystore is not None
+    listeners = f"PLAINTEXT://127.0.0.1:{ports.kafka},"
+    if sasl:
+        listeners += f"SASL_SSL://127.0.0.1:{ports.kafka_sasl},"
+    listeners += f"CONTROLLER://127.0.0.1:{ports.kafka_controller}"
+    text = f"""\
+# rowrelay stack: {fingerprint}
 process.roles=broker,controller
 node.id=1
 controller.quorum.bootstrap.servers=127.0.0.1:{ports.kafka_controller}
-listeners=PLAINTEXT://127.0.0.1:{ports.kafka},CONTROLLER://127.0.0.1:{ports.kafka_controller}
-advertised.listeners=PLAINTEXT://127.0.0.1:{ports.kafka},CONTROLLER://127.0.0.1:{ports.kafka_controller}
+listeners={listeners}
+advertised.listeners={listeners}
 inter.broker.listener.name=PLAINTEXT
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT{",SASL_SSL:SASL_SSL" if sasl else ""}
 log.dirs={data}
 num.partitions=1
 auto.create.topics.enable=false
@@ -252,6 +277,92 @@ share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 log.cleaner.backoff.ms=1000
 """
+    if sasl:
+        # SCRAM credentials live in the KRaft metadata log (created by `ensure_kafka_scram_user`); the listener's
+        # JAAS line only names the login module. No client certificates: clients verify the broker, not the reverse.
+        text += f"""\
+sasl.enabled.mechanisms={KAFKA_SASL_MECHANISM}
+listener.name.sasl_ssl.sasl.enabled.mechanisms={KAFKA_SASL_MECHANISM}
+listener.name.sasl_ssl.{KAFKA_SASL_MECHANISM.lower()}.sasl.jaas.config=\
+org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.ssl.keystore.type=PKCS12
+listener.name.sasl_ssl.ssl.keystore.location={keystore}
+listener.name.sasl_ssl.ssl.keystore.password={KAFKA_KEYSTORE_PASSWORD}
+listener.name.sasl_ssl.ssl.key.password={KAFKA_KEYSTORE_PASSWORD}
+listener.name.sasl_ssl.ssl.client.auth=none
+"""
+    return text
+
+
+def kafka_ca_file() -> Path:
+    """The CA that signed the broker's SASL_SSL certificate: the stack's CA (the same one as PostgreSQL's)."""
+    return pg_ca_file()
+
+
+def ensure_stack_ca() -> None:
+    """The stack's CA (tls/ca.crt, tls/ca.key), if PostgreSQL's set-up has not made it yet (it runs first in `up`).
+
+    Same subject and extensions as `ensure_pg_certificates`, which remakes it only if PostgreSQL's certificate no
+    longer verifies; the broker's certificate is then re-issued (and the broker restarted) on the next `up`.
+    """
+    ca_crt, ca_key = pg_ca_file(), tls_dir() / "ca.key"
+    if ca_crt.exists() and ca_key.exists():
+        return
+    tls_dir().mkdir(parents=True, exist_ok=True)
+    log(f"kafka: making the stack's local CA ({ca_crt})")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256", "-days", "3650", "-subj",
+             "/CN=rowrelay local stack CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-keyout", str(ca_key), "-out", str(ca_crt))
+    os.chmod(ca_key, 0o600)
+
+
+def ensure_kafka_certificate(base: Path) -> Path:
+    """A PKCS12 key store (base/tls/broker.p12) with a key and a certificate for 127.0.0.1/localhost signed by the
+    stack's CA; re-issued when missing or when the CA no longer verifies it. Returns the key store's path."""
+    tls = base / "tls"
+    crt, key, p12 = tls / "broker.crt", tls / "broker.key", tls / "broker.p12"
+    ca_crt, ca_key = kafka_ca_file(), tls_dir() / "ca.key"
+    if p12.exists() and crt.exists() and ca_crt.exists() and subprocess.run(
+            ["openssl", "verify", "-CAfile", str(ca_crt), str(crt)], capture_output=True).returncode == 0:
+        return p12
+    ensure_stack_ca()
+    tls.mkdir(parents=True, exist_ok=True)
+    log(f"kafka: issuing a broker certificate for 127.0.0.1 signed by {ca_crt}")
+    csr, ext = tls / "broker.csr", tls / "broker.ext"
+    ext.write_text(SERVER_CERT_EXTENSIONS)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-sha256", "-subj", "/CN=127.0.0.1",
+             "-keyout", str(key), "-out", str(csr))
+    os.chmod(key, 0o600)
+    # -CAserial in our own directory: PostgreSQL's certificate code owns tls/ca.srl.
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key), "-CAserial",
+             str(tls / "ca.srl"), "-CAcreateserial", "-days", "3650", "-sha256", "-extfile", str(ext),
+             "-out", str(crt))
+    new_p12 = tls / "broker.p12.new"
+    _openssl("pkcs12", "-export", "-in", str(crt), "-inkey", str(key), "-certfile", str(ca_crt), "-name", "broker",
+             "-passout", f"pass:{KAFKA_KEYSTORE_PASSWORD}", "-out", str(new_p12))
+    os.chmod(new_p12, 0o600)
+    shutil.move(new_p12, p12)
+    csr.unlink(missing_ok=True)
+    return p12
+
+
+def _digest(*parts: str) -> str:
+    import hashlib
+
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def kafka_fingerprint(classpath: str, keystore: Path) -> str:
+    """What a running broker loaded at start and cannot pick up by itself: its jars and its certificate."""
+    jars = sorted(p.name for p in Path(classpath.rstrip("*")).glob("*.jar"))
+    return f"jars {_digest(*jars)} certificate {_digest(keystore.read_bytes().hex())}"
+
+
+def kafka_sasl_conf(port: int) -> dict[str, str]:
+    """librdkafka settings for the stack's SASL_SSL listener (what stack.env hands to clients)."""
+    return {"bootstrap.servers": f"127.0.0.1:{port}", "security.protocol": "SASL_SSL",
+            "sasl.mechanism": KAFKA_SASL_MECHANISM, "sasl.username": KAFKA_SASL_USER,
+            "sasl.password": KAFKA_SASL_PASSWORD, "ssl.ca.location": str(kafka_ca_file())}
 
 
 def kafka_ready(port: int) -> bool:
@@ -266,23 +377,66 @@ def kafka_ready(port: int) -> bool:
         return False
 
 
+def kafka_sasl_ready(port: int) -> bool:
+    """The SASL_SSL listener answers a metadata request after TLS (verified against the CA) and a SCRAM login."""
+    from confluent_kafka.admin import AdminClient
+
+    if not port_open(port):
+        return False
+    try:
+        md = AdminClient({**kafka_sasl_conf(port), "log_level": 0}).list_topics(timeout=3)
+        return bool(md.brokers)
+    except Exception:
+        return False
+
+
+def ensure_kafka_scram_user(ports: Ports) -> None:
+    """Create (or reset) the SCRAM user through the PLAINTEXT listener's AdminClient.
+
+    KRaft only takes SCRAM users at `kafka-storage format --add-scram`; an existing cluster gets them through
+    AlterUserScramCredentials. Skipped when a SCRAM login already works, so a reused broker sees no change.
+    """
+    from confluent_kafka.admin import AdminClient, ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
+
+    if kafka_sasl_ready(ports.kafka_sasl):
+        return
+    log(f"kafka: creating SCRAM user {KAFKA_SASL_USER!r} ({KAFKA_SASL_MECHANISM})")
+    admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{ports.kafka}", "log_level": 0})
+    upsert = UserScramCredentialUpsertion(KAFKA_SASL_USER, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192),
+                                          KAFKA_SASL_PASSWORD.encode())
+    try:
+        admin.alter_user_scram_credentials([upsert], request_timeout=30)[KAFKA_SASL_USER].result(timeout=30)
+    except Exception as exc:  # noqa: BLE001 - any failure here means the listener is unusable: say where to look
+        raise StackError(f"kafka: cannot create SCRAM user {KAFKA_SASL_USER!r}: {exc}") from exc
+
+
 def kafka_up(ports: Ports) -> None:
     base = home() / "kafka"
     pidfile, logfile = base / "kafka.pid", base / "kafka.log"
+    props, data = base / "server.properties", base / "data"
     pid = read_pid(pidfile)
-    if pid_alive(pid) and kafka_ready(ports.kafka):
-        log(f"kafka: reusing broker pid {pid} on 127.0.0.1:{ports.kafka}")
-        return
+    if pid_alive(pid) and kafka_jars_stale():
+        # Re-fetching replaces the jar folder under a running JVM: stop it first (it restarts below anyway).
+        log("kafka: stack/poms/kafka.xml changed; restarting the broker on the new jars")
+        stop_pidfile("kafka", pidfile)
+        pid = None
+    classpath = kafka_classpath()
+    keystore = ensure_kafka_certificate(base)
+    wanted = kafka_properties(ports, data, keystore, kafka_fingerprint(classpath, keystore))
     if pid_alive(pid):
-        wait_until(lambda: kafka_ready(ports.kafka), 90, "kafka", logfile, pid)
-        return
+        if props.exists() and props.read_text() == wanted:
+            wait_until(lambda: kafka_ready(ports.kafka), 90, "kafka", logfile, pid)
+            ensure_kafka_scram_user(ports)
+            log(f"kafka: reusing broker pid {pid} on 127.0.0.1:{ports.kafka} (SASL_SSL {ports.kafka_sasl})")
+            return
+        # Listeners, jars or the certificate changed: Kafka reads them only at start. One short outage.
+        log(f"kafka: {props} changed; restarting broker pid {pid}")
+        stop_pidfile("kafka", pidfile)
     require_free_port(ports.kafka, "kafka", "ROWRELAY_KAFKA_PORT")
     require_free_port(ports.kafka_controller, "kafka controller", "ROWRELAY_KAFKA_CONTROLLER_PORT")
-    classpath = kafka_classpath()
-    data = base / "data"
+    require_free_port(ports.kafka_sasl, "kafka SASL_SSL listener", "ROWRELAY_KAFKA_SASL_PORT")
     data.mkdir(parents=True, exist_ok=True)
-    props = base / "server.properties"
-    props.write_text(kafka_properties(ports, data))
+    props.write_text(wanted)
     log4j = base / "log4j2.properties"
     log4j.write_text(KAFKA_LOG4J)
     java = ["java", f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath]
@@ -292,7 +446,7 @@ def kafka_up(ports: Ports) -> None:
             run([*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props), "--standalone"])
         except subprocess.CalledProcessError as exc:
             raise StackError(f"kafka storage format failed:\n{exc.stdout}\n{exc.stderr}") from exc
-    log(f"kafka: starting broker on 127.0.0.1:{ports.kafka} (log {logfile})")
+    log(f"kafka: starting broker on 127.0.0.1:{ports.kafka}, SASL_SSL on {ports.kafka_sasl} (log {logfile})")
     with open(logfile, "ab") as out:
         proc = subprocess.Popen(
             ["java", "-Xms256m", "-Xmx768m", "-XX:+UseG1GC", *java[1:], "kafka.Kafka", str(props)],
@@ -300,6 +454,8 @@ def kafka_up(ports: Ports) -> None:
         )
     pidfile.write_text(str(proc.pid))
     wait_until(lambda: kafka_ready(ports.kafka), 120, "kafka", logfile, proc.pid)
+    ensure_kafka_scram_user(ports)
+    wait_until(lambda: kafka_sasl_ready(ports.kafka_sasl), 60, "kafka SASL_SSL listener", logfile, proc.pid)
 
 
 # --------------------------------------------------------------------------- PostgreSQL
@@ -646,6 +802,13 @@ def settings(ports: Ports | None = None, with_jars: bool = True) -> dict[str, st
     values = {
         "ROWRELAY_HOME": str(home()),
         "ROWRELAY_KAFKA_BOOTSTRAP": f"127.0.0.1:{p.kafka}",
+        # The broker's SASL_SSL listener (SCRAM-SHA-512; TLS with a certificate of the stack's CA). rowrelay.yaml
+        # takes these as ${VAR} templates; tests/test_sasl.py relays through it.
+        "ROWRELAY_KAFKA_SASL_BOOTSTRAP": f"127.0.0.1:{p.kafka_sasl}",
+        "ROWRELAY_KAFKA_SASL_MECHANISM": KAFKA_SASL_MECHANISM,
+        "ROWRELAY_KAFKA_SASL_USER": KAFKA_SASL_USER,
+        "ROWRELAY_KAFKA_SASL_PASSWORD": KAFKA_SASL_PASSWORD,
+        "ROWRELAY_KAFKA_CA": str(kafka_ca_file()),
         "ROWRELAY_PG_HOST": "127.0.0.1",
         "ROWRELAY_PG_PORT": str(p.postgres),
         "ROWRELAY_PG_USER": USER,
@@ -696,7 +859,8 @@ def preflight(ports: Ports) -> None:
     """Fail fast, before any install or download, when a port we need belongs to someone else."""
     ours = [
         (read_pid(home() / "kafka" / "kafka.pid"), [(ports.kafka, "kafka", "ROWRELAY_KAFKA_PORT"),
-         (ports.kafka_controller, "kafka controller", "ROWRELAY_KAFKA_CONTROLLER_PORT")]),
+         (ports.kafka_controller, "kafka controller", "ROWRELAY_KAFKA_CONTROLLER_PORT"),
+         (ports.kafka_sasl, "kafka SASL_SSL listener", "ROWRELAY_KAFKA_SASL_PORT")]),
         (read_pid(home() / "postgres" / "data" / "postmaster.pid"),
          [(ports.postgres, "postgresql", "ROWRELAY_PG_PORT")]),
         (read_pid(home() / "mariadb" / "mariadb.pid"), [(ports.mariadb, "mariadb", "ROWRELAY_MARIADB_PORT")]),
@@ -737,6 +901,8 @@ def status() -> int:
     ports = Ports.from_env()
     rows = [
         ("kafka", read_pid(home() / "kafka" / "kafka.pid"), ports.kafka, kafka_ready, home() / "kafka" / "kafka.log"),
+        ("kafka sasl", read_pid(home() / "kafka" / "kafka.pid"), ports.kafka_sasl, kafka_sasl_ready,
+         home() / "kafka" / "kafka.log"),
         ("postgresql", read_pid(home() / "postgres" / "data" / "postmaster.pid"), ports.postgres, pg_ready,
          home() / "postgres" / "postgres.log"),
         ("mariadb", read_pid(home() / "mariadb" / "mariadb.pid"), ports.mariadb, mariadb_ready,
