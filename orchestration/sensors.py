@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from confluent_kafka import KafkaException
 from dagster import (
     DagsterInstance,
     DagsterRunStatus,
@@ -39,6 +40,7 @@ from assets.relay import (
 from orchestration.history import open_keys
 from resources.config import TableConfig
 from resources.exactly_once import (
+    KafkaUnavailable,
     ProgressRecord,
     SlicePublisher,
     TableChannel,
@@ -576,6 +578,9 @@ def build_slice_sensor(table: TableConfig, job: "UnresolvedAssetJobDefinition") 
     return slice_sensor
 
 
+KAFKA_DOWN: tuple[type[BaseException], ...] = (KafkaUnavailable, KafkaException, TimeoutError)
+
+
 def build_group_slice_sensor(name: str, tables: list[TableConfig], jobs: list["UnresolvedAssetJobDefinition"]
                              ) -> SensorDefinition:
     """One sensor for many tables (a large deployment): one daemon tick, one code-server call and one runs query
@@ -611,6 +616,9 @@ def build_group_slice_sensor(name: str, tables: list[TableConfig], jobs: list["U
             except Exception as exc:  # one table's failure must not stop the others' cuts
                 context.log.error(f"{table.table_id}: {type(exc).__name__}: {exc}")
                 errors.append(f"{table.table_id}: {exc}")
+                if isinstance(exc, KAFKA_DOWN):  # every table needs Kafka: waiting for each in turn helps none
+                    errors.append("Kafka unreachable: the remaining tables wait for the next tick")
+                    break
                 continue
             cursors[table.table_id] = tick.cursor
             requests.extend(tick.run_requests)
