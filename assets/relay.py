@@ -36,7 +36,7 @@ from resources.exactly_once import (
 from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange
-from resources.source_database import SourceDatabaseResource, SourceError, TableShape
+from resources.source_database import SourceDatabaseResource, SourceError, TableShape, schema_change
 from resources.spark import SparkResource
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def channel_for(table: TableConfig, transactional_id_prefix: str = "rowrelay") -
 
 
 def table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:
-    return source.table_shape(table.schema_name, table.table_name, table.watermark, table.columns)
+    return source.table_shape(table.schema_name, table.table_name, table.watermark, table.columns, table.where)
 
 
 @dataclass(frozen=True)
@@ -156,11 +156,31 @@ def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed
     return todo
 
 
+class SchemaChanged(SourceError):
+    """Columns changed since the last committed slice and the table's on_schema_change is `fail`."""
+
+
+def check_schema(table: TableConfig, shape: TableShape, committed_columns: list[list[str]]) -> str:
+    """The change of columns since the last committed slice, described ("" if none, or nothing to compare with:
+    a first slice, a record from an older version). With `on_schema_change: fail` a change stops the table."""
+    if not committed_columns:
+        return ""
+    change = schema_change(committed_columns, shape.schema_columns)
+    if change and table.on_schema_change == "fail":
+        raise SchemaChanged(
+            f"{table.table_id}: columns changed since the last committed slice ({change.describe()}) and "
+            "on_schema_change is fail: nothing is published until a human accepts the new columns with "
+            f"`rowrelay schema accept --table {table.table_id} --reason ...` (see README, runbook)")
+    return change.describe() if change else ""
+
+
 def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, table: TableConfig,
-                       channel: TableChannel, slices: list[SliceRange], committed_hi: int) -> TableSlices:
+                       channel: TableChannel, slices: list[SliceRange], committed_hi: int,
+                       committed_columns: list[list[str]] | None = None) -> TableSlices:
     """The pure core of a table asset: the run's slices, each read lazily as an ordered Spark DataFrame.
 
     The table is reflected and checked once per run; each slice's rows are read only when its turn comes.
+    `committed_columns`: the columns of the last committed slice (its progress record), for on_schema_change.
     """
     todo = slices_to_publish(channel, slices, committed_hi)
     if not todo:
@@ -169,6 +189,7 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
     if source.has_null_watermarks(shape):
         raise SourceError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
                           "sent; make the column NOT NULL or fill it")
+    changed = check_schema(table, shape, committed_columns or [])
 
     def read(slice_range: SliceRange) -> SliceFrame:
         def read_chunk(chunk: SliceRange, expected_rows: int) -> "DataFrame":
@@ -182,7 +203,8 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows)
 
-    return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read)
+    return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
+                       columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed)
 
 
 def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> AssetsDefinition:
@@ -225,10 +247,15 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
 
             threading.Thread(target=warm_spark, name="rowrelay-spark-warmup", daemon=True).start()
         try:
-            result = build_table_slices(source, context.resources.spark, table, channel, slices, committed_hi)
+            result = build_table_slices(source, context.resources.spark, table, channel, slices, committed_hi,
+                                        committed.columns if committed else [])
         except SourceError as exc:
-            context.instance.add_run_tags(context.run_id, {STOPPED_TAG: "source"})
+            reason = "schema_change" if isinstance(exc, SchemaChanged) else "source"
+            context.instance.add_run_tags(context.run_id, {STOPPED_TAG: reason})
             raise Failure(description=str(exc), allow_retries=False) from exc
+        if result.schema_change:
+            context.log.warning(f"{table.table_id}: columns changed since the last committed slice: "
+                                f"{result.schema_change} (on_schema_change: follow)")
         timings["table_check_s"] = time.monotonic() - step
         result.timings = timings
         if not result.pending:

@@ -75,6 +75,13 @@ class TableConfig(_Strict):
     max_slices_per_run: int = Field(20, ge=1, le=10_000, description="a backlog of slices runs as one run of up to "
                                     "this many slices (one worker start), each slice still its own transaction")
     skip_watermarks: list[int] = Field(default_factory=list, description="rows never to send (runbook)")
+    where: str | None = Field(
+        None, min_length=1, max_length=4000, description="a row filter in the source's SQL, applied identically to "
+        "counts, cuts and reads, e.g. \"status <> 'draft'\"; it must be immutable per row (a row never enters or "
+        "leaves it once written), or rows are missed")
+    on_schema_change: Literal["follow", "fail"] = Field(
+        "follow", description="a column added, dropped or retyped since the last slice: follow (publish the new "
+        "columns, noted in the slice's metadata) or fail (the table stops until `rowrelay schema accept`)")
     lag_timestamp_column: str | None = Field(
         None, description="a column with each row's insert time: lag in seconds is then the age of the oldest "
         "unpublished row; unset: the time since the last commit while rows wait")
@@ -95,6 +102,14 @@ class TableConfig(_Strict):
                                 "has waited max_slice_delay_seconds): fewer, larger slices for a trickle")
     max_slice_delay_seconds: float = Field(0.0, ge=0, le=86_400, description="the longest rows wait for "
                                            "min_slice_rows; 0: cut every tick (freshest)")
+
+    @field_validator("where")
+    @classmethod
+    def _one_predicate(cls, v: str | None) -> str | None:
+        # Spliced into the source's SQL as one predicate: statements or comments would change what it means.
+        if v is not None and (";" in v or "--" in v or "/*" in v):
+            raise ValueError("must be one SQL predicate, without ';' or comments")
+        return v
 
     @model_validator(mode="after")
     def _lag_thresholds(self) -> TableConfig:

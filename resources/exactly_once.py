@@ -30,7 +30,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from itertools import islice
 from typing import Any
@@ -149,7 +149,11 @@ class ProgressRecord:
     transactional_id: str = ""
     committed_at: str = ""
     transaction_s: float = 0.0  # begin of the slice's transaction -> its progress record, just before the commit
-    reset_reason: str = ""  # set on a deliberate new baseline (publish_reset)
+    reset_reason: str = ""  # set on a deliberate new baseline (publish_reset) or an accepted schema change
+    # The columns the slice was read with ([name, type] pairs) and their fingerprint: how the next run tells a
+    # column added, dropped or retyped since (on_schema_change). Empty on records of older versions.
+    columns: list[list[str]] = field(default_factory=list)
+    schema_fingerprint: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -526,6 +530,7 @@ class SlicePublisher:
         # After such an abort the slice is redone with a report per row, which names the row that failed.
         self._report_every_row = False
         self.last_phases: dict[str, float] = {}  # seconds per phase of the last transaction (see _transaction)
+        self._schema: tuple[list[list[str]], str] = ([], "")  # the columns of the slice being published
         # The open transaction: when it began (monotonic; None: none open) and rows produced into it so far.
         self._txn_began: float | None = None
         self._txn_rows = 0
@@ -561,8 +566,11 @@ class SlicePublisher:
         return read_committed_progress(self.kafka_conf, self.channel)
 
     def publish(self, slice_range: SliceRange,
-                batches: Callable[[], Iterable[MessageBatch | Sequence[OutgoingMessage]]]) -> PublishResult:
-        """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them."""
+                batches: Callable[[], Iterable[MessageBatch | Sequence[OutgoingMessage]]], *,
+                columns: list[list[str]] | None = None, schema_fingerprint: str = "") -> PublishResult:
+        """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them. `columns` and
+        `schema_fingerprint` (the columns the rows were read with) go into the slice's progress record."""
+        self._schema = (columns or [], schema_fingerprint)
         started = time.monotonic()
         if not self._initialized:
             self.init()
@@ -642,6 +650,21 @@ class SlicePublisher:
                                 checksum="", topic=ch.topic, transactional_id=ch.transactional_id,
                                 committed_at=datetime.now(UTC).isoformat(), reset_reason=reason)
         self.publish_progress_only(record, reset=True)
+        return record
+
+    def accept_schema(self, columns: list[list[str]], schema_fingerprint: str, reason: str) -> ProgressRecord:
+        """Record that a human accepted the table's current columns: the committed progress record again (same
+        range, rows and checksum), with the new columns and the reason. Progress does not move."""
+        if not reason.strip():
+            raise RelayError(f"{self.channel.table}: accepting a schema change needs a reason (kept in progress)")
+        if not self._initialized:
+            self.init()
+        committed = self._own_progress or self.committed_progress()
+        if committed is None:
+            raise RelayError(f"{self.channel.table}: nothing committed yet: there is no schema to accept a change to")
+        record = replace(committed, columns=columns, schema_fingerprint=schema_fingerprint,
+                         committed_at=datetime.now(UTC).isoformat(), reset_reason=f"schema accepted: {reason}")
+        self.publish_progress_only(record)
         return record
 
     def close(self) -> None:
@@ -807,6 +830,7 @@ class SlicePublisher:
             offsets={str(p): span for p, span in sorted(offsets.items())},
             transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
             transaction_s=round(time.monotonic() - self._txn_began, 3) if self._txn_began is not None else 0.0,
+            columns=self._schema[0], schema_fingerprint=self._schema[1],
         )
         self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None)
         self.on_stage("before_commit")

@@ -128,7 +128,8 @@ class KafkaIOManager(ConfigurableIOManager):
                             steps.setdefault("first_batch_s", time.monotonic() - t0)  # fencing + first read
                             yield batch
 
-                    result = publisher.publish(slice_range, batches)
+                    result = publisher.publish(slice_range, batches, columns=obj.columns,
+                                               schema_fingerprint=obj.schema_fingerprint)
                     if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
                         ahead.skip(frame)
                     steps["transaction_s"] = result.progress.transaction_s
@@ -166,6 +167,11 @@ class KafkaIOManager(ConfigurableIOManager):
                 metadata["timings_s"] = MetadataValue.json({k: round(v, 3) for k, v in timings[key].items()})
             if phase_times.get(key):
                 metadata["phases_s"] = MetadataValue.json({k: round(v, 3) for k, v in phase_times[key].items()})
+            if result.progress.schema_fingerprint:
+                metadata["schema_fingerprint"] = result.progress.schema_fingerprint
+                metadata["columns"] = MetadataValue.json(result.progress.columns)
+            if key in timings and obj.schema_change:  # published by this run, with columns that changed
+                metadata["schema_change"] = MetadataValue.text(obj.schema_change)
             context.step_context.add_asset_metadata(metadata, partition_key=key)
         context.add_output_metadata({"slices": len(obj.slices), "slices_published": len(obj.pending),
                                      "rows_published": sum(r.progress.rows for r, _ in records.values()

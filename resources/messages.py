@@ -309,3 +309,7 @@ class TableSlices:
     # Seconds per step of the run before publishing (launch -> worker, progress read, table check, Spark session):
     # reported with each slice's metadata, so a user sees where a run's time went.
     timings: dict[str, float] = field(default_factory=dict)
+    # The columns read ([name, type]), their fingerprint, and how they changed since the last committed slice.
+    columns: list[list[str]] = field(default_factory=list)
+    schema_fingerprint: str = ""
+    schema_change: str = ""

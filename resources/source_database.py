@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ class TableShape:
     name: str
     columns: tuple[ColumnInfo, ...]
     watermark: str
+    where: str | None = None  # the table's row filter (rowrelay.yaml `where:`), in the source's SQL
 
     @property
     def column_names(self) -> list[str]:
@@ -73,6 +76,44 @@ class TableShape:
 
     def column(self, name: str) -> ColumnInfo:
         return next(c for c in self.columns if c.name == name)
+
+    @property
+    def schema_columns(self) -> list[list[str]]:
+        """[name, type] of each column read, in order: what a slice's progress record keeps."""
+        return [[c.name, c.type_name] for c in self.columns]
+
+    @property
+    def fingerprint(self) -> str:
+        return schema_fingerprint(self.schema_columns)
+
+
+def schema_fingerprint(columns: list[list[str]]) -> str:
+    """A short, stable digest of the columns read ([name, type] pairs, in order)."""
+    return hashlib.sha256(json.dumps(columns, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SchemaChange:
+    """How the columns read differ from the last committed slice's."""
+
+    added: list[str]
+    dropped: list[str]
+    retyped: list[str]  # "name: OLD -> NEW"
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.dropped or self.retyped)
+
+    def describe(self) -> str:
+        parts = [f"{label} {', '.join(names)}" for label, names in
+                 (("added", self.added), ("dropped", self.dropped), ("retyped", self.retyped)) if names]
+        return "; ".join(parts)
+
+
+def schema_change(before: list[list[str]], after: list[list[str]]) -> SchemaChange:
+    """Columns added, dropped or retyped from `before` to `after` ([name, type] pairs)."""
+    old, new = dict((n, t) for n, t in before), dict((n, t) for n, t in after)
+    return SchemaChange(added=[n for n in new if n not in old], dropped=[n for n in old if n not in new],
+                        retyped=[f"{n}: {old[n]} -> {t}" for n, t in new.items() if n in old and old[n] != t])
 
 
 class SourceDatabaseResource(ConfigurableResource):
@@ -125,8 +166,8 @@ class SourceDatabaseResource(ConfigurableResource):
             raise SourceError(f"table {table!r} not found in {where}source {self.safe_description}; "
                               "check `table:` in rowrelay.yaml") from None
 
-    def table_shape(self, schema: str | None, table: str, watermark: str, columns: list[str] | None = None
-                    ) -> TableShape:
+    def table_shape(self, schema: str | None, table: str, watermark: str, columns: list[str] | None = None,
+                    where: str | None = None) -> TableShape:
         try:  # a URL parameter Spark's JDBC driver cannot honour fails the sensor tick, not only the run
             self.jdbc_options()
         except UrlParameterError as exc:
@@ -153,7 +194,10 @@ class SourceDatabaseResource(ConfigurableResource):
                                   "exactly; leave it out with `columns:` or cast it in a view")
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer)))
-        shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark)
+        shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
+                           where=where)
+        if where is not None:
+            self.check_where(shape, label)
         if getattr(wm_type, "unsigned", False) and isinstance(wm_type, sa.BigInteger):
             self.check_watermark_range(shape)  # one indexed max query, only for BIGINT UNSIGNED watermarks
         return shape
@@ -161,12 +205,29 @@ class SourceDatabaseResource(ConfigurableResource):
     def _table(self, shape: TableShape) -> sa.TableClause:
         return sa.table(shape.name, sa.column(shape.watermark), schema=shape.schema)
 
+    @staticmethod
+    def _filtered(q: sa.Select, shape: TableShape) -> sa.Select:
+        """Counts, cuts and reads see the same rows: the table's `where:` (its own SQL), as one predicate."""
+        return q.where(sa.text(f"({shape.where})")) if shape.where else q
+
+    def check_where(self, shape: TableShape, label: str) -> None:
+        """The filter must run on this source: a predicate that does not parse (or names a missing column) is a
+        clear error at the table check, before anything is cut or read."""
+        q = self._filtered(sa.select(sa.literal(1)).select_from(self._table(shape)), shape).limit(1)
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(q).first()
+        except sa.exc.DBAPIError as exc:
+            reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+            raise SourceError(f"{label}: `where: {shape.where}` does not run on source {self.safe_description}: "
+                              f"{reason}; fix the predicate in rowrelay.yaml (it is the source's SQL)") from None
+
     # -- watermark queries (each one indexed query) ------------------------------------------------
 
     def max_watermark(self, shape: TableShape, upto: int | None = None, after: int | None = None) -> int | None:
         t = self._table(shape)
         wm = t.c[shape.watermark]
-        q = sa.select(sa.func.max(wm)).select_from(t)
+        q = self._filtered(sa.select(sa.func.max(wm)).select_from(t), shape)
         if upto is not None:
             q = q.where(wm <= upto)
         if after is not None:
@@ -178,7 +239,8 @@ class SourceDatabaseResource(ConfigurableResource):
     def nth_watermark(self, shape: TableShape, after: int, n: int, upto: int) -> int | None:
         t = self._table(shape)
         wm = t.c[shape.watermark]
-        q = sa.select(wm).select_from(t).where(wm > after, wm <= upto).order_by(wm).limit(1).offset(n - 1)
+        q = self._filtered(sa.select(wm).select_from(t).where(wm > after, wm <= upto), shape
+                           ).order_by(wm).limit(1).offset(n - 1)
         with self.engine.connect() as conn:
             value = conn.execute(q).scalar()
         return None if value is None else int(value)
@@ -187,7 +249,8 @@ class SourceDatabaseResource(ConfigurableResource):
         t = self._table(shape)
         wm = t.c[shape.watermark]
         with self.engine.connect() as conn:
-            return int(conn.execute(sa.select(sa.func.count()).select_from(t).where(wm > after, wm <= upto)).scalar())
+            return int(conn.execute(self._filtered(sa.select(sa.func.count()).select_from(t)
+                                                   .where(wm > after, wm <= upto), shape)).scalar())
 
     def has_null_watermarks(self, shape: TableShape) -> bool:
         if not shape.column(shape.watermark).nullable:

@@ -134,6 +134,8 @@ class SparkResource(ConfigurableResource):
         qualified = preparer.quote(shape.name)
         if shape.schema:
             qualified = f"{preparer.quote_schema(shape.schema)}.{qualified}"
+        if shape.where:  # the same predicate the counts and cuts use, run by the source itself
+            qualified = f"(SELECT * FROM {qualified} WHERE ({shape.where})) rowrelay_where"
         options: dict[str, Any] = {**source.jdbc_options(), "dbtable": qualified, "fetchsize": str(self.fetchsize)}
         partitions = max(1, min(self.max_partitions, ceil(expected_rows / self.rows_per_partition)))
         if partitions > 1:

@@ -1,0 +1,106 @@
+"""Row filters (`where:`) and the schema drift policy (`on_schema_change`), on the real stack."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from resources.config import ConfigError, parse_config
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.test_errors import failure_text
+
+pytestmark = pytest.mark.integration
+
+
+def test_where_filter_publishes_exactly_the_matching_rows(services, pg_database, pg_engine, dagster_instance, spark,
+                                                          name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, status text, v int)"))
+        conn.execute(text(f"INSERT INTO {name} (status, v) SELECT CASE WHEN g % 3 = 0 THEN 'draft' ELSE 'final' END, g "
+                          "FROM generate_series(1, 900) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 200,
+         "where": "status <> 'draft'", "key": ["id"]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    keys = h.drain(table, until_hi=899)  # 900 is a draft: the last matching row is 899
+    wanted = [i for i in range(1, 901) if i % 3]
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), wanted)
+    # Slices are cut by matching rows (200 each), and each slice's record counts only those: the parity check too.
+    rows = [h.materialization(table, k)["rows"] for k in keys]
+    assert sum(rows) == len(wanted) and max(rows) == 200
+    assert h.progress(table).hi == 899
+
+
+def test_where_that_does_not_run_is_a_clear_error_and_publishes_nothing(services, pg_database, pg_engine,
+                                                                         dagster_instance, spark, name) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, status text)"))
+        conn.execute(text(f"INSERT INTO {name} (status) VALUES ('a'), ('b')"))
+    with pytest.raises(ConfigError, match=r"where.*one SQL predicate"):
+        parse_config({"sources": {"s": {"url": "postgresql://h/db"}}, "kafka": {"bootstrap_servers": "k:9092"},
+                      "tables": [{"source": "s", "table": "t", "watermark": "id", "where": "1=1; DROP TABLE t"}]})
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "where": "statuz = 'a'"}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    with pytest.raises(Exception, match=r"`where: statuz = 'a'` does not run on source") as err:
+        h.tick(table)
+    assert "statuz" in str(err.value) and name in str(err.value)
+    assert h.progress(table) is None
+    assert table.topic_name not in _topics(services) or read_topic(services.kafka_bootstrap, table.topic_name) == []
+
+
+def _topics(services) -> set[str]:
+    from confluent_kafka.admin import AdminClient
+
+    return set(AdminClient({"bootstrap.servers": services.kafka_bootstrap}).list_topics(timeout=10).topics)
+
+
+@pytest.mark.parametrize("policy", ["follow", "fail"])
+def test_column_added_mid_stream(services, pg_database, pg_engine, dagster_instance, spark, name, tmp_path,
+                                 monkeypatch, policy: str) -> None:
+    import yaml
+
+    from orchestration.cli import main
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, label text)"))
+        conn.execute(text(f"INSERT INTO {name} (label) SELECT 'r' || g FROM generate_series(1, 50) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "on_schema_change": policy}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    (first,) = h.drain(table)
+    meta = h.materialization(table, first)
+    assert meta["columns"] == [["id", "BIGINT"], ["label", "TEXT"]] and len(meta["schema_fingerprint"]) == 16
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {name} ADD COLUMN region text"))
+        conn.execute(text(f"INSERT INTO {name} (label, region) SELECT 'n' || g, 'eu' FROM generate_series(1, 10) g"))
+    (key,) = h.tick(table)
+    result = h.run(table, key, raise_on_error=False)
+    if policy == "follow":
+        assert result.success
+        msgs = read_topic(services.kafka_bootstrap, table.topic_name)
+        assert_exactly_once(msgs, list(range(1, 61)))
+        assert "region" not in msgs[49].value and msgs[50].value["region"] == "eu"  # new rows carry it
+        changed = h.materialization(table, key)
+        assert changed["schema_change"] == "added region"
+        assert changed["schema_fingerprint"] != meta["schema_fingerprint"]
+        return
+    # fail: the table stops, naming the column; nothing of the new slice is visible, progress unchanged.
+    assert not result.success
+    assert "added region" in failure_text(result) and "rowrelay schema accept" in failure_text(result)
+    assert h.progress(table).hi == 50
+    assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 50
+    # A human accepts the new columns; the same slice then publishes.
+    config_file = tmp_path / "rowrelay.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    monkeypatch.setenv("DAGSTER_HOME", dagster_instance.root_directory)
+    assert main(["--config", str(config_file), "schema", "accept", "--table", table.table_id,
+                 "--reason", "region is expected"]) == 0
+    assert h.progress(table).hi == 50  # accepting does not move progress
+    assert h.run(table, key).success
+    msgs = read_topic(services.kafka_bootstrap, table.topic_name)
+    assert_exactly_once(msgs, list(range(1, 61)))
+    assert msgs[-1].value["region"] == "eu"
