@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launchers", nargs="+", choices=sorted(LAUNCHERS), default=["warm"],
                         help="run launchers to measure freshness and run overhead with (the first gives the "
                              "unsuffixed keys)")
-    parts = ["raw", "ceiling", "rowrelay", "dpone", "debezium", "idle", "freshness", "memory"]
+    parts = ["raw", "ceiling", "rowrelay", "dpone", "debezium", "idle", "scale", "freshness", "memory"]
     parser.add_argument("--only", choices=parts, nargs="*")
     args = parser.parse_args(argv)
     only = set(args.only or parts)
@@ -522,6 +522,16 @@ def main(argv: list[str] | None = None) -> int:
         results["idle_tick_ms"] = round(idle_tick_ms(stack, config, dagster_env(stack, config)), 1)
         log(f"idle sensor tick: {results['idle_tick_ms']} ms")
 
+    if "scale" in only:
+        from bench.scale import idle_tick_large_history_ms, sensor_lag_100_tables_s
+
+        log("idle tick with 300k committed slices of history (seeded straight into Kafka and the instance)")
+        results["idle_tick_large_history_ms"] = round(idle_tick_large_history_ms(stack, workdir), 1)
+        log(f"idle tick, large history: {results['idle_tick_large_history_ms']} ms")
+        log("100 tables under one daemon: the worst gap between a sensor's ticks (4 min)")
+        results["sensor_lag_100_tables_s"] = round(sensor_lag_100_tables_s(stack, workdir), 1)
+        log(f"100 tables: worst tick gap {results['sensor_lag_100_tables_s']} s (interval 5 s)")
+
     if "freshness" in only:
         # Each launcher relays its own live table through the daemon: freshness and what one run costs.
         for launcher in args.launchers:
@@ -564,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             results[ratio] = round(mine / results[peer], 2)
     for key in ("raw_rows_per_s", "rowrelay_rows_per_s", "dpone_rows_per_s", "ratio_vs_raw", "ratio_vs_dpone",
                 "debezium_rows_per_s", "spark_ceiling_rows_per_s", "ratio_vs_debezium", "ratio_vs_spark_ceiling",
-                "rowrelay_100k_slices_rows_per_s",
+                "rowrelay_100k_slices_rows_per_s", "idle_tick_large_history_ms", "sensor_lag_100_tables_s",
                 "idle_tick_ms", "freshness_p50_s", "freshness_p95_s", "run_start_s", "run_overhead_s",
                 "peak_rss_mib", "peak_rss_rows"):
         results.setdefault(key, None)
@@ -588,6 +598,8 @@ def print_table(r: dict[str, Any]) -> None:
              ("rowrelay / Debezium", r["ratio_vs_debezium"]), ("rowrelay / Spark ceiling", r["ratio_vs_spark_ceiling"]),
              ("rowrelay 100k slices / 1M slice", r.get("rowrelay_100k_vs_1m_slice")),
              ("idle sensor tick, ms", r["idle_tick_ms"]),
+             ("idle sensor tick with 300k slices of history, ms", r.get("idle_tick_large_history_ms")),
+             ("100 tables: worst gap between a sensor's ticks, s", r.get("sensor_lag_100_tables_s")),
              ("freshness p50 / p95, s (warm Spark)",
               f"{fmt(r['freshness_p50_s'])} / {fmt(r['freshness_p95_s'])}"),
              ("run start / to first message, s (median)",
