@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from dagster._serdes import serialize_value
@@ -57,3 +58,77 @@ def test_passwords_never_reach_dagster_storage_or_errors(services, pg_database, 
     assert "already_committed" in blob and "nope" in blob, "the collected texts must include metadata and errors"
     assert secret not in blob
     assert "sasl-" + secret not in blob
+
+
+def _dagster_texts(h: Harness, run_ids: list[str]) -> list[str]:
+    """Everything Dagster holds about these runs: run config, tags, event logs (errors, materialization metadata),
+    the materializations as the asset catalog lists them, and the resources' config."""
+    from assets.relay import asset_key
+
+    texts = []
+    for run_id in run_ids:
+        run = h.instance.get_run_by_id(run_id)
+        assert run is not None
+        texts.append(json.dumps(run.run_config, default=str))
+        texts.append(json.dumps(dict(run.tags)))
+        texts.append(serialize_value(run))
+        texts += [serialize_value(record) for record in h.instance.all_logs(run_id)]
+    for table in h.config.tables:
+        texts += [serialize_value(r) for r in h.instance.fetch_materializations(asset_key(table), limit=1000).records]
+    texts += [r.model_dump_json() if hasattr(r, "model_dump_json") else repr(r) for r in h.defs.resources.values()]
+    return texts
+
+
+def test_sasl_password_never_reaches_dagster_storage_logs_or_errors(services, pg_database, pg_engine,
+                                                                    dagster_instance, spark, name, monkeypatch,
+                                                                    capfd) -> None:
+    """A relay through the stack's SASL_SSL listener, then one with a wrong password: neither the password nor
+    the wrong one shows in what Dagster stores, in the errors, or in the process's own output."""
+    from stack.local import load_env_file
+    from tests.test_errors import failure_text
+    from tests.test_sasl import SaslHarness, sasl_kafka
+
+    if os.environ.get("ROWRELAY_TEST_CONTAINERS") == "1":
+        pytest.skip("the SASL_SSL listener is set up by the local stack only")
+    env = load_env_file()
+    assert "ROWRELAY_KAFKA_SASL_PASSWORD" in env, "stack.env lacks the SASL listener: run `python -m stack up`"
+    secret, wrong = env["ROWRELAY_KAFKA_SASL_PASSWORD"], "wrong-" + env["ROWRELAY_KAFKA_SASL_PASSWORD"][::-1]
+    for var, key in (("RR_SASL_BOOTSTRAP", "ROWRELAY_KAFKA_SASL_BOOTSTRAP"),
+                     ("RR_SASL_USER", "ROWRELAY_KAFKA_SASL_USER"), ("RR_SASL_PASSWORD", "ROWRELAY_KAFKA_SASL_PASSWORD"),
+                     ("RR_KAFKA_CA", "ROWRELAY_KAFKA_CA")):
+        monkeypatch.setenv(var, env[key])  # the secrets exist only in the environment
+    monkeypatch.setenv("RR_TEST_PG_PASSWORD", services.pg_password)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b'), ('c')"))
+    url = (f"postgresql://{pg_database.username}:${{RR_TEST_PG_PASSWORD}}@{pg_database.host}:{pg_database.port}"
+           f"/{pg_database.database}")
+    cfg = parse_config({"sources": {"src": {"url": url}},
+                        "tables": [{"source": "src", "table": f"public.{name}", "watermark": "id"}],
+                        "kafka": sasl_kafka(), "spark": {"master": "local[2]"}})
+    h = SaslHarness(cfg, dagster_instance, plain_bootstrap=services.kafka_bootstrap)
+    table = h.table()
+    keys = h.drain(table, until_hi=3)
+    assert h.materialization(table, keys[-1]), "a materialization with metadata was recorded over SASL_SSL"
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('d')"))
+    monkeypatch.setenv("RR_SASL_PASSWORD", wrong)
+    bad = SaslHarness(cfg, dagster_instance, plain_bootstrap=services.kafka_bootstrap)
+    with pytest.raises(Exception) as tick_error:
+        bad.tick(table)
+    key = "000000000003-000000000004"
+    bad.instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [key])
+    failed = bad.run(table, key, raise_on_error=False)
+    assert not failed.success
+
+    run_ids = [failed.run_id] + [r.run_id for r in h.instance.get_runs() if r.tags.get("dagster/partition") in keys]
+    texts = [str(tick_error.value), repr(tick_error.value), failure_text(failed), *_dagster_texts(h, run_ids)]
+    out, err = capfd.readouterr()  # the console: Dagster's log lines, librdkafka's own log lines
+    texts += [out, err]
+    blob = "\n".join(texts)
+    assert "already_committed" in blob and "SASL_SSL" in blob, "the texts must include metadata and the kafka config"
+    assert "${RR_SASL_PASSWORD}" in blob, "Dagster holds the template"
+    assert failure_text(failed) in blob
+    for shown in (secret, wrong, services.pg_password):
+        assert shown not in blob
