@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import shutil
 import sys
 import threading
 import time
@@ -259,14 +261,22 @@ class BackfillProgress:
         self._thread = threading.Thread(target=self._watch, name="rowrelay-backfill-progress", daemon=True)
         self._bar: Any = None
         self._task: Any = None
+        self._term: Any = None
 
     def __enter__(self) -> BackfillProgress:
         if self.tty:
+            from rich.console import Console
             from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
+            # Runs execute in this process, and Dagster's compute-log capture points fds 1 and 2 at the run's log
+            # files while a step runs: rich would see no terminal and stop drawing. Draw on a duplicate of the
+            # terminal's fd, taken now.
+            self._term = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+            console = Console(file=self._term, width=shutil.get_terminal_size().columns)
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                                  TextColumn("{task.fields[slices]} slices"), TextColumn("{task.fields[rows]} rows"),
-                                 TextColumn("{task.fields[rate]} rows/s"), TextColumn("ETA"), TimeRemainingColumn())
+                                 TextColumn("{task.fields[rate]} rows/s"), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=console)
             self._bar.start()
             self._task = self._bar.add_task(self.table_id, total=self.total_rows, **self._fields())
         self._thread.start()
@@ -278,6 +288,7 @@ class BackfillProgress:
         self._advance()  # the last slices, committed since the previous poll
         if self._bar is not None:
             self._bar.stop()
+            self._term.close()
 
     def _fields(self) -> dict[str, str]:
         done = sum(1 for s in self.slices if s.hi <= self.seen_hi)
@@ -291,13 +302,18 @@ class BackfillProgress:
 
     def _advance(self) -> None:
         from resources.exactly_once import read_progress_history
+        from resources.history import ProgressTail, records_in_range
+        from resources.slices import SliceRange
 
-        progress = read_committed_progress(self.kafka, self.channel, timeout=10)
+        # One long-lived reader, re-read only when the topic moved: polling costs the backfill next to nothing.
+        progress = ProgressTail.for_channel(self.kafka, self.channel).read(timeout=10)
         if progress is None or progress.hi <= self.seen_hi:
             return
-        # Only on a change: the history gives each new slice's own row count.
-        new = [r for r in read_progress_history(self.kafka, self.channel, timeout=10)
-               if r.hi > r.lo and self.seen_hi < r.hi <= progress.hi]
+        # Only on a change: the new slices' own row counts, found by search (not a read of all history).
+        new = records_in_range(self.kafka, self.channel, SliceRange(self.seen_hi, progress.hi), timeout=10)
+        if not new:  # not tiled by slices (a reset in between): read the history
+            new = [r for r in read_progress_history(self.kafka, self.channel, timeout=10)
+                   if r.hi > r.lo and self.seen_hi < r.hi <= progress.hi]
         self.seen_hi = progress.hi
         self.rows += sum(r.rows for r in {r.slice: r for r in new}.values())
         fields = self._fields()
@@ -583,14 +599,53 @@ def cmd_history(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schema(config: RelayConfig, args: argparse.Namespace) -> int:
+    """`schema accept`: a human accepts the table's current columns after a change stopped it (on_schema_change:
+    fail). Recorded in Kafka's progress (the same committed range, the new columns, the reason); progress does not
+    move, and the sensor's next retry of the waiting slice publishes with the new columns."""
+    from assets.relay import channel_for, table_shape
+    from resources.exactly_once import RelayError, SlicePublisher
+    from resources.source_database import SourceDatabaseResource, SourceError, schema_change
+
+    (table,) = _tables(config, args.table)
+    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    try:
+        shape = table_shape(source, table)
+    except SourceError as exc:
+        print(f"rowrelay: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        source.dispose()
+    channel = channel_for(table, config.kafka.transactional_id_prefix)
+    publisher = SlicePublisher(channel, kafka_conf(config))
+    try:
+        committed = publisher.committed_progress()
+        before = committed.columns if committed else []
+        record = publisher.accept_schema(shape.schema_columns, shape.fingerprint, args.reason)
+    except RelayError as exc:
+        print(f"rowrelay: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        publisher.close()
+    change = schema_change(before, shape.schema_columns).describe() or "no change"
+    print(f"{table.table_id}: columns accepted ({change}); fingerprint {record.schema_fingerprint}; progress stays "
+          f"at {record.hi}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("verify", "status", "pools", "backfill", "reset", "replay", "history"):
+    for name in ("verify", "status", "pools", "backfill", "reset", "replay", "history", "schema"):
         p = sub.add_parser(name)
-        if name == "history":
+        if name == "schema":
+            p.add_argument("action", choices=["accept"], help="accept: record the table's current columns after a "
+                           "change stopped it (on_schema_change: fail)")
+            p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
+            p.add_argument("--reason", required=True, help="why the change is fine (kept in the progress record)")
+        elif name == "history":
             p.add_argument("action", choices=["compact"], help="compact: roll up old committed slices now")
             p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
             p.add_argument("--full", action="store_true", help="read the whole progress topic (first compaction "
@@ -621,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         commands = {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools, "backfill": cmd_backfill,
-                    "reset": cmd_reset, "replay": cmd_replay, "history": cmd_history}
+                    "reset": cmd_reset, "replay": cmd_replay, "history": cmd_history, "schema": cmd_schema}
         return commands[args.cmd](config, args)
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)

@@ -139,12 +139,9 @@ def _env(dagster_home: Path) -> dict[str, str]:
     return env
 
 
-# Known defect, reported to the owner of orchestration/cli.py: while a run executes in process, Dagster's compute
-# log capture points file descriptors 1 and 2 at the run's log files, so rich sees no terminal and stops drawing;
-# a one-run backfill jumps from 0 % to 100 % at the end. Fix: give the bar a rich Console on a duplicate of the
-# terminal's descriptor taken before the runs. strict: once fixed this passes and the marker must go.
-@pytest.mark.xfail(raises=BarFrozen, strict=True, reason="bar frozen during in-process runs (Dagster compute-log "
-                   "capture redirects fds 1/2); fix pending in orchestration/cli.py BackfillProgress")
+# While a run executes in process, Dagster's compute-log capture points fds 1 and 2 at the run's log files; the bar
+# draws on a duplicate of the terminal's descriptor (orchestration/cli.py BackfillProgress). Before that fix a
+# one-run backfill's bar jumped from 0 % to 100 % at the end, and this test failed with BarFrozen.
 def test_backfill_of_a_million_rows_draws_a_live_bar_on_a_terminal(
         services, pg_database, pg_engine, dagster_home, dagster_instance, name, tmp_path) -> None:
     load_bench_table(pg_engine, name, ROWS)
