@@ -31,8 +31,8 @@ from resources.exactly_once import (
     SliceOutOfOrder,
     TableChannel,
     read_committed_progress,
-    read_progress_history,
 )
+from resources.history import records_in_range
 from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange
@@ -332,15 +332,22 @@ def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_co
                     instance: "DagsterInstance", slice_keys: list[str] | None,
                     transactional_id_prefix: str = "rowrelay") -> AssetCheckResult:
     """slice_parity of the given slices (a run's), or of the last committed slice (the check run on its own)."""
-    history = read_progress_history(kafka_conf, channel_for(table, transactional_id_prefix),
-                                    timeout=CHECK_KAFKA_TIMEOUT_S)
-    by_range = {(r.lo, r.hi): r for r in history if r.hi > r.lo}  # the newest record of a slice wins
-    if slice_keys is not None:
+    channel = channel_for(table, transactional_id_prefix)
+    if slice_keys:
+        # The run's slices are one span of the chain: one search over the progress topic finds their records
+        # (a long-lived table has hundreds of thousands; reading them all cost seconds per run).
         wanted = [SliceRange.from_key(k) for k in slice_keys]
+        span = SliceRange(min(s.lo for s in wanted), max(s.hi for s in wanted))
+        tiles = records_in_range(kafka_conf, channel, span, timeout=CHECK_KAFKA_TIMEOUT_S)
+        if not tiles:  # not all of them committed (the run failed part way): the committed ones, one by one
+            tiles = [t for s in wanted for t in records_in_range(kafka_conf, channel, s, timeout=CHECK_KAFKA_TIMEOUT_S)]
+        by_range = {(r.lo, r.hi): r for r in tiles}
         records = [by_range[(s.lo, s.hi)] for s in wanted if (s.lo, s.hi) in by_range]
+    elif slice_keys is None:
+        last = read_committed_progress(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
+        records = [last] if last is not None and last.hi > last.lo else []
     else:
-        records = [r for r in history if r.hi > r.lo][-1:]
-        records = [by_range[(r.lo, r.hi)] for r in records]
+        records = []
     checksums: dict[str, str] = {}
     if records:
         events = instance.fetch_materializations(

@@ -435,10 +435,13 @@ def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, t
 
 def find_slice_progress(kafka_conf: dict[str, Any], channel: TableChannel, slice_range: SliceRange
                         ) -> ProgressRecord | None:
-    for record in reversed(read_progress_history(kafka_conf, channel)):
-        if record.lo == slice_range.lo and record.hi == slice_range.hi:
-            return record
-    return None
+    """The progress record of exactly this slice (its newest), found by a search over the progress topic rather
+    than a read of all history (a long-lived table has hundreds of thousands of records)."""
+    # resources/history.py builds on this module; imported here to keep the dependency one way at import time.
+    from resources.history import records_in_range
+
+    tiles = records_in_range(kafka_conf, channel, slice_range)
+    return tiles[0] if len(tiles) == 1 and (tiles[0].lo, tiles[0].hi) == (slice_range.lo, slice_range.hi) else None
 
 
 def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float = 30.0

@@ -21,7 +21,6 @@ from resources.exactly_once import (
     SlicePublisher,
     TableChannel,
     TransactionTimedOut,
-    find_slice_progress,
     read_progress_history,
     read_published_messages,
 )
@@ -237,10 +236,8 @@ class KafkaIOManager(ConfigurableIOManager):
         rows: list[dict[str, Any]] = []
         conf = self.kafka_conf()
         for key in keys:
-            rng = SliceRange.from_key(key)
-            record: ProgressRecord | None = find_slice_progress(conf, channel, rng)
-            # A roll-up key spans several committed slices: read each of them, in order.
-            tiles = [record] if record is not None else records_in_range(conf, channel, rng)
+            # A slice's own record, or for a roll-up key the records of the slices it spans, in order.
+            tiles = records_in_range(conf, channel, SliceRange.from_key(key))
             if not tiles:
                 raise Failure(f"{channel.table}: slice {key} has not been published (no progress record)")
             for tile in tiles:
