@@ -63,13 +63,16 @@ class Ports:
     @classmethod
     def from_env(cls) -> Ports:
         # Defaults sit away from the services' usual ports so a system PostgreSQL/MySQL/Kafka can coexist.
+        kafka = int(os.environ.get("ROWRELAY_KAFKA_PORT", 19092))
         return cls(
-            kafka=int(os.environ.get("ROWRELAY_KAFKA_PORT", 19092)),
+            kafka=kafka,
             kafka_controller=int(os.environ.get("ROWRELAY_KAFKA_CONTROLLER_PORT", 19093)),
             postgres=int(os.environ.get("ROWRELAY_PG_PORT", 15432)),
             mariadb=int(os.environ.get("ROWRELAY_MARIADB_PORT", 13306)),
             spark_connect=int(os.environ.get("ROWRELAY_SPARK_CONNECT_PORT", 15102)),
-            kafka_sasl=int(os.environ.get("ROWRELAY_KAFKA_SASL_PORT", 19094)),
+            # Next to the broker's own port (19094 by default): a second stack that moves ROWRELAY_KAFKA_PORT
+            # moves its SASL_SSL listener along instead of colliding with the first one's.
+            kafka_sasl=int(os.environ.get("ROWRELAY_KAFKA_SASL_PORT", kafka + 2)),
         )
 
 
