@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import signal
 import time
@@ -39,6 +40,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from resources.slices import SliceRange
+
+_log = logging.getLogger(__name__)
 
 
 class RelayError(Exception):
@@ -69,6 +72,10 @@ class KafkaUnavailable(RelayError):
 
 class ProducerSettingsError(RelayError):
     """The producer settings (kafka.producer) cannot work; a retry fails the same way until they are changed."""
+
+
+class KafkaAuthenticationError(ProducerSettingsError):
+    """The broker refused the client's login (SASL credentials, mechanism, TLS settings): not transient."""
 
 
 class TransactionTimedOut(RelayError):
@@ -278,11 +285,44 @@ class _AbortAndRedo(Exception):
     """Internal: the transaction must be aborted and the slice sent again."""
 
 
+# The last refused login per bootstrap address. librdkafka reports a failed SASL/TLS login only to error_cb
+# (served by poll()); the call that needed the broker just times out as "Broker transport failure".
+_auth_failures: dict[str, str] = {}
+
+
+def _error_cb(bootstrap: str) -> Callable[[KafkaError], None]:
+    def note(err: KafkaError) -> None:
+        if err.code() == KafkaError._AUTHENTICATION:
+            _auth_failures[bootstrap] = err.str()
+        else:  # with an error_cb set librdkafka no longer logs its errors itself
+            _log.warning("kafka client at %s: %s", bootstrap, err.str())
+    return note
+
+
+def with_error_cb(conf: dict[str, Any]) -> dict[str, Any]:
+    """A client's settings plus the error_cb `unreachable` reads (unless the caller set its own)."""
+    return {"error_cb": _error_cb(str(conf.get("bootstrap.servers"))), **conf}
+
+
+def unreachable(client: Any, kafka_conf: dict[str, Any], what: str) -> RelayError:
+    """The error for a broker call that failed: a refused login names authentication (never the password: the
+    message is librdkafka's); anything else is KafkaUnavailable (transient)."""
+    bootstrap = str(kafka_conf.get("bootstrap.servers"))
+    with contextlib.suppress(Exception):
+        client.poll(0)  # serve error_cb
+    refused = _auth_failures.pop(bootstrap, None)
+    if refused is not None:
+        return KafkaAuthenticationError(
+            f"Kafka at {bootstrap} refused the login: {refused}. Check kafka.producer security.protocol, "
+            "sasl.mechanism, sasl.username, sasl.password and ssl.ca.location")
+    return KafkaUnavailable(f"cannot reach Kafka at {bootstrap}: {what}")
+
+
 def base_conf(kafka_conf: dict[str, Any]) -> dict[str, Any]:
     """Client settings shared by producer, consumer and admin (bootstrap, security); producer-only keys dropped."""
     shared_prefixes = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.",
                        "metadata.", "reconnect.", "log_level", "debug")
-    return {k: v for k, v in kafka_conf.items() if k.startswith(shared_prefixes)}
+    return with_error_cb({k: v for k, v in kafka_conf.items() if k.startswith(shared_prefixes)})
 
 
 def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> int:
@@ -291,7 +331,7 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
     try:
         existing = admin.list_topics(timeout=timeout).topics
     except KafkaException as exc:
-        raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')}: {exc}") from exc
+        raise unreachable(admin, kafka_conf, exc.args[0].str()) from exc
     if channel.topic in existing and existing[channel.topic].partitions:
         partitions = len(existing[channel.topic].partitions)
     else:
@@ -387,7 +427,7 @@ def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_co
         try:
             md = consumer.list_topics(tp.topic, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
         except KafkaException as exc:
-            raise KafkaUnavailable(f"cannot reach Kafka at {bootstrap}: {exc.args[0].str()}") from exc
+            raise unreachable(consumer, kafka_conf, exc.args[0].str()) from exc
         topic = md.topics.get(tp.topic)
         if topic is None or (topic.error is not None and topic.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
             return 0, 0
@@ -520,7 +560,7 @@ class SlicePublisher:
         }
         self.max_message_bytes = int(producer_conf.get("message.max.bytes", 1_000_000))
         try:
-            self.producer = Producer(producer_conf)
+            self.producer = Producer(with_error_cb(producer_conf))
         except KafkaException as exc:  # e.g. message.timeout.ms over transaction.timeout.ms
             raise ProducerSettingsError(f"kafka.producer: {exc.args[0].str().strip()}") from exc
         self._initialized = False
@@ -553,6 +593,9 @@ class SlicePublisher:
             if err.code() == KafkaError.INVALID_TRANSACTION_TIMEOUT:  # the broker's maximum was not readable
                 raise ProducerSettingsError(self._timeout_over_max(broker_max)) from exc
             if err.retriable() or err.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
+                failure = unreachable(self.producer, self.kafka_conf, err.str())
+                if isinstance(failure, KafkaAuthenticationError):
+                    raise failure from exc
                 raise KafkaUnavailable(f"init_transactions for {self.channel.transactional_id}: {err.str()}") from exc
             raise RelayError(f"init_transactions for {self.channel.transactional_id}: {_fatal_message(err)}") from exc
         self._initialized = True

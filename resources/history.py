@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from resources.exactly_once import ProgressRecord, TableChannel, base_conf
+from resources.exactly_once import ProgressRecord, TableChannel, base_conf, unreachable
 from resources.slices import SliceRange
 
 HOUR_S = 3600.0
@@ -145,8 +145,12 @@ def _reader(kafka_conf: dict[str, Any]) -> Consumer:
                      "enable.partition.eof": False, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 10})
 
 
-def _bounds(consumer: Consumer, tp: TopicPartition, timeout: float) -> tuple[int, int]:
-    md = consumer.list_topics(tp.topic, timeout=timeout)
+def _bounds(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_conf: dict[str, Any]
+            ) -> tuple[int, int]:
+    try:
+        md = consumer.list_topics(tp.topic, timeout=timeout)
+    except KafkaException as exc:
+        raise unreachable(consumer, kafka_conf, exc.args[0].str()) from exc
     topic = md.topics.get(tp.topic)
     if topic is None or topic.error is not None or tp.partition not in topic.partitions:
         return 0, 0
@@ -185,7 +189,7 @@ def read_records(kafka_conf: dict[str, Any], channel: TableChannel, *, since_ms:
     consumer = _reader(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
-        low, high = _bounds(consumer, tp, timeout)
+        low, high = _bounds(consumer, tp, timeout, kafka_conf)
         start = low
         if since_ms is not None and high > low:
             found = consumer.offsets_for_times([TopicPartition(tp.topic, 0, since_ms)], timeout=timeout)[0].offset
@@ -210,7 +214,7 @@ def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Sli
     consumer = _reader(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
-        low, high = _bounds(consumer, tp, timeout)
+        low, high = _bounds(consumer, tp, timeout, kafka_conf)
         lo_off, hi_off = low, high
         while lo_off < hi_off:  # first offset whose record ends above rng.lo
             mid = (lo_off + hi_off) // 2
@@ -281,7 +285,7 @@ class ProgressTail:
         if self.consumer is None:
             self.consumer = _reader(self.kafka_conf)
         if self.seen is None:  # first read (or after an error): the topic may not exist yet
-            low, high = _bounds(self.consumer, self.tp, timeout)
+            low, high = _bounds(self.consumer, self.tp, timeout, self.kafka_conf)
             if (low, high) == (0, 0):
                 return None  # no topic or empty: asked again next time (metadata each time until it exists)
         else:

@@ -143,11 +143,8 @@ def test_wrong_sasl_password_fails_clearly_and_publishes_nothing(services, pg_da
     assert progress is not None and progress.hi == 3
 
     # The errors must say why: librdkafka reports the refused SASL login only to error_cb (served by poll()); a
-    # metadata call just times out as "Broker transport failure". Until resources/ collects that error (see the
-    # issue 14 SASL report), this part is an expected failure; it passes by itself once they do.
+    # metadata call alone just times out as "Broker transport failure" (what both errors said before the fix).
     unnamed = [where for where, shown in (("sensor tick", tick_text), ("run", run_text))
                if "authentication" not in shown.lower()]
-    if unnamed:
-        run_cause = next((line for line in run_text.splitlines() if "Kafka" in line), run_text[:200])
-        pytest.xfail(f"the {' and the '.join(unnamed)} error(s) do not name authentication: {tick_text!r} / "
-                     f"{run_cause!r}")
+    assert not unnamed, f"the {' and the '.join(unnamed)} error(s) do not name authentication: {tick_text!r} / " \
+                        f"{run_text[:400]!r}"

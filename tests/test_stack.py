@@ -152,6 +152,7 @@ def test_taken_port_gives_clear_error_not_hang(tmp_path: Path) -> None:
         taken = blocker.getsockname()[1]
         started = time.monotonic()
         ports = {"ROWRELAY_KAFKA_PORT": _free_port(), "ROWRELAY_KAFKA_CONTROLLER_PORT": _free_port(),
+                 "ROWRELAY_KAFKA_SASL_PORT": _free_port(),
                  "ROWRELAY_PG_PORT": taken, "ROWRELAY_MARIADB_PORT": _free_port(),
                  "ROWRELAY_SPARK_CONNECT_PORT": _free_port()}
         res = _stack(tmp_path / "home", ports, "up", timeout=60)
@@ -165,6 +166,7 @@ def test_second_stack_up_twice_then_down(tmp_path: Path) -> None:
     """A private stack on other ports: `up` is idempotent, `status` sees it, `down` leaves no process."""
     home = tmp_path / "home"
     ports = {"ROWRELAY_KAFKA_PORT": _free_port(), "ROWRELAY_KAFKA_CONTROLLER_PORT": _free_port(),
+             "ROWRELAY_KAFKA_SASL_PORT": _free_port(),
              "ROWRELAY_PG_PORT": _free_port(), "ROWRELAY_MARIADB_PORT": _free_port(),
              "ROWRELAY_SPARK_CONNECT_PORT": _free_port()}
     try:
