@@ -148,40 +148,11 @@ def test_replay_republishes_a_committed_range_once_and_refuses_bad_input(
 
 
 def _run_in_pty(argv: list[str], env: dict[str, str], timeout: float = 300.0) -> tuple[int, str]:
-    """Run a command with stdout and stderr on a pseudo-terminal (160 columns); return its code and output."""
-    import fcntl
-    import os
-    import pty
-    import select
-    import struct
-    import subprocess
-    import termios
+    """Run a command on a pseudo-terminal (tests/test_backfill_bar.py `run_in_pty`); return its code and output."""
+    from tests.test_backfill_bar import run_in_pty
 
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
-    os.close(slave)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if ready:
-                try:
-                    data = os.read(master, 65536)
-                except OSError:  # EIO: the child closed the terminal
-                    break
-                if not data:
-                    break
-                chunks.append(data)
-            elif proc.poll() is not None:
-                break
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
-    return code, b"".join(chunks).decode(errors="replace")
+    code, chunks, _ = run_in_pty(argv, env, timeout)
+    return code, b"".join(data for _, data in chunks).decode(errors="replace")
 
 
 def test_backfill_shows_a_live_progress_bar_on_a_terminal(services, pg_database, pg_engine, dagster_home,
