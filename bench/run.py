@@ -411,14 +411,19 @@ def measure_freshness(stack: Stack, workdir: Path, samples: int, warm_spark: boo
             time.sleep(0.5)
     finally:
         consumer.close()
-        os.killpg(daemon.pid, 15)
-        try:
-            daemon.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, 9)
-            daemon.wait()
+        stop_process_group(daemon)
         daemon_log.close()
     return results
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """SIGTERM a daemon started with start_new_session (it, its code server and run workers), SIGKILL after 60 s."""
+    os.killpg(proc.pid, 15)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
 
 
 def percentile(values: list[float], q: float) -> float:

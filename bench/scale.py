@@ -179,7 +179,7 @@ def sensor_lag_100_tables_s(stack: Any, workdir: Path, tables: int = 100, run_s:
 
     from dagster import DagsterInstance
 
-    from bench.run import BENCH_DB, dagster_env, ensure_database, write_config
+    from bench.run import BENCH_DB, dagster_env, ensure_database, stop_process_group, write_config
 
     ensure_database(stack, BENCH_DB)
     tag = uuid.uuid4().hex[:6]
@@ -208,12 +208,7 @@ def sensor_lag_100_tables_s(stack: Any, workdir: Path, tables: int = 100, run_s:
         since = time.time()
         time.sleep(run_s)
     finally:
-        os.killpg(daemon.pid, 15)
-        try:
-            daemon.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, 9)
-            daemon.wait()
+        stop_process_group(daemon)
         log_file.close()
     with _environ(env), DagsterInstance.get() as instance:
         from resources.config import load_config
