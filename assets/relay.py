@@ -74,13 +74,14 @@ def partitions_for(table: TableConfig) -> DynamicPartitionsDefinition:
 
 
 def channel_for(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> TableChannel:
-    start = table.start_after if isinstance(table.start_after, int) else 0
+    start = table.start_after_watermark or 0
     return TableChannel.for_table(table.table_id, table.topic_name, start_after=start,
                                   topic_partitions=table.topic_partitions, prefix=transactional_id_prefix)
 
 
 def table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:
-    return source.table_shape(table.schema_name, table.table_name, table.watermark, table.columns, table.where)
+    return source.table_shape(table.schema_name, table.table_name, table.watermark, table.columns, table.where,
+                              table.tie_break)
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,11 @@ class TableLag:
         return asdict(self)
 
 
-def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, after: int) -> float | None:
-    """Seconds since the oldest row above `after` was written, on the database's clock (None: no such row)."""
-    column = table.lag_timestamp_column
-    assert column is not None
+def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, shape: TableShape, after: int
+                            ) -> float | None:
+    """Seconds since the oldest row above `after` was written, on the database's clock (None: no such row); from
+    `lag_timestamp_column`, else from a timestamp watermark itself."""
+    column = table.lag_timestamp_column or shape.watermark
     t = source.reflect(table.schema_name, table.table_name)
     if column not in t.c:
         raise SourceError(f"{table.table_id}: lag_timestamp_column {column!r} does not exist "
@@ -114,7 +116,8 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
     # "now" cast to the column's own type: naive columns compare in the session's time zone, aware ones in UTC.
     now = sa.cast(sa.func.current_timestamp(), ts.type)
     with source.engine.connect() as conn:
-        oldest, current = conn.execute(sa.select(sa.func.min(ts), now).where(t.c[table.watermark] > after)).one()
+        oldest, current = conn.execute(sa.select(sa.func.min(ts), now)
+                                       .where(t.c[table.watermark] > shape.watermark_param(after))).one()
     if oldest is None:
         return None
     return max(0.0, (current - oldest).total_seconds())
@@ -132,8 +135,8 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     seconds: float | None
     if rows == 0:
         seconds, basis = 0.0, "caught_up"
-    elif table.lag_timestamp_column:
-        seconds, basis = _oldest_unpublished_age(source, table, hi), "oldest_unpublished_row"
+    elif table.lag_timestamp_column or shape.timestamps:
+        seconds, basis = _oldest_unpublished_age(source, table, shape, hi), "oldest_unpublished_row"
     elif last is not None:
         seconds = max(0.0, (datetime.now(UTC) - datetime.fromisoformat(last)).total_seconds())
         basis = "since_last_commit"
@@ -197,7 +200,7 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
             if table.skip_watermarks:
                 from pyspark.sql import functions as F
 
-                frame = frame.where(~F.col(f"`{shape.watermark}`").isin(table.skip_watermarks))
+                frame = frame.where(~F.col(f"`{shape.frame_watermark}`").isin(table.skip_watermarks))
             return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key)
 
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
@@ -337,7 +340,7 @@ def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_co
         # The run's slices are one span of the chain: one search over the progress topic finds their records
         # (a long-lived table has hundreds of thousands; reading them all cost seconds per run).
         wanted = [SliceRange.from_key(k) for k in slice_keys]
-        span = SliceRange(min(s.lo for s in wanted), max(s.hi for s in wanted))
+        span = wanted[0].span(min(s.lo for s in wanted), max(s.hi for s in wanted))
         tiles = records_in_range(kafka_conf, channel, span, timeout=CHECK_KAFKA_TIMEOUT_S)
         if not tiles:  # not all of them committed (the run failed part way): the committed ones, one by one
             tiles = [t for s in wanted for t in records_in_range(kafka_conf, channel, s, timeout=CHECK_KAFKA_TIMEOUT_S)]

@@ -31,6 +31,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env
 from resources.exactly_once import read_committed_progress
+from resources.slices import parse_watermark
 
 
 @dataclass
@@ -100,7 +101,7 @@ def source_watermarks(config: RelayConfig, table: TableConfig, upto: int) -> Cou
     try:
         t = sa.table(table.table_name, sa.column(table.watermark), schema=table.schema_name)
         wm = t.c[table.watermark]
-        start = table.start_after if isinstance(table.start_after, int) else None
+        start = table.start_after_watermark
         q = sa.select(wm).where(wm <= upto)
         if start is not None:
             q = q.where(wm > start)
@@ -121,7 +122,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
 
     conf = kafka_conf(config)
     progress = read_committed_progress(conf, channel_for(table, config.kafka.transactional_id_prefix))
-    hi = progress.hi if progress else (table.start_after if isinstance(table.start_after, int) else 0)
+    hi = progress.hi if progress else (table.start_after_watermark or 0)
     report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None)
     source = source_watermarks(config, table, hi)
     per_partition = topic_watermarks(conf, table.topic_name)
@@ -633,6 +634,14 @@ def cmd_schema(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def watermark(text: str) -> int:
+    """argparse type: an integer watermark or an ISO-8601 time (its error message names both)."""
+    try:
+        return parse_watermark(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -652,15 +661,16 @@ def main(argv: list[str] | None = None) -> int:
                            "of an existing deployment); default: the last few days")
         elif name == "replay":
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
-            p.add_argument("--from", dest="from_", required=True, type=int,
-                           help="lower bound (exclusive): a committed slice's lower bound")
-            p.add_argument("--to", required=True, type=int,
+            p.add_argument("--from", dest="from_", required=True, type=watermark,
+                           help="lower bound (exclusive): a committed slice's lower bound (a time for a timestamp "
+                           "watermark, e.g. 2026-11-23T07:00:00Z)")
+            p.add_argument("--to", required=True, type=watermark,
                            help="upper bound (inclusive): a committed slice's upper bound")
             p.add_argument("--topic", help="an existing topic to replay to (default: the table's topic)")
         elif name == "reset":
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
-            p.add_argument("--after", required=True, type=int, help="the new baseline: rows with watermark > AFTER "
-                           "are sent, rows at or below it never")
+            p.add_argument("--after", required=True, type=watermark, help="the new baseline: rows with watermark > "
+                           "AFTER are sent, rows at or below it never (a time for a timestamp watermark)")
             p.add_argument("--reason", default="manual reset", help="recorded with the reset")
             p.add_argument("--force", action="store_true", help="reset even while runs of the table are active")
         elif name == "backfill":

@@ -69,6 +69,8 @@ class SensorState:
         data: dict[str, Any] = {"pending": [[c.watermark, c.marker, list(c.waits)] for c in self.pending]}
         if self.chain is not None:
             data["chain"] = [[s.lo, s.hi] for s in self.chain]
+            if any(s.timestamps for s in self.chain):
+                data["timestamps"] = True
         if self.waiting_since is not None:
             data["waiting_since"] = self.waiting_since
         return json.dumps(data)
@@ -78,7 +80,8 @@ class SensorState:
         if not cursor:
             return cls()
         data = json.loads(cursor)
-        chain = [SliceRange(int(lo), int(hi)) for lo, hi in data["chain"]] if "chain" in data else None
+        timestamps = bool(data.get("timestamps"))
+        chain = [SliceRange(int(lo), int(hi), timestamps) for lo, hi in data["chain"]] if "chain" in data else None
         return cls([WatermarkCandidate(int(c[0]), float(c[1]), tuple(c[2]) if len(c) > 2 else ())
                     for c in data.get("pending", [])], chain, data.get("waiting_since"))
 
@@ -179,7 +182,7 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
             cut_after, safe_hi, max_rows or table.slice_max_rows,
             nth_watermark=lambda lo, n, upto: source.nth_watermark(shape, lo, n, upto),
             max_watermark=lambda lo, upto: source.max_watermark(shape, upto=upto, after=lo),
-            limit=limit,
+            limit=limit, timestamps=shape.timestamps,
         )
         if slices and slices[-1].hi < safe_hi and len(slices) == limit:
             # More to cut next tick: keep the settled value as an already-final candidate.
@@ -256,10 +259,12 @@ def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: 
     below = source.max_watermark(shape, upto=start)
     if below is not None:
         lowest = source.nth_watermark(shape, -(2**63), 1, start)
+        text = shape.watermark_text
         raise SourceError(
-            f"{table.table_id}: rows with watermark <= {start} exist (the lowest is {lowest}); with `start_after` "
-            f"unset rowrelay starts after {start} and would skip them. Set `start_after: {(lowest or start) - 1}` "
-            f"to send them, or `start_after: {start}` to skip them deliberately")
+            f"{table.table_id}: rows with watermark <= {text(start)} exist (the lowest is "
+            f"{text(lowest if lowest is not None else start)}); with `start_after` unset rowrelay starts after "
+            f"{text(start)} and would skip them. Set `start_after: {text((lowest or start) - 1)}` to send them, or "
+            f"`start_after: {text(start)}` to skip them deliberately")
 
 
 def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: KafkaIOManager,

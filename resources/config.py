@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from resources.slices import datetime_to_micros
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
@@ -58,13 +61,17 @@ class SourceConfig(_Strict):
 class TableConfig(_Strict):
     source: str
     table: str = Field(description="[schema.]table")
-    watermark: str = Field(description="integer column that only grows, e.g. an auto-increment id")
+    watermark: str = Field(description="a column that only grows: an integer (e.g. an auto-increment id) or a "
+                           "timestamp set when the row is written (PostgreSQL timestamp/timestamptz, MariaDB DATETIME)")
+    tie_break: str | None = Field(None, description="orders rows that share one watermark value (e.g. the primary "
+                                  "key of a table whose watermark is a creation time); unset: in any order")
     topic: str | None = None
     key: list[str] | Literal["hash_row", "none"] = "none"
     columns: list[str] | None = None
     slice_max_rows: int = Field(100_000, ge=1, le=50_000_000)
-    start_after: int | Literal["latest"] | None = Field(
-        None, description="watermark to start after (rows <= it are never sent); \"latest\": only rows committed "
+    start_after: int | Literal["latest"] | datetime | None = Field(
+        None, description="watermark to start after (rows <= it are never sent; a time for a timestamp watermark, "
+        "without an offset read as UTC); \"latest\": only rows committed "
         "after the first cut; unset: from 0, refusing to start if rows with watermark <= 0 exist (they would be "
         "skipped silently)")
     envelope: bool = False
@@ -132,6 +139,13 @@ class TableConfig(_Strict):
         if v is not None and not _TOPIC.match(v):
             raise ValueError(f"{v!r} is not a valid Kafka topic name (letters, digits, . _ -; at most 249)")
         return v
+
+    @property
+    def start_after_watermark(self) -> int | None:
+        """`start_after` as a watermark (a time as microseconds since 1970 UTC); None: unset or \"latest\"."""
+        if isinstance(self.start_after, datetime):
+            return datetime_to_micros(self.start_after)
+        return self.start_after if isinstance(self.start_after, int) else None
 
     @property
     def schema_name(self) -> str | None:

@@ -39,7 +39,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from resources.slices import SliceRange
+from resources.slices import SliceRange, is_timestamp_key
 
 _log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class ProgressRecord:
 
     @property
     def slice_range(self) -> SliceRange:
-        return SliceRange(self.lo, self.hi)
+        return SliceRange(self.lo, self.hi, timestamps=is_timestamp_key(self.slice))
 
 
 @dataclass

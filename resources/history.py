@@ -111,7 +111,7 @@ def plan_rollups(keys: list[SliceRange], records: list[ProgressRecord], now: dat
         else:
             current = (bucket, [key], list(covered))
             groups.append(current)
-    return [Rollup(SliceRange(g[1][0].lo, g[1][-1].hi), g[1], g[2], g[0]) for g in groups if len(g[1]) > 1]
+    return [Rollup(g[1][0].span(g[1][0].lo, g[1][-1].hi), g[1], g[2], g[0]) for g in groups if len(g[1]) > 1]
 
 
 def summarize(records: list[ProgressRecord]) -> dict[str, Any]:

@@ -106,7 +106,7 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
     fields = {f.name: f for f in df.schema.fields}
     data = json_object_expr([fields[c] for c in shape.column_names], json_cols)
     if envelope:
-        source = F.to_json(F.struct(F.lit(table).alias("table"), F.col(f"`{shape.watermark}`").alias("watermark"),
+        source = F.to_json(F.struct(F.lit(table).alias("table"), F.col(f"`{shape.frame_watermark}`").alias("watermark"),
                                     F.lit(slice_key).alias("slice")))
         value = F.concat(F.lit('{"op":"insert","data":'), data, F.lit(',"source":'), source, F.lit("}"))
     else:
@@ -121,7 +121,7 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
         key_col = F.lit(None).cast("string")
     # Bytes, not strings, leave the JVM: Python then hands them to the producer without encoding per row.
     return df.select(key_col.alias("key"), value.alias("value"),
-                     F.col(f"`{shape.watermark}`").cast("long").alias("watermark")
+                     F.col(f"`{shape.frame_watermark}`").cast("long").alias("watermark")
                      ).select(F.col("key").cast("binary").alias("key"), F.col("value").cast("binary").alias("value"),
                               "watermark", F.col("watermark").cast("string").cast("binary").alias("watermark_text"),
                               F.sha2(F.col("value"), 256).cast("binary").alias("checksum"))
@@ -169,7 +169,7 @@ class SliceFrame:
         chunks = max(1, ceil(self.expected_rows / max(1, chunk_rows)))
         width = max(1, ceil((self.slice.hi - self.slice.lo) / chunks))
         bounds = list(range(self.slice.lo, self.slice.hi, width)) + [self.slice.hi]
-        return [SliceRange(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+        return [self.slice.span(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
     def fetch(self, sub: SliceRange, expected_rows: int) -> pa.Table:
         assert self.read_chunk is not None

@@ -4,18 +4,68 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 
 KEY_DIGITS = 12
 _KEY = re.compile(r"^(-?\d+)-(-?\d+)$")
+# A timestamp watermark's key: two UTC times to the microsecond, fixed width, so keys sort as their ranges do.
+_TIME = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z"
+_TIME_KEY = re.compile(rf"^({_TIME})_({_TIME})$")
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICRO = timedelta(microseconds=1)
+
+
+def micros_to_datetime(micros: int) -> datetime:
+    """A timestamp watermark (microseconds since 1970-01-01 UTC) as an aware UTC datetime, exactly."""
+    return EPOCH + timedelta(microseconds=micros)
+
+
+def datetime_to_micros(value: datetime) -> int:
+    """Microseconds since 1970-01-01 UTC, exactly (integer arithmetic). A naive value is read as UTC: rowrelay
+    never converts a zone-less timestamp between zones (see README, timestamp watermarks)."""
+    aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    return (aware - EPOCH) // _MICRO
+
+
+def micros_text(micros: int) -> str:
+    """2026-11-23T07:29:56.123456Z: a timestamp watermark as a key part (fixed width for years 1000-9999)."""
+    return micros_to_datetime(micros).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_watermark(text: str) -> int:
+    """A watermark as a user writes it (CLI, runbook): an integer, or for a timestamp watermark an ISO-8601 time
+    (2026-11-23T07:00:00Z; a time without an offset is read as UTC)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return datetime_to_micros(datetime.fromisoformat(text))
+    except ValueError:
+        raise ValueError(f"{text!r} is neither an integer watermark nor an ISO-8601 time "
+                         "(e.g. 2026-11-23T07:00:00.000000Z)") from None
+
+
+def is_timestamp_key(key: str) -> bool:
+    return _TIME_KEY.match(key) is not None
+
+
+def _parse_micros_text(text: str) -> int:
+    return datetime_to_micros(datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ"))
 
 
 @dataclass(frozen=True, order=True)
 class SliceRange:
-    """The half-open watermark range (lo, hi]: rows with lo < watermark <= hi."""
+    """The half-open watermark range (lo, hi]: rows with lo < watermark <= hi.
+
+    `timestamps`: the watermark is a timestamp, carried as microseconds since 1970-01-01 UTC; only the key's
+    text differs (readable times). It does not take part in equality or order.
+    """
 
     lo: int
     hi: int
+    timestamps: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.hi <= self.lo:
@@ -23,17 +73,30 @@ class SliceRange:
 
     @property
     def key(self) -> str:
-        """Dagster partition key: zero-padded so keys sort as their ranges do (up to 10**12)."""
+        """Dagster partition key: zero-padded so keys sort as their ranges do (up to 10**12); for a timestamp
+        watermark, two UTC times (2026-11-23T07:00:00.000000Z_2026-11-23T07:00:05.250000Z)."""
+        if self.timestamps:
+            return f"{micros_text(self.lo)}_{micros_text(self.hi)}"
         return f"{self.lo:0{KEY_DIGITS}d}-{self.hi:0{KEY_DIGITS}d}"
 
     @classmethod
     def from_key(cls, key: str) -> SliceRange:
         m = _KEY.match(key)
-        if not m:
-            raise ValueError(f"not a slice partition key: {key!r} (expected LO-HI, e.g. 000000000000-000000100000)")
-        return cls(int(m.group(1)), int(m.group(2)))
+        if m:
+            return cls(int(m.group(1)), int(m.group(2)))
+        t = _TIME_KEY.match(key)
+        if t:
+            return cls(_parse_micros_text(t.group(1)), _parse_micros_text(t.group(2)), timestamps=True)
+        raise ValueError(f"not a slice partition key: {key!r} (expected LO-HI, e.g. 000000000000-000000100000, "
+                         "or two UTC times, e.g. 2026-11-23T07:00:00.000000Z_2026-11-23T07:00:05.000000Z)")
+
+    def span(self, lo: int, hi: int) -> SliceRange:
+        """Another range of the same watermark kind (same key format)."""
+        return replace(self, lo=lo, hi=hi)
 
     def __str__(self) -> str:
+        if self.timestamps:
+            return f"({micros_text(self.lo)}, {micros_text(self.hi)}]"
         return f"({self.lo}, {self.hi}]"
 
 
@@ -44,12 +107,13 @@ MaxWatermark = Callable[[int, int], int | None]
 
 
 def cut_slices(after: int, safe_hi: int, max_rows: int, nth_watermark: NthWatermark,
-               max_watermark: MaxWatermark, limit: int = 500) -> list[SliceRange]:
+               max_watermark: MaxWatermark, limit: int = 500, timestamps: bool = False) -> list[SliceRange]:
     """Cut the rows in (after, safe_hi] into consecutive slices of at most `max_rows` rows.
 
     Boundaries are real watermark values, so slices hold exactly `max_rows` rows (more only when one
     watermark value repeats across the boundary) and the last slice ends at the last row present.
     At most `limit` slices per call keep one sensor tick short; the rest come on the next tick.
+    With a timestamp watermark a slice never splits one timestamp: rows sharing it all fall in one slice.
     """
     if max_rows < 1:
         raise ValueError("max_rows must be >= 1")
@@ -60,9 +124,9 @@ def cut_slices(after: int, safe_hi: int, max_rows: int, nth_watermark: NthWaterm
         if boundary is None:
             last = max_watermark(lo, safe_hi)
             if last is not None and last > lo:
-                slices.append(SliceRange(lo, last))
+                slices.append(SliceRange(lo, last, timestamps))
             break
-        slices.append(SliceRange(lo, boundary))
+        slices.append(SliceRange(lo, boundary, timestamps))
         lo = boundary
     return slices
 

@@ -7,7 +7,8 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from dagster import ConfigurableResource
@@ -17,7 +18,7 @@ from sqlalchemy.exc import NoSuchTableError
 
 from resources.config import resolve_env
 from resources.jdbc import UrlParameterError, jdbc_options
-from resources.slices import WatermarkCandidate
+from resources.slices import WatermarkCandidate, datetime_to_micros, micros_to_datetime
 
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
 SUPPORTED_TYPES: tuple[type, ...] = (
@@ -27,6 +28,11 @@ SUPPORTED_TYPES: tuple[type, ...] = (
 
 # Watermarks travel as signed 64-bit integers (Spark longs, slice keys, Kafka headers).
 MAX_WATERMARK = 2**63 - 1
+# The range of a timestamp watermark (Python's datetime: years 1 to 9999), in microseconds since 1970 UTC.
+MIN_MICROS = datetime_to_micros(datetime.min)
+MAX_MICROS = datetime_to_micros(datetime.max)
+# A timestamp watermark's microseconds since 1970 UTC, computed in Spark next to the slice's columns.
+FRAME_WATERMARK = "__rowrelay_watermark"
 
 # Virtual transaction ids of the transactions open now in this database, other than ours. Every transaction
 # holds the lock on its own vxid from its start, with or without an xid (pg_locks shows fast-path locks too).
@@ -65,6 +71,41 @@ class TableShape:
     columns: tuple[ColumnInfo, ...]
     watermark: str
     where: str | None = None  # the table's row filter (rowrelay.yaml `where:`), in the source's SQL
+    # integer: the value itself. timestamp (zone-less: PostgreSQL timestamp, MariaDB DATETIME) / timestamptz: carried
+    # as microseconds since 1970-01-01 UTC, a zone-less value read as UTC (never shifted between zones).
+    watermark_kind: Literal["integer", "timestamp", "timestamptz"] = "integer"
+    tie_break: str | None = None  # orders rows that share one watermark value
+
+    @property
+    def timestamps(self) -> bool:
+        return self.watermark_kind != "integer"
+
+    @property
+    def frame_watermark(self) -> str:
+        """The watermark's column in a slice's Spark frame: a timestamp's microseconds are a column of their own."""
+        return FRAME_WATERMARK if self.timestamps else self.watermark
+
+    def watermark_sql_literal(self, value: int) -> str:
+        """A timestamp watermark as an SQL literal the source reads the same whatever its session's zone."""
+        text = micros_to_datetime(value).strftime("%Y-%m-%d %H:%M:%S.%f")
+        if self.watermark_kind == "timestamptz":
+            return f"TIMESTAMPTZ '{text}+00:00'"
+        return f"TIMESTAMP '{text}'"
+
+    def watermark_param(self, value: int) -> int | datetime:
+        """A watermark as the database compares it: a datetime of the column's own kind for a timestamp."""
+        if self.watermark_kind == "integer":
+            return value
+        moment = micros_to_datetime(min(max(value, MIN_MICROS), MAX_MICROS))  # datetime's range: years 1-9999
+        return moment if self.watermark_kind == "timestamptz" else moment.replace(tzinfo=None)
+
+    def watermark_value(self, value: Any) -> int:
+        """A watermark as the database returned it (an int, a Decimal, a datetime), as rowrelay carries it."""
+        return datetime_to_micros(value) if isinstance(value, datetime) else int(value)
+
+    def watermark_text(self, value: int) -> str:
+        """For messages: the value, or the time (ISO 8601, UTC) a timestamp watermark stands for."""
+        return micros_to_datetime(value).isoformat() if self.timestamps else str(value)
 
     @property
     def column_names(self) -> list[str]:
@@ -167,7 +208,7 @@ class SourceDatabaseResource(ConfigurableResource):
                               "check `table:` in rowrelay.yaml") from None
 
     def table_shape(self, schema: str | None, table: str, watermark: str, columns: list[str] | None = None,
-                    where: str | None = None) -> TableShape:
+                    where: str | None = None, tie_break: str | None = None) -> TableShape:
         try:  # a URL parameter Spark's JDBC driver cannot honour fails the sensor tick, not only the run
             self.jdbc_options()
         except UrlParameterError as exc:
@@ -177,15 +218,17 @@ class SourceDatabaseResource(ConfigurableResource):
         if watermark not in t.c:
             raise SourceError(f"{label}: watermark column {watermark!r} does not exist (columns: {list(t.c.keys())})")
         wm_type = t.c[watermark].type
-        if not isinstance(wm_type, sa.Integer):
-            raise SourceError(f"{label}: watermark column {watermark!r} has type {wm_type}, but must be an integer "
-                              "column that only grows (e.g. an auto-increment id)")
+        kind = self._watermark_kind(label, watermark, wm_type)
+        if tie_break is not None and tie_break not in t.c:
+            raise SourceError(f"{label}: tie_break column {tie_break!r} does not exist (columns: {list(t.c.keys())}); "
+                              "fix `tie_break:` in rowrelay.yaml")
         wanted = list(columns) if columns else list(t.c.keys())
         missing = [c for c in wanted if c not in t.c]
         if missing:
             raise SourceError(f"{label}: configured columns {missing} do not exist (columns: {list(t.c.keys())})")
-        if watermark not in wanted:
-            wanted.append(watermark)
+        for needed in (watermark, tie_break):
+            if needed is not None and needed not in wanted:
+                wanted.append(needed)
         infos = []
         for name in wanted:
             col_type = t.c[name].type
@@ -195,12 +238,34 @@ class SourceDatabaseResource(ConfigurableResource):
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer)))
         shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
-                           where=where)
+                           where=where, watermark_kind=kind, tie_break=tie_break)
         if where is not None:
             self.check_where(shape, label)
         if getattr(wm_type, "unsigned", False) and isinstance(wm_type, sa.BigInteger):
             self.check_watermark_range(shape)  # one indexed max query, only for BIGINT UNSIGNED watermarks
         return shape
+
+    def _watermark_kind(self, label: str, watermark: str, wm_type: Any
+                        ) -> Literal["integer", "timestamp", "timestamptz"]:
+        """Integer columns, and the timestamp types whose values are exact to the microsecond and never move
+        with a session's time zone: PostgreSQL timestamp/timestamptz, MariaDB/MySQL DATETIME."""
+        if isinstance(wm_type, sa.Integer):
+            return "integer"
+        if isinstance(wm_type, sa.DateTime):
+            if self.dialect == "postgresql":
+                return "timestamptz" if wm_type.timezone else "timestamp"
+            if self.dialect == "mysql" and type(wm_type).__name__ == "DATETIME":
+                return "timestamp"
+            if self.dialect == "mysql":
+                raise SourceError(f"{label}: watermark column {watermark!r} has type {wm_type}; a timestamp watermark "
+                                  "on MariaDB/MySQL must be DATETIME (ideally DATETIME(6)): TIMESTAMP values are shown "
+                                  "in each session's time zone. Use a DATETIME column or a view")
+            raise SourceError(f"{label}: watermark column {watermark!r} has type {wm_type}; timestamp watermarks are "
+                              f"supported on PostgreSQL and MariaDB/MySQL, not on {self.dialect} (its timestamps are "
+                              "text); use an integer watermark")
+        raise SourceError(f"{label}: watermark column {watermark!r} has type {wm_type}, but must be an integer column "
+                          "that only grows (e.g. an auto-increment id) or a timestamp set when the row is written "
+                          "(PostgreSQL timestamp/timestamptz, MariaDB DATETIME)")
 
     def _table(self, shape: TableShape) -> sa.TableClause:
         return sa.table(shape.name, sa.column(shape.watermark), schema=shape.schema)
@@ -229,28 +294,30 @@ class SourceDatabaseResource(ConfigurableResource):
         wm = t.c[shape.watermark]
         q = self._filtered(sa.select(sa.func.max(wm)).select_from(t), shape)
         if upto is not None:
-            q = q.where(wm <= upto)
+            q = q.where(wm <= shape.watermark_param(upto))
         if after is not None:
-            q = q.where(wm > after)
+            q = q.where(wm > shape.watermark_param(after))
         with self.engine.connect() as conn:
             value = conn.execute(q).scalar()
-        return None if value is None else int(value)
+        return None if value is None else shape.watermark_value(value)
 
     def nth_watermark(self, shape: TableShape, after: int, n: int, upto: int) -> int | None:
         t = self._table(shape)
         wm = t.c[shape.watermark]
-        q = self._filtered(sa.select(wm).select_from(t).where(wm > after, wm <= upto), shape
+        q = self._filtered(sa.select(wm).select_from(t).where(wm > shape.watermark_param(after),
+                                                              wm <= shape.watermark_param(upto)), shape
                            ).order_by(wm).limit(1).offset(n - 1)
         with self.engine.connect() as conn:
             value = conn.execute(q).scalar()
-        return None if value is None else int(value)
+        return None if value is None else shape.watermark_value(value)
 
     def count_rows(self, shape: TableShape, after: int, upto: int) -> int:
         t = self._table(shape)
         wm = t.c[shape.watermark]
         with self.engine.connect() as conn:
             return int(conn.execute(self._filtered(sa.select(sa.func.count()).select_from(t)
-                                                   .where(wm > after, wm <= upto), shape)).scalar())
+                                                   .where(wm > shape.watermark_param(after),
+                                                          wm <= shape.watermark_param(upto)), shape)).scalar())
 
     def has_null_watermarks(self, shape: TableShape) -> bool:
         if not shape.column(shape.watermark).nullable:
@@ -286,7 +353,7 @@ class SourceDatabaseResource(ConfigurableResource):
                 row, waits = (conn.execute(sa.select(sa.func.max(wm)).select_from(t)).scalar(), time.time()), ()
         if row[0] is None:
             return None
-        value = int(row[0])
+        value = shape.watermark_value(row[0])
         if value > MAX_WATERMARK:
             raise SourceError(self._range_message(shape, value))
         return WatermarkCandidate(value, float(row[1]), waits)

@@ -12,7 +12,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from resources.config import resolve_env
-from resources.slices import SliceRange
+from resources.slices import SliceRange, micros_to_datetime
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -81,6 +81,11 @@ def custom_schema_for(shape: TableShape) -> str:
     return ", ".join(f"`{c}` STRING" for c in as_text)
 
 
+def _spark_time_text(micros: int) -> str:
+    """A partition stride bound for a timestamp column, as Spark parses it."""
+    return micros_to_datetime(micros).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
 class SparkResource(ConfigurableResource):
     """Reads slices over JDBC. `remote` (sc://host:15002) uses a Spark Connect server instead of a local JVM."""
 
@@ -134,14 +139,24 @@ class SparkResource(ConfigurableResource):
         qualified = preparer.quote(shape.name)
         if shape.schema:
             qualified = f"{preparer.quote_schema(shape.schema)}.{qualified}"
-        if shape.where:  # the same predicate the counts and cuts use, run by the source itself
-            qualified = f"(SELECT * FROM {qualified} WHERE ({shape.where})) rowrelay_where"
+        predicates = [f"({shape.where})"] if shape.where else []  # the same predicate counts and cuts use
+        if shape.timestamps:
+            # The slice's bounds as the source's own timestamp literals (indexed, exact to the microsecond); Spark
+            # would render its pushed-down timestamp filters in the JVM's zone.
+            column = preparer.quote(shape.watermark)
+            predicates += [f"{column} > {shape.watermark_sql_literal(slice_range.lo)}",
+                           f"{column} <= {shape.watermark_sql_literal(slice_range.hi)}"]
+        if predicates:
+            qualified = f"(SELECT * FROM {qualified} WHERE {' AND '.join(predicates)}) rowrelay_slice"
         options: dict[str, Any] = {**source.jdbc_options(), "dbtable": qualified, "fetchsize": str(self.fetchsize)}
         partitions = max(1, min(self.max_partitions, ceil(expected_rows / self.rows_per_partition)))
         if partitions > 1:
-            # Bounds only set the stride; the filter below is what limits rows to the slice.
-            options.update(partitionColumn=shape.watermark, lowerBound=str(slice_range.lo + 1),
-                           upperBound=str(slice_range.hi + 1), numPartitions=str(partitions))
+            # Bounds only set the stride; the filter below is what limits rows to the slice. Spark's partitions are
+            # complementary ranges of the column (each stride bound in two predicates), so none is read twice.
+            lo, hi = slice_range.lo + 1, slice_range.hi + 1
+            bounds = (_spark_time_text(lo), _spark_time_text(hi)) if shape.timestamps else (str(lo), str(hi))
+            options.update(partitionColumn=shape.watermark, lowerBound=bounds[0], upperBound=bounds[1],
+                           numPartitions=str(partitions))
         if shape.dialect == "postgresql":
             options["preferTimestampNTZ"] = "true"  # timestamp -> NTZ (no offset), timestamptz -> instant
         session = self.get_session()
@@ -153,7 +168,11 @@ class SparkResource(ConfigurableResource):
         for key, value in options.items():
             reader = reader.option(key, value)
         frame = reader.load()
-        wm = F.col(f"`{shape.watermark}`")
-        return (frame.select(*[F.col(f"`{c}`") for c in shape.column_names])
+        columns = [F.col(f"`{c}`") for c in shape.column_names]
+        if shape.timestamps:  # microseconds since 1970 UTC; a zone-less value is read as UTC (session zone)
+            columns.append(F.unix_micros(F.col(f"`{shape.watermark}`").cast("timestamp")).alias(shape.frame_watermark))
+        wm = F.col(f"`{shape.frame_watermark}`")
+        order = [wm] + ([F.col(f"`{shape.tie_break}`")] if shape.tie_break else [])
+        return (frame.select(*columns)
                 .where((wm > F.lit(slice_range.lo)) & (wm <= F.lit(slice_range.hi)))
-                .sortWithinPartitions(wm))
+                .sortWithinPartitions(*order))

@@ -1,0 +1,309 @@
+"""Timestamp watermarks (`watermark: created_at`): keys, conversions, and exactly once on the real stack with many
+equal timestamps and commits out of timestamp order, on PostgreSQL and MariaDB."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from resources.exactly_once import ProgressRecord
+from resources.slices import SliceRange, cut_slices, datetime_to_micros, micros_text, micros_to_datetime
+from resources.source_database import SourceDatabaseResource, SourceError
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.test_errors import failure_text
+
+TIME_KEY = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z_\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
+
+
+# -- pure logic ----------------------------------------------------------------------------------------------------
+
+def test_micros_are_exact_and_zone_less_values_read_as_utc() -> None:
+    moment = datetime(2026, 11, 23, 7, 29, 56, 123457, tzinfo=UTC)
+    micros = datetime_to_micros(moment)
+    assert micros == 1_795_418_996_123_457
+    assert micros_to_datetime(micros) == moment
+    assert datetime_to_micros(moment.replace(tzinfo=None)) == micros  # naive: as stored, read as UTC
+    assert datetime_to_micros(moment.astimezone(timezone(timedelta(hours=-5)))) == micros  # the same instant
+    # Far from 1970 float seconds lose microseconds; integer arithmetic does not.
+    far = datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+    assert micros_to_datetime(datetime_to_micros(far)) == far
+
+
+def test_time_keys_are_readable_sort_as_their_ranges_and_round_trip() -> None:
+    a = SliceRange(0, datetime_to_micros(datetime(2026, 1, 1, tzinfo=UTC)), timestamps=True)
+    b = SliceRange(a.hi, a.hi + 1, timestamps=True)
+    assert a.key == "1970-01-01T00:00:00.000000Z_2026-01-01T00:00:00.000000Z"
+    assert b.key == "2026-01-01T00:00:00.000000Z_2026-01-01T00:00:00.000001Z"
+    assert str(b) == "(2026-01-01T00:00:00.000000Z, 2026-01-01T00:00:00.000001Z]"
+    assert sorted([b.key, a.key]) == [a.key, b.key]
+    for s in (a, b):
+        parsed = SliceRange.from_key(s.key)
+        assert parsed == s and parsed.timestamps and parsed.key == s.key
+    assert SliceRange(1, 5).key == "000000000001-000000000005"  # integer keys unchanged
+    assert not SliceRange.from_key(SliceRange(1, 5).key).timestamps
+    assert a.span(5, 9).key == f"{micros_text(5)}_{micros_text(9)}"
+    record = ProgressRecord("t", b.key, b.lo, b.hi, 1, 1, "", "topic")
+    assert record.slice_range.key == b.key
+
+
+def test_a_cut_never_splits_one_timestamp() -> None:
+    # 7 rows at t=10 (one statement's now()), then 3 at t=20: slices of at most 5 rows.
+    rows = [10] * 7 + [20] * 3
+
+    def nth(after: int, n: int, upto: int) -> int | None:
+        above = [r for r in rows if after < r <= upto]
+        return above[n - 1] if len(above) >= n else None
+
+    def top(after: int, upto: int) -> int | None:
+        return max((r for r in rows if after < r <= upto), default=None)
+
+    slices = cut_slices(0, 20, 5, nth, top, timestamps=True)
+    assert [(s.lo, s.hi) for s in slices] == [(0, 10), (10, 20)] and all(s.timestamps for s in slices)
+
+
+def test_times_as_users_write_them() -> None:
+    from orchestration.cli import watermark
+    from resources.config import parse_config
+
+    new_year = datetime_to_micros(datetime(2026, 1, 1, tzinfo=UTC))
+    assert watermark("2026-01-01T00:00:00Z") == watermark("2026-01-01 00:00:00") == new_year
+    assert watermark("2026-01-01T01:00:00+01:00") == new_year and watermark("42") == 42
+    with pytest.raises(Exception, match="neither an integer watermark nor an ISO-8601 time"):
+        watermark("yesterday")
+    base = {"sources": {"s": {"url": "postgresql://h/db"}}, "kafka": {"bootstrap_servers": "k:9092"}}
+    for given in ("2026-01-01T00:00:00Z", datetime(2026, 1, 1)):  # quoted in YAML, or a YAML timestamp
+        cfg = parse_config({**base, "tables": [{"source": "s", "table": "t", "watermark": "ts", "start_after": given}]})
+        assert cfg.tables[0].start_after_watermark == new_year
+    cfg = parse_config({**base, "tables": [{"source": "s", "table": "t", "watermark": "id", "start_after": 7}]})
+    assert cfg.tables[0].start_after_watermark == 7
+
+
+def test_sensor_cursor_keeps_the_key_format() -> None:
+    from orchestration.sensors import SensorState
+
+    state = SensorState(chain=[SliceRange(5, 9, timestamps=True)])
+    (back,) = SensorState.from_cursor(state.to_cursor()).chain or []
+    assert back.timestamps and back.key == SliceRange(5, 9, timestamps=True).key
+
+
+def test_rollups_of_time_keys_are_time_keys() -> None:
+    from resources.history import HistoryPolicy, plan_rollups
+
+    now = datetime(2026, 11, 23, 12, tzinfo=UTC)
+    day = datetime_to_micros(datetime(2026, 11, 20, tzinfo=UTC))
+    keys = [SliceRange(day + i, day + i + 1, timestamps=True) for i in range(3)]
+    records = [ProgressRecord("t", k.key, k.lo, k.hi, 1, 1, "c", "topic", {"0": [0, 0]}, "tx",
+                              (now - timedelta(days=3)).isoformat()) for k in keys]
+    (rollup,) = plan_rollups(keys, records, now, HistoryPolicy())
+    assert rollup.range.key == f"{micros_text(day)}_{micros_text(day + 3)}" and TIME_KEY.match(rollup.range.key)
+
+
+# -- on the real stack -----------------------------------------------------------------------------------------------
+
+def _ordered(messages, ts_field: str = "created_at") -> list[tuple[str, int]]:
+    return [(m.value[ts_field], m.value["n"]) for m in sorted(messages, key=lambda m: (m.partition, m.offset))]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("column_type", ["timestamptz", "timestamp"])
+def test_postgres_timestamp_watermark_equal_times_and_out_of_order_commits(
+        services, pg_database, pg_engine, dagster_instance, spark, name, column_type: str) -> None:
+    default = "now()" if column_type == "timestamptz" else "(now() AT TIME ZONE 'UTC')"
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), "
+                          f"created_at {column_type} NOT NULL DEFAULT {default}, n int NOT NULL)"))
+        conn.execute(text(f"CREATE INDEX ON {name} (created_at)"))
+    for first in (1, 301, 601):  # three transactions: 300 rows share each one's now()
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (n) SELECT g FROM generate_series({first}, {first + 299}) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "created_at", "tie_break": "n",
+         "slice_max_rows": 200, "key": ["id"]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    keys = h.drain(table)
+    assert keys and all(TIME_KEY.match(k) for k in keys), keys
+    # A slice holds whole timestamps: 200 rows per slice would split each 300-row group; it does not.
+    assert [h.materialization(table, k)["rows"] for k in keys] == [300, 300, 300]
+    first_hi = h.progress(table).hi
+
+    # A transaction takes its timestamp (now(): its start) and commits after a later one.
+    slow = create_engine(pg_database).connect()
+    try:
+        slow.execute(text("BEGIN"))
+        slow.execute(text(f"INSERT INTO {name} (n) SELECT g FROM generate_series(901, 950) g"))
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (n) SELECT g FROM generate_series(951, 1000) g"))
+        # The later rows are committed and visible, but the open transaction may still commit an earlier time.
+        assert h.tick(table) == [] and h.progress(table).hi == first_hi
+        slow.execute(text("COMMIT"))
+    finally:
+        slow.close()
+    h.drain(table)
+    messages = read_topic(services.kafka_bootstrap, table.topic_name)
+    with pg_engine.connect() as conn:
+        ids = [str(r[0]) for r in conn.execute(text(f"SELECT id FROM {name}"))]
+        top = conn.execute(text(f"SELECT max(created_at) FROM {name}")).scalar()
+    assert len(ids) == 1000
+    assert_exactly_once(messages, ids)
+    # In order: by time, rows sharing a time by the tie-break; the slow transaction's rows before the later ones.
+    ordered = _ordered(messages)
+    assert ordered == sorted(ordered)
+    assert [n for _, n in ordered] == list(range(1, 1001))
+    assert h.progress(table).hi == datetime_to_micros(top)
+    assert all(m.watermark == datetime_to_micros(datetime.fromisoformat(m.value["created_at"])) for m in messages)
+
+
+@pytest.mark.integration
+def test_postgres_open_transaction_holds_the_cut(services, pg_database, pg_engine, dagster_instance, spark,
+                                                 name) -> None:
+    """The out-of-order case on its own: nothing at or above the open transaction's time is cut while it is open."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT now())"))
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1)"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "created_at", "key": ["n"]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table)
+    first_hi = h.progress(table).hi
+    slow = create_engine(pg_database).connect()
+    try:
+        slow.execute(text("BEGIN"))
+        slow.execute(text(f"INSERT INTO {name} (n) VALUES (2)"))  # its time: this transaction's start
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (n) VALUES (3)"))
+        assert h.tick(table) == [] and h.progress(table).hi == first_hi
+        slow.execute(text("COMMIT"))
+    finally:
+        slow.close()
+    h.drain(table)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
+
+
+@pytest.mark.integration
+def test_mariadb_datetime_watermark_equal_times_and_out_of_order_commits(
+        services, mariadb_database, mariadb_engine, dagster_instance, spark, name) -> None:
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id CHAR(36) PRIMARY KEY, n INT NOT NULL, "
+                          "created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), INDEX (created_at))"))
+        for first in (1, 301):  # one statement: 300 rows share its CURRENT_TIMESTAMP(6)
+            conn.execute(text(f"INSERT INTO {name} (id, n) SELECT UUID(), seq FROM seq_{first}_to_{first + 299}"))
+    cfg = relay_config(services, {"src": mariadb_database}, [
+        {"source": "src", "table": name, "watermark": "created_at", "tie_break": "n", "slice_max_rows": 200,
+         "settle_seconds": 0.5, "key": ["id"]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    keys = h.drain(table)
+    assert all(TIME_KEY.match(k) for k in keys) and [h.materialization(table, k)["rows"] for k in keys] == [300, 300]
+    first_hi = h.progress(table).hi
+
+    slow = create_engine(mariadb_database).connect()
+    try:
+        slow.execute(text("BEGIN"))
+        slow.execute(text(f"INSERT INTO {name} (id, n) SELECT UUID(), seq FROM seq_601_to_650"))
+        with mariadb_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (id, n) SELECT UUID(), seq FROM seq_651_to_700"))
+        import time
+
+        time.sleep(1.0)  # past settle_seconds: only the open transaction holds the cut now
+        assert h.tick(table) == [] and h.progress(table).hi == first_hi
+        slow.execute(text("COMMIT"))
+    finally:
+        slow.close()
+    h.drain(table)
+    messages = read_topic(services.kafka_bootstrap, table.topic_name)
+    with mariadb_engine.connect() as conn:
+        ids = [r[0] for r in conn.execute(text(f"SELECT id FROM {name}"))]
+    assert len(ids) == 700
+    assert_exactly_once(messages, ids)
+    ordered = _ordered(messages)
+    assert ordered == sorted(ordered) and [n for _, n in ordered] == list(range(1, 701))
+
+
+@pytest.mark.integration
+def test_null_timestamp_is_a_clear_error_and_nothing_moves(services, pg_database, pg_engine, dagster_instance,
+                                                             spark, name, monkeypatch) -> None:
+    import orchestration.sensors
+
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at timestamptz DEFAULT now())"))
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1), (2)"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "created_at", "key": ["n"]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    (key,) = h.drain(table)
+    before = h.progress(table)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (n, created_at) VALUES (3, NULL)"))
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (4)"))
+    # The sensor trusts a clean NULL check for a minute; forget it, as a minute later.
+    monkeypatch.setattr(orchestration.sensors, "_NULLS_OK", {})
+    with pytest.raises(Exception, match=r"NULL in watermark column 'created_at' would never be sent"):
+        h.tick(table)
+    # A run of a slice above progress refuses too, before anything is read or published.
+    later = SliceRange(before.hi, before.hi + 10**9, timestamps=True)
+    dagster_instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [later.key])
+    result = h.run(table, later.key, raise_on_error=False)
+    assert not result.success and "NULL in watermark column 'created_at'" in failure_text(result)
+    assert h.progress(table) == before
+    assert sorted(m.value["n"] for m in read_topic(services.kafka_bootstrap, table.topic_name)) == [1, 2]
+
+
+@pytest.mark.integration
+def test_unsupported_timestamp_watermarks_are_refused_clearly(services, mariadb_engine, mariadb_database,
+                                                              tmp_path, name) -> None:
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, ts TIMESTAMP(6) NOT NULL)"))
+    with pytest.raises(SourceError, match=r"must be DATETIME"):
+        SourceDatabaseResource(url=str(mariadb_database.render_as_string(hide_password=False))).table_shape(
+            None, name, "ts")
+    sqlite = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    with sqlite.begin() as conn:
+        conn.execute(text("CREATE TABLE t (n INTEGER PRIMARY KEY, ts DATETIME)"))
+    with pytest.raises(SourceError, match=r"timestamp watermarks are supported on PostgreSQL and MariaDB"):
+        SourceDatabaseResource(url=f"sqlite:///{tmp_path / 'x.db'}").table_shape(None, "t", "ts")
+    with pytest.raises(SourceError, match=r"tie_break column 'nope' does not exist"):
+        SourceDatabaseResource(url=f"sqlite:///{tmp_path / 'x.db'}").table_shape(None, "t", "n", tie_break="nope")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("dialect", ["postgresql", "mariadb"])
+def test_large_time_slice_through_spark_connect_partitioned_reads(
+        services, request, dagster_instance, name, dialect: str) -> None:
+    """One 120k-row slice: Spark Connect reads it in partitions and chunks split by time; three rows share each
+    millisecond. Zone-less values (PostgreSQL timestamp, MariaDB DATETIME) keep their wall-clock time."""
+    rows = 120_000
+    database = request.getfixturevalue("pg_database" if dialect == "postgresql" else "mariadb_database")
+    engine = request.getfixturevalue("pg_engine" if dialect == "postgresql" else "mariadb_engine")
+    with engine.begin() as conn:
+        if dialect == "postgresql":
+            conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at timestamp NOT NULL)"))
+            conn.execute(text(f"INSERT INTO {name} SELECT g, timestamp '2026-03-29 00:59:59.5' + (g / 3) * "
+                              f"interval '1 millisecond' FROM generate_series(1, {rows}) g"))
+        else:
+            conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, created_at DATETIME(6) NOT NULL, "
+                              "INDEX (created_at))"))
+            conn.execute(text(f"INSERT INTO {name} SELECT seq, TIMESTAMP'2026-03-29 00:59:59.5' + INTERVAL "
+                              f"(seq DIV 3) * 1000 MICROSECOND FROM seq_1_to_{rows}"))
+    cfg = relay_config(services, {"src": database}, [
+        {"source": "src", "table": f"public.{name}" if dialect == "postgresql" else name, "watermark": "created_at",
+         "tie_break": "n", "slice_max_rows": 500_000, "settle_seconds": 0, "key": ["n"]}], spark_remote=True)
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    (key,) = h.drain(table, timeout=300)
+    assert key == "1970-01-01T00:00:00.000000Z_2026-03-29T01:00:39.500000Z"  # the last row's time, as stored
+    assert h.materialization(table, key)["rows"] == rows
+    messages = read_topic(services.kafka_bootstrap, table.topic_name, timeout=120)
+    assert_exactly_once(messages, list(range(1, rows + 1)), id_field="n")
+    ordered = [m.value["n"] for m in sorted(messages, key=lambda m: m.offset)]
+    assert ordered == list(range(1, rows + 1))
+    # The wall-clock time as stored (01:00 UTC on a European DST night is not shifted) and its watermark header.
+    first = min(messages, key=lambda m: m.offset)
+    assert first.value["created_at"] == "2026-03-29T00:59:59.500000"
+    assert first.watermark == datetime_to_micros(datetime(2026, 3, 29, 0, 59, 59, 500000))
