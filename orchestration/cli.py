@@ -26,7 +26,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import sqlalchemy as sa
 from confluent_kafka import Consumer, TopicPartition
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env
@@ -94,24 +93,13 @@ def topic_watermarks(conf: dict[str, Any], topic: str, timeout: float = 60.0) ->
 
 
 def source_watermarks(config: RelayConfig, table: TableConfig, upto: int) -> Counter[int]:
+    from assets.relay import table_shape
     from resources.source_database import SourceDatabaseResource
 
     source = SourceDatabaseResource(url=config.sources[table.source].url)
-    engine = source.engine
     try:
-        t = sa.table(table.table_name, sa.column(table.watermark), schema=table.schema_name)
-        wm = t.c[table.watermark]
-        start = table.start_after_watermark
-        q = sa.select(wm).where(wm <= upto)
-        if start is not None:
-            q = q.where(wm > start)
-        if table.skip_watermarks:
-            q = q.where(wm.not_in(table.skip_watermarks))
-        counts: Counter[int] = Counter()
-        with engine.connect().execution_options(stream_results=True, yield_per=50_000) as conn:
-            for (value,) in conn.execute(q):
-                counts[int(value)] += 1
-        return counts
+        return Counter(source.iter_watermarks(table_shape(source, table), table.start_after_watermark, upto,
+                                              skip=table.skip_watermark_values))
     finally:
         source.dispose()
 

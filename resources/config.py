@@ -81,7 +81,8 @@ class TableConfig(_Strict):
     sensor_interval_seconds: int = Field(5, ge=1, le=86_400)
     max_slices_per_run: int = Field(20, ge=1, le=10_000, description="a backlog of slices runs as one run of up to "
                                     "this many slices (one worker start), each slice still its own transaction")
-    skip_watermarks: list[int] = Field(default_factory=list, description="rows never to send (runbook)")
+    skip_watermarks: list[int | datetime] = Field(default_factory=list, description="rows never to send (runbook); "
+                                                  "times for a timestamp watermark")
     where: str | None = Field(
         None, min_length=1, max_length=4000, description="a row filter in the source's SQL, applied identically to "
         "counts, cuts and reads, e.g. \"status <> 'draft'\"; it must be immutable per row (a row never enters or "
@@ -146,6 +147,11 @@ class TableConfig(_Strict):
         if isinstance(self.start_after, datetime):
             return datetime_to_micros(self.start_after)
         return self.start_after if isinstance(self.start_after, int) else None
+
+    @property
+    def skip_watermark_values(self) -> list[int]:
+        """`skip_watermarks` as watermarks (times as microseconds since 1970 UTC)."""
+        return [datetime_to_micros(w) if isinstance(w, datetime) else w for w in self.skip_watermarks]
 
     @property
     def schema_name(self) -> str | None:

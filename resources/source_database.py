@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -311,13 +312,31 @@ class SourceDatabaseResource(ConfigurableResource):
             value = conn.execute(q).scalar()
         return None if value is None else shape.watermark_value(value)
 
-    def count_rows(self, shape: TableShape, after: int, upto: int) -> int:
+    def count_rows(self, shape: TableShape, after: int, upto: int, skip: list[int] | None = None) -> int:
+        """Rows in (after, upto] that the table's `where:` admits, minus those whose watermark is in `skip`."""
         t = self._table(shape)
         wm = t.c[shape.watermark]
+        q = self._filtered(sa.select(sa.func.count()).select_from(t)
+                           .where(wm > shape.watermark_param(after), wm <= shape.watermark_param(upto)), shape)
+        if skip:
+            q = q.where(wm.not_in([shape.watermark_param(w) for w in skip]))
         with self.engine.connect() as conn:
-            return int(conn.execute(self._filtered(sa.select(sa.func.count()).select_from(t)
-                                                   .where(wm > shape.watermark_param(after),
-                                                          wm <= shape.watermark_param(upto)), shape)).scalar())
+            return int(conn.execute(q).scalar())
+
+    def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None
+                        ) -> Iterator[int]:
+        """Every row's watermark in (after, upto] that the table's `where:` admits, minus `skip`, streamed (for
+        `rowrelay verify`: the one full pass over the rows, never on the relay path)."""
+        t = self._table(shape)
+        wm = t.c[shape.watermark]
+        q = self._filtered(sa.select(wm).select_from(t).where(wm <= shape.watermark_param(upto)), shape)
+        if after is not None:
+            q = q.where(wm > shape.watermark_param(after))
+        if skip:
+            q = q.where(wm.not_in([shape.watermark_param(w) for w in skip]))
+        with self.engine.connect().execution_options(stream_results=True, yield_per=50_000) as conn:
+            for (value,) in conn.execute(q):
+                yield shape.watermark_value(value)
 
     def has_null_watermarks(self, shape: TableShape) -> bool:
         if not shape.column(shape.watermark).nullable:

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 from sqlalchemy import create_engine, text
 
+from orchestration.cli import verify_table
 from resources.exactly_once import ProgressRecord
 from resources.slices import SliceRange, cut_slices, datetime_to_micros, micros_text, micros_to_datetime
 from resources.source_database import SourceDatabaseResource, SourceError
@@ -155,6 +156,9 @@ def test_postgres_timestamp_watermark_equal_times_and_out_of_order_commits(
     assert [n for _, n in ordered] == list(range(1, 1001))
     assert h.progress(table).hi == datetime_to_micros(top)
     assert all(m.watermark == datetime_to_micros(datetime.fromisoformat(m.value["created_at"])) for m in messages)
+    # `rowrelay verify` reads the source's times as the watermarks in the topic: every row once, in order.
+    report = verify_table(cfg, table)
+    assert report.ok and report.source_rows == report.messages == 1000, report
 
 
 @pytest.mark.integration
