@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from orchestration.cli import verify_table
 from resources.config import RelayConfig
+from resources.slices import datetime_to_micros
 from stack import local as stack
 from tests.conftest import Services, unique
 from tests.pipeline import relay_config
@@ -145,10 +147,12 @@ class FaultPipeline:
         raise AssertionError(f"no run worker started within {timeout}s; see {self.log}")
 
     def max_ids(self) -> dict[str, int]:
+        """Each table's max watermark (a timestamp watermark as microseconds since 1970 UTC, as rowrelay has it)."""
         out = {}
         for t in self.config.tables:
             with self.engines[t.source].connect() as conn:
-                out[t.table_id] = conn.execute(text(f"SELECT max(id) FROM {t.table_name}")).scalar() or 0
+                top = conn.execute(text(f"SELECT max({t.watermark}) FROM {t.table_name}")).scalar()
+            out[t.table_id] = datetime_to_micros(top) if isinstance(top, datetime) else (top or 0)
         return out
 
     def catch_up_and_verify(self, scenario: str, faults: int, timeout: float = 240.0) -> None:
@@ -220,6 +224,10 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
     engines = {"pg": create_engine(pg_url, pool_pre_ping=True), "maria": create_engine(maria_url, pool_pre_ping=True)}
     with engines["pg"].begin() as conn:
         conn.execute(text("CREATE TABLE orders (id bigserial PRIMARY KEY, v bigint)"))
+        # A timestamp watermark: each writer transaction's rows share its now(); two writers commit out of order.
+        conn.execute(text("CREATE TABLE stamped (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), "
+                          "created_at timestamptz NOT NULL DEFAULT now(), v bigint)"))
+        conn.execute(text("CREATE INDEX ON stamped (created_at)"))
     with engines["maria"].begin() as conn:
         conn.execute(text("CREATE TABLE clicks (id bigint AUTO_INCREMENT PRIMARY KEY, v bigint)"))
     # SQLite too (a database file the daemon's runs read through Spark's JDBC while a writer inserts): WAL lets
@@ -239,6 +247,9 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
          "topic_partitions": 2},
         {"source": lite_src, "table": "events", "watermark": "id", "slice_max_rows": 3000, "settle_seconds": 1,
          "sensor_interval_seconds": 1, "topic": f"faults.{db_names['pgsrc']}.events"},
+        {"source": pg_src, "table": "public.stamped", "watermark": "created_at", "tie_break": "id",
+         "slice_max_rows": 3000, "sensor_interval_seconds": 3, "topic": f"faults.{db_names['pgsrc']}.stamped",
+         "key": ["id"]},
     ], spark_remote=True)
     engines[pg_src], engines[maria_src], engines[lite_src] = engines["pg"], engines["maria"], engines["lite"]
     config_file = home / "rowrelay.yaml"
@@ -250,7 +261,8 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         "module_name": "orchestration.definitions", "working_directory": str(ROOT)}}]}))
     p = FaultPipeline(services, cfg, home, config_file, engines)
     p.writers = [Writer(engines["pg"], "orders"), Writer(engines["pg"], "orders"), Writer(engines["maria"], "clicks"),
-                 Writer(engines["lite"], "events")]
+                 Writer(engines["lite"], "events"), Writer(engines["pg"], "stamped", pause=1.0),
+                 Writer(engines["pg"], "stamped", pause=1.0)]
     p.start_daemon()
     for w in p.writers:
         w.resume()
