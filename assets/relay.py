@@ -31,8 +31,8 @@ from resources.exactly_once import (
     SliceOutOfOrder,
     TableChannel,
     read_committed_progress,
+    records_in_range,
 )
-from resources.history import records_in_range
 from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange

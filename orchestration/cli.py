@@ -290,8 +290,7 @@ class BackfillProgress:
                 self._advance()
 
     def _advance(self) -> None:
-        from resources.exactly_once import read_progress_history
-        from resources.history import ProgressTail, records_in_range
+        from resources.exactly_once import ProgressTail, read_progress_history, records_in_range
         from resources.slices import SliceRange
 
         # One long-lived reader, re-read only when the topic moved: polling costs the backfill next to nothing.

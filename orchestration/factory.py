@@ -35,8 +35,7 @@ from assets.relay import (
 from orchestration.history import build_history_sensor
 from orchestration.sensors import build_group_slice_sensor, build_slice_sensor
 from resources.config import RelayConfig, TableConfig
-from resources.exactly_once import TableChannel
-from resources.history import read_progress_tail
+from resources.exactly_once import TableChannel, read_progress_tail
 from resources.kafka_io_manager import KafkaIOManager
 from resources.source_database import SourceDatabaseResource
 from resources.spark import SparkResource

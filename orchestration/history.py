@@ -28,7 +28,8 @@ from dagster import (
 
 from assets.relay import asset_key, channel_for, partitions_for
 from resources.config import TableConfig
-from resources.history import HistoryPolicy, Rollup, plan_rollups, read_progress_tail, read_records, summarize
+from resources.exactly_once import read_progress_tail, read_records
+from resources.history import HistoryPolicy, Rollup, plan_rollups, summarize
 from resources.slices import SliceRange
 
 BATCH = 10_000  # keys per storage statement

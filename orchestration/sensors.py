@@ -44,9 +44,9 @@ from resources.exactly_once import (
     ProgressRecord,
     SlicePublisher,
     TableChannel,
+    read_progress_tail,
     transaction_timeout_ms,
 )
-from resources.history import read_progress_tail
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape

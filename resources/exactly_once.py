@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -370,6 +371,9 @@ def _consumer(kafka_conf: dict[str, Any]) -> Consumer:
                      "fetch.wait.max.ms": 10})
 
 
+READ_BATCH = 5000
+
+
 def _read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout: float
                 ) -> Iterator[Any]:
     """Committed messages of one partition with offsets in [start, end), in order."""
@@ -386,17 +390,17 @@ def _read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, ti
             raise KafkaUnavailable(
                 f"reading {tp.topic}[{tp.partition}] stalled at offset {pos} of {end}; an open transaction "
                 "may be holding the last stable offset")
-        msg = consumer.poll(0.02)  # short: the position also moves past markers, which poll never returns
-        if msg is None:
-            continue
-        if msg.error():
-            if msg.error().code() == KafkaError._PARTITION_EOF:
-                continue
-            raise KafkaUnavailable(f"reading {tp.topic}: {msg.error().str()}")
-        if msg.offset() >= end:
-            return
-        deadline = time.monotonic() + timeout
-        yield msg
+        # Batches (one call per message is ~10x slower on a long history); a short wait: the position also moves
+        # past markers, which consume never returns.
+        for msg in consumer.consume(num_messages=READ_BATCH, timeout=0.02):
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise KafkaUnavailable(f"reading {tp.topic}: {msg.error().str()}")
+            if msg.offset() >= end:
+                return
+            deadline = time.monotonic() + timeout
+            yield msg
 
 
 def read_progress_history(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
@@ -473,13 +477,170 @@ def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, t
         consumer.close()
 
 
+def tiling(key: SliceRange, records: list[ProgressRecord]) -> list[ProgressRecord] | None:
+    """The records that cover `key` exactly, in order, without gap or overlap; None if they do not."""
+    out: list[ProgressRecord] = []
+    position = key.lo
+    for r in records:
+        if r.hi <= r.lo or r.lo < key.lo or r.hi > key.hi:
+            continue  # baselines/resets (no range) and records outside the key
+        if r.lo != position:
+            return None
+        out.append(r)
+        position = r.hi
+    return out if position == key.hi and out else None
+
+
+
+# -- searching the progress topic: ranges, recent records, the tail tick after tick ---------------------------
+
+
+def _scan(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout: float,
+          stop_at_hi: int | None = None) -> list[tuple[int, ProgressRecord]]:
+    """(offset, record) of the committed progress records in [start, end); stops once one reaches `stop_at_hi`."""
+    out: list[tuple[int, ProgressRecord]] = []
+    for msg in _read_range(consumer, tp, start, end, timeout):
+        record = ProgressRecord.from_json(msg.value())
+        out.append((msg.offset(), record))
+        if stop_at_hi is not None and record.hi >= stop_at_hi:
+            break
+    return out
+
+
+def read_records(kafka_conf: dict[str, Any], channel: TableChannel, *, since_ms: int | None = None,
+                 timeout: float = 30.0) -> list[ProgressRecord]:
+    """The table's committed progress records, oldest first; with `since_ms` only those produced at or after that
+    time (Kafka's time index on the progress topic: a few days of history, not all of it)."""
+    consumer = _consumer(kafka_conf)
+    try:
+        tp = TopicPartition(channel.progress_topic, 0)
+        low, high = _watermarks(consumer, tp, timeout, kafka_conf)
+        start = low
+        if since_ms is not None and high > low:
+            found = consumer.offsets_for_times([TopicPartition(tp.topic, 0, since_ms)], timeout=timeout)[0].offset
+            start = high if found < 0 else max(low, found)  # -1: nothing that recent
+        return [r for _, r in _scan(consumer, tp, start, high, timeout)]
+    finally:
+        consumer.close()
+
+
+def _first_at_or_after(consumer: Consumer, tp: TopicPartition, offset: int, end: int, timeout: float
+                       ) -> tuple[int, ProgressRecord] | None:
+    got = _scan(consumer, tp, offset, end, timeout, stop_at_hi=-(2**63))
+    return got[0] if got else None
+
+
+def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: SliceRange,
+                     timeout: float = 30.0) -> list[ProgressRecord]:
+    """The committed progress records that tile `rng` (a slice or roll-up key), in order; [] if the range is not
+    exactly covered by committed slices. Progress only grows between resets, so a binary search over the topic's
+    offsets finds the first record after `rng.lo` in ~log2(records) reads, then the range is read forward; if that
+    does not tile (a reset re-published the range), the whole topic is scanned."""
+    consumer = _consumer(kafka_conf)
+    try:
+        tp = TopicPartition(channel.progress_topic, 0)
+        low, high = _watermarks(consumer, tp, timeout, kafka_conf)
+        lo_off, hi_off = low, high
+        while lo_off < hi_off:  # first offset whose record ends above rng.lo
+            mid = (lo_off + hi_off) // 2
+            probe = _first_at_or_after(consumer, tp, mid, high, timeout)
+            if probe is None:
+                hi_off = mid
+            elif probe[1].hi <= rng.lo:
+                lo_off = probe[0] + 1
+            else:
+                hi_off = mid
+        found = [r for _, r in _scan(consumer, tp, lo_off, high, timeout, stop_at_hi=rng.hi)]
+        covered = tiling(rng, found)
+        if covered is None:
+            every = [r for _, r in _scan(consumer, tp, low, high, timeout)]
+            latest = {(r.lo, r.hi): r for r in every}  # a range published again after a reset: its newest record
+            covered = tiling(rng, sorted(latest.values(), key=lambda r: r.lo))
+        return covered or []
+    finally:
+        consumer.close()
+
+
+# -- the committed progress, read cheaply tick after tick -------------------------------------------------------
+
+
+class ProgressTail:
+    """The table's last committed progress record through one long-lived consumer per process and progress topic.
+
+    `read_committed_progress` (resources/exactly_once.py) makes a consumer, fetches metadata and reads the tail:
+    ~60 ms, the largest part of an idle sensor tick. Here the consumer stays connected and the tail is read again
+    only when the topic's end offset moved: an idle tick asks Kafka one ListOffsets (~1-2 ms). Same answer: the
+    last committed record, read_committed, found by reading back from the end in growing windows."""
+
+    _lock = threading.Lock()
+    _instances: dict[tuple[str, str], ProgressTail] = {}
+
+    def __init__(self, kafka_conf: dict[str, Any], topic: str) -> None:
+        self.kafka_conf = kafka_conf
+        self.tp = TopicPartition(topic, 0)
+        self.consumer: Consumer | None = None
+        self.lock = threading.Lock()
+        self.seen: tuple[int, int] | None = None  # (low, high) when `record` was read
+        self.record: ProgressRecord | None = None
+
+    @classmethod
+    def for_channel(cls, kafka_conf: dict[str, Any], channel: TableChannel) -> ProgressTail:
+        key = (json.dumps(kafka_conf, sort_keys=True, default=str), channel.progress_topic)
+        with cls._lock:
+            tail = cls._instances.get(key)
+            if tail is None:
+                tail = cls._instances[key] = cls(kafka_conf, channel.progress_topic)
+            return tail
+
+    def read(self, timeout: float = 30.0) -> ProgressRecord | None:
+        with self.lock:
+            try:
+                return self._read(timeout)
+            except Exception:
+                self._reset()  # a broken connection: the next call starts over with a new consumer
+                raise
+
+    def _reset(self) -> None:
+        if self.consumer is not None:
+            with contextlib.suppress(Exception):
+                self.consumer.close()
+        self.consumer, self.seen, self.record = None, None, None
+
+    def _read(self, timeout: float) -> ProgressRecord | None:
+        if self.consumer is None:
+            self.consumer = _consumer(self.kafka_conf)
+        if self.seen is None:  # first read (or after an error): the topic may not exist yet
+            low, high = _watermarks(self.consumer, self.tp, timeout, self.kafka_conf)
+            if (low, high) == (0, 0):
+                return None  # no topic or empty: asked again next time (metadata each time until it exists)
+        else:
+            low, high = self.consumer.get_watermark_offsets(self.tp, timeout=timeout, cached=False)
+        if self.seen == (low, high):
+            return self.record
+        record, window = None, 8
+        while True:
+            start = max(low, high - window)
+            got = _scan(self.consumer, self.tp, start, high, timeout)
+            if got:
+                record = got[-1][1]
+                break
+            if start <= low:
+                break
+            window *= 4  # only markers or aborted records at the end: look further back
+        self.seen, self.record = (low, high), record
+        return record
+
+
+def read_progress_tail(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
+                       ) -> ProgressRecord | None:
+    """The table's committed progress, as `read_committed_progress`, through the process's long-lived reader."""
+    return ProgressTail.for_channel(kafka_conf, channel).read(timeout)
+
+
 def find_slice_progress(kafka_conf: dict[str, Any], channel: TableChannel, slice_range: SliceRange
                         ) -> ProgressRecord | None:
     """The progress record of exactly this slice (its newest), found by a search over the progress topic rather
     than a read of all history (a long-lived table has hundreds of thousands of records)."""
-    # resources/history.py builds on this module; imported here to keep the dependency one way at import time.
-    from resources.history import records_in_range
-
     tiles = records_in_range(kafka_conf, channel, slice_range)
     return tiles[0] if len(tiles) == 1 and (tiles[0].lo, tiles[0].hi) == (slice_range.lo, slice_range.hi) else None
 
@@ -573,7 +734,6 @@ class SlicePublisher:
         # After such an abort the slice is redone with a report per row, which names the row that failed.
         self._report_every_row = False
         self.last_phases: dict[str, float] = {}  # seconds per phase of the last transaction (see _transaction)
-        self._schema: tuple[list[list[str]], str] = ([], "")  # the columns of the slice being published
         # The open transaction: when it began (monotonic; None: none open) and rows produced into it so far.
         self._txn_began: float | None = None
         self._txn_rows = 0
@@ -616,7 +776,6 @@ class SlicePublisher:
                 columns: list[list[str]] | None = None, schema_fingerprint: str = "") -> PublishResult:
         """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them. `columns` and
         `schema_fingerprint` (the columns the rows were read with) go into the slice's progress record."""
-        self._schema = (columns or [], schema_fingerprint)
         started = time.monotonic()
         if not self._initialized:
             self.init()
@@ -642,7 +801,7 @@ class SlicePublisher:
         while True:
             attempt += 1
             try:
-                record = self._transaction(slice_range, batches())
+                record = self._transaction(slice_range, batches(), columns or [], schema_fingerprint)
                 self._own_progress = record
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
                                      attempts=attempt, phases=dict(self.last_phases))
@@ -762,8 +921,8 @@ class SlicePublisher:
         with contextlib.suppress(KafkaException):
             self.producer.abort_transaction(self.abort_timeout_s)
 
-    def _transaction(self, slice_range: SliceRange,
-                     batches: Iterable[MessageBatch | Sequence[OutgoingMessage]]) -> ProgressRecord:
+    def _transaction(self, slice_range: SliceRange, batches: Iterable[MessageBatch | Sequence[OutgoingMessage]],
+                     columns: list[list[str]], schema_fingerprint: str) -> ProgressRecord:
         ch = self.channel
         offsets: dict[int, list[int]] = {}
         errors: list[tuple[KafkaError, int | None]] = []
@@ -876,7 +1035,7 @@ class SlicePublisher:
             offsets={str(p): span for p, span in sorted(offsets.items())},
             transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
             transaction_s=round(time.monotonic() - self._txn_began, 3) if self._txn_began is not None else 0.0,
-            columns=self._schema[0], schema_fingerprint=self._schema[1],
+            columns=columns, schema_fingerprint=schema_fingerprint,
         )
         self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None)
         self.on_stage("before_commit")

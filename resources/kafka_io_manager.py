@@ -21,10 +21,10 @@ from resources.exactly_once import (
     SlicePublisher,
     TableChannel,
     TransactionTimedOut,
-    read_progress_history,
     read_published_messages,
+    records_in_range,
 )
-from resources.history import records_in_range, summarize
+from resources.history import summarize
 from resources.messages import ReadAhead, SliceFrame, TableSlices
 from resources.slices import SliceRange
 from resources.spark import SparkResource
@@ -85,8 +85,10 @@ class KafkaIOManager(ConfigurableIOManager):
         pending = {s.key for s in obj.pending}
         committed = [s for s in obj.slices if s.key not in pending]
         if committed:  # committed before this run (a re-run, a roll-up key): report what they published
-            # Many keys: one pass over the progress history beats a search per key.
-            history = {(r.lo, r.hi): r for r in read_progress_history(self.kafka_conf(), obj.channel)
+            # Many keys: one search over their span beats a search per key (a key it does not tile, e.g. a
+            # roll-up, is then searched on its own).
+            span = committed[0].span(min(s.lo for s in committed), max(s.hi for s in committed))
+            history = {(r.lo, r.hi): r for r in records_in_range(self.kafka_conf(), obj.channel, span)
                        } if len(committed) > 20 else {}
             for s in committed:
                 record = history.get((s.lo, s.hi)) or self.committed_record(obj.channel, s)

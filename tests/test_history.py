@@ -22,8 +22,8 @@ import pytest
 import sqlalchemy as sa
 
 from resources.config import TableConfig
-from resources.exactly_once import ProgressRecord
-from resources.history import HistoryPolicy, plan_rollups, summarize, tiling
+from resources.exactly_once import ProgressRecord, tiling
+from resources.history import HistoryPolicy, plan_rollups, summarize
 from resources.slices import SliceRange
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
@@ -132,7 +132,7 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
     from orchestration.cli import verify_table
     from orchestration.factory import job_name
     from orchestration.history import compact_table
-    from resources.history import records_in_range
+    from resources.exactly_once import records_in_range
 
     config, table = history
     instance = dagster_instance

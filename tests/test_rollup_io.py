@@ -18,7 +18,8 @@ def test_rollup_key_loads_every_row_back_and_a_rerun_publishes_nothing(services,
 
     from assets.relay import asset_key, channel_for, partitions_for
     from orchestration.history import compact_table
-    from resources.history import records_in_range, summarize
+    from resources.exactly_once import records_in_range
+    from resources.history import summarize
     from resources.slices import SliceRange
 
     with pg_engine.begin() as conn:
