@@ -407,8 +407,9 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     """A deliberate new baseline: the table's progress says "committed up to W", recorded in Kafka (a progress
     record with the reason) and on the Dagster instance (an observation of the table's asset). Rows at or below W
     are then never sent again; rows above W are sent once, whatever the topic already holds. Partitions above W
-    are deleted (they are cut again from W)."""
-    from dagster import AssetObservation, DagsterInstance, MetadataValue, RunsFilter
+    are deleted (they are cut again from W); one that straddles W (a slice or roll-up (lo, hi] with lo < W) keeps its
+    part below W as the partition (lo, W], materialized: those rows were published before the reset."""
+    from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue, RunsFilter
 
     from assets.relay import asset_key, channel_for, partitions_for
     from orchestration.factory import job_name
@@ -436,6 +437,15 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         dropped = [k for k in keys if SliceRange.from_key(k).hi > args.after]
         for key in dropped:
             instance.delete_dynamic_partition(partitions.name, key)
+        for key in dropped:
+            cut = SliceRange.from_key(key)
+            if cut.lo < args.after:  # without it (lo, W] would have no partition, though it was published
+                below = cut.span(cut.lo, args.after)
+                instance.add_dynamic_partitions(partitions.name, [below.key])
+                instance.report_runless_asset_event(AssetMaterialization(
+                    asset_key=asset_key(table), partition=below.key,
+                    description=f"rows {below} of {cut.key}, published before rowrelay reset after {args.after}",
+                    metadata={"rowrelay/before_reset_of": key, "reason": args.reason}))
         instance.report_runless_asset_event(AssetObservation(
             asset_key=asset_key(table), description=f"rowrelay reset: new baseline after watermark {args.after}",
             metadata={"rowrelay/reset_after": args.after, "reason": args.reason,

@@ -151,6 +151,31 @@ def test_new_prefix_refuses_to_resend_and_reset_sets_a_baseline(services, pg_dat
     assert any(o is not None and o.metadata["rowrelay/reset_after"].value == 3 for o in observed)
 
 
+def test_reset_inside_a_slice_keeps_the_part_below_as_a_partition(services, pg_database, pg_engine, dagster_home,
+                                                                   dagster_instance, spark, name, tmp_path,
+                                                                   monkeypatch, capsys) -> None:
+    """A reset at W inside a committed slice (or roll-up) (lo, hi] deleted its partition and left (lo, W] without
+    one, though its rows were published: the part below W is now a partition of its own, materialized."""
+    _pg_table(pg_engine, name, 5)
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    cfg = relay_config(services, {"src": pg_database}, [_table_cfg(name)])
+    path = tmp_path / "rowrelay.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    table_id = f"src.public.{name}"
+    assert main(["--config", str(path), "backfill", "--table", table_id]) == 0
+    table = cfg.tables[0]
+    partitions = f"{table.dagster_name}__slices"
+    assert dagster_instance.get_dynamic_partitions(partitions) == [SliceRange(0, 5).key]
+    assert main(["--config", str(path), "reset", "--table", table_id, "--after", "2", "--reason", "re-send 3-5"]) == 0
+    assert dagster_instance.get_dynamic_partitions(partitions) == [SliceRange(0, 2).key]
+    (record,) = dagster_instance.fetch_materializations(asset_key(table), limit=10).records[:1]
+    assert record.asset_materialization.partition == SliceRange(0, 2).key
+    assert record.asset_materialization.metadata["rowrelay/before_reset_of"].value == SliceRange(0, 5).key
+    assert main(["--config", str(path), "backfill", "--table", table_id]) == 0  # rows 3-5 again, as asked
+    assert _ids(services, table) == [1, 2, 3, 3, 4, 4, 5, 5]
+    assert dagster_instance.get_dynamic_partitions(partitions) == [SliceRange(0, 2).key, SliceRange(2, 5).key]
+
+
 def test_transaction_timeout_bounds_slice_size() -> None:
     """Slices are cut no larger than the table's recent rate can publish in half the transaction timeout."""
     from orchestration.sensors import slice_rows_limit
