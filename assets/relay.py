@@ -95,6 +95,7 @@ class TableLag:
     lag_seconds: float | None  # None: nothing to measure it from (rows wait, nothing committed, no timestamp)
     lag_basis: str  # oldest_unpublished_row | since_last_commit | caught_up | unknown
     last_commit_at: str | None
+    watermark_kind: str = "integer"  # integer | timestamp | timestamptz: the watermarks are then UTC microseconds
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,7 +145,7 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
         seconds, basis = None, "unknown"
     return TableLag(table=table.table_id, committed_hi=progress.hi if progress else None, source_max=top,
                     lag_rows=rows, lag_seconds=None if seconds is None else round(seconds, 1), lag_basis=basis,
-                    last_commit_at=last)
+                    last_commit_at=last, watermark_kind=shape.watermark_kind)
 
 
 def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed_hi: int) -> list[SliceRange]:

@@ -30,7 +30,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env
 from resources.exactly_once import read_committed_progress
-from resources.slices import parse_watermark
+from resources.slices import micros_text, parse_watermark
 
 
 @dataclass
@@ -206,15 +206,20 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
     for column in ("table", "committed", "source max", "lag rows", "lag s", "lag measured as", "last commit",
                    "active runs"):
         view.add_column(column, justify="right" if column in ("committed", "source max", "lag rows", "lag s",
-                                                             "active runs") else "left")
+                                                             "active runs") else "left",
+                        no_wrap=column in ("committed", "source max"))  # a time watermark reads whole
     basis = {"oldest_unpublished_row": "age of oldest unpublished row", "since_last_commit": "time since last commit",
              "caught_up": "caught up", "unknown": "rows wait, nothing committed yet"}
 
     def cell(value: Any) -> str:
         return "-" if value is None else str(value)
 
+    def mark(row: dict[str, Any], value: int | None) -> str:  # a timestamp watermark as its UTC time
+        return micros_text(value) if value is not None and row.get("watermark_kind", "integer") != "integer" \
+            else cell(value)
+
     for row in rows:
-        view.add_row(row["table"], cell(row["committed_hi"]), cell(row["source_max"]), cell(row["lag_rows"]),
+        view.add_row(row["table"], mark(row, row["committed_hi"]), mark(row, row["source_max"]), cell(row["lag_rows"]),
                      cell(row["lag_seconds"]), basis[row["lag_basis"]], cell(row["last_commit_at"]),
                      cell(row["active_runs"]))
     Console(width=max(160, Console().width)).print(view)

@@ -444,7 +444,9 @@ def kafka_up(ports: Ports) -> None:
     log4j.write_text(KAFKA_LOG4J)
     java = ["java", f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath]
     if not (data / "meta.properties").exists():
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        cluster_id = "-"
+        while cluster_id.startswith("-"):  # one in 64 would be read as an option (Kafka's Uuid.randomUuid skips them)
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         try:
             run([*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props), "--standalone"])
         except subprocess.CalledProcessError as exc:

@@ -163,7 +163,7 @@ def test_postgres_timestamp_watermark_equal_times_and_out_of_order_commits(
 
 @pytest.mark.integration
 def test_postgres_open_transaction_holds_the_cut(services, pg_database, pg_engine, dagster_instance, spark,
-                                                 name) -> None:
+                                                 name, monkeypatch, capsys) -> None:
     """The out-of-order case on its own: nothing at or above the open transaction's time is cut while it is open."""
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT now())"))
@@ -186,6 +186,12 @@ def test_postgres_open_transaction_holds_the_cut(services, pg_database, pg_engin
         slow.close()
     h.drain(table)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
+    # `rowrelay status` shows the committed watermark as the time it is.
+    from orchestration.cli import main
+
+    monkeypatch.setenv("DAGSTER_HOME", dagster_instance.root_directory)
+    assert main(["--config", str(h.config_file()), "status"]) == 0
+    assert micros_text(h.progress(table).hi) in capsys.readouterr().out
 
 
 @pytest.mark.integration
