@@ -462,19 +462,23 @@ def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, t
     try:
         tp = TopicPartition(channel.progress_topic, 0)
         low, high = _watermarks(consumer, tp, timeout, kafka_conf)
-        window = 8
-        while True:
-            start = max(low, high - window)
-            last = None
-            for msg in _read_range(consumer, tp, start, high, timeout):
-                last = msg
-            if last is not None:
-                return ProgressRecord.from_json(last.value())
-            if start <= low:
-                return None
-            window *= 4  # only markers/aborted records in the tail: look further back
+        return _last_record(consumer, tp, low, high, timeout)
     finally:
         consumer.close()
+
+
+def _last_record(consumer: Consumer, tp: TopicPartition, low: int, high: int, timeout: float
+                 ) -> ProgressRecord | None:
+    """The last committed progress record in offsets [low, high), read back from the end in growing windows."""
+    window = 8
+    while True:
+        start = max(low, high - window)
+        got = _scan(consumer, tp, start, high, timeout)
+        if got:
+            return got[-1][1]
+        if start <= low:
+            return None
+        window *= 4  # only markers or aborted records at the end: look further back
 
 
 def tiling(key: SliceRange, records: list[ProgressRecord]) -> list[ProgressRecord] | None:
@@ -489,7 +493,6 @@ def tiling(key: SliceRange, records: list[ProgressRecord]) -> list[ProgressRecor
         out.append(r)
         position = r.hi
     return out if position == key.hi and out else None
-
 
 
 # -- searching the progress topic: ranges, recent records, the tail tick after tick ---------------------------
@@ -567,7 +570,7 @@ def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Sli
 class ProgressTail:
     """The table's last committed progress record through one long-lived consumer per process and progress topic.
 
-    `read_committed_progress` (resources/exactly_once.py) makes a consumer, fetches metadata and reads the tail:
+    `read_committed_progress` makes a consumer, fetches metadata and reads the tail:
     ~60 ms, the largest part of an idle sensor tick. Here the consumer stays connected and the tail is read again
     only when the topic's end offset moved: an idle tick asks Kafka one ListOffsets (~1-2 ms). Same answer: the
     last committed record, read_committed, found by reading back from the end in growing windows."""
@@ -617,16 +620,7 @@ class ProgressTail:
             low, high = self.consumer.get_watermark_offsets(self.tp, timeout=timeout, cached=False)
         if self.seen == (low, high):
             return self.record
-        record, window = None, 8
-        while True:
-            start = max(low, high - window)
-            got = _scan(self.consumer, self.tp, start, high, timeout)
-            if got:
-                record = got[-1][1]
-                break
-            if start <= low:
-                break
-            window *= 4  # only markers or aborted records at the end: look further back
+        record = _last_record(self.consumer, self.tp, low, high, timeout)
         self.seen, self.record = (low, high), record
         return record
 

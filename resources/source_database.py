@@ -19,7 +19,7 @@ from sqlalchemy.exc import NoSuchTableError
 
 from resources.config import resolve_env
 from resources.jdbc import UrlParameterError, jdbc_options
-from resources.slices import WatermarkCandidate, datetime_to_micros, micros_to_datetime
+from resources.slices import WatermarkCandidate, datetime_to_micros, micros_text, micros_to_datetime
 
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
 SUPPORTED_TYPES: tuple[type, ...] = (
@@ -105,8 +105,8 @@ class TableShape:
         return datetime_to_micros(value) if isinstance(value, datetime) else int(value)
 
     def watermark_text(self, value: int) -> str:
-        """For messages: the value, or the time (ISO 8601, UTC) a timestamp watermark stands for."""
-        return micros_to_datetime(value).isoformat() if self.timestamps else str(value)
+        """For error messages: the value, or the time a timestamp watermark stands for (as in keys and the CLI)."""
+        return micros_text(value) if self.timestamps else str(value)
 
     @property
     def column_names(self) -> list[str]:

@@ -196,7 +196,10 @@ def test_postgres_open_transaction_holds_the_cut(services, pg_database, pg_engin
 
 @pytest.mark.integration
 def test_mariadb_datetime_watermark_equal_times_and_out_of_order_commits(
-        services, mariadb_database, mariadb_engine, dagster_instance, spark, name) -> None:
+        services, mariadb_database, dagster_instance, spark, name) -> None:
+    # CURRENT_TIMESTAMP(6) is the session's local time: writers in UTC, whatever the server's global zone (another
+    # test sets it to +05:00 for a while; rows written in two zones would not be in time order).
+    mariadb_engine = create_engine(mariadb_database, connect_args={"init_command": "SET time_zone = '+00:00'"})
     with mariadb_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id CHAR(36) PRIMARY KEY, n INT NOT NULL, "
                           "created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), INDEX (created_at))"))
@@ -211,7 +214,7 @@ def test_mariadb_datetime_watermark_equal_times_and_out_of_order_commits(
     assert all(TIME_KEY.match(k) for k in keys) and [h.materialization(table, k)["rows"] for k in keys] == [300, 300]
     first_hi = h.progress(table).hi
 
-    slow = create_engine(mariadb_database).connect()
+    slow = mariadb_engine.connect()
     try:
         slow.execute(text("BEGIN"))
         slow.execute(text(f"INSERT INTO {name} (id, n) SELECT UUID(), seq FROM seq_601_to_650"))
@@ -228,6 +231,7 @@ def test_mariadb_datetime_watermark_equal_times_and_out_of_order_commits(
     messages = read_topic(services.kafka_bootstrap, table.topic_name)
     with mariadb_engine.connect() as conn:
         ids = [r[0] for r in conn.execute(text(f"SELECT id FROM {name}"))]
+    mariadb_engine.dispose()
     assert len(ids) == 700
     assert_exactly_once(messages, ids)
     ordered = _ordered(messages)
