@@ -205,7 +205,9 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
             return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key)
 
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
-        return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows)
+        first = source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi) if rows else None  # one indexed row
+        return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
+                          first_watermark=first)
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
                        columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed)

@@ -163,12 +163,17 @@ class SliceFrame:
     slice: SliceRange
     read_chunk: ChunkReader | None  # None: already committed
     expected_rows: int
+    first_watermark: int | None = None  # the slice's lowest watermark, if known
 
     def sub_ranges(self, chunk_rows: int) -> list[SliceRange]:
-        """Split the slice into watermark sub-ranges of about `chunk_rows` rows each."""
+        """Split the slice into watermark sub-ranges of about `chunk_rows` rows each, evenly from its first row:
+        a slice far wider than its rows (a time table's first slice starts in 1970) would otherwise put every row
+        in its last chunk, in memory at once."""
         chunks = max(1, ceil(self.expected_rows / max(1, chunk_rows)))
-        width = max(1, ceil((self.slice.hi - self.slice.lo) / chunks))
-        bounds = list(range(self.slice.lo, self.slice.hi, width)) + [self.slice.hi]
+        lo, hi = self.slice.lo, self.slice.hi
+        base = lo if self.first_watermark is None else min(max(lo, self.first_watermark - 1), hi - 1)
+        width = max(1, ceil((hi - base) / chunks))
+        bounds = [lo] + list(range(base + width, hi, width)) + [hi]
         return [self.slice.span(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
     def fetch(self, sub: SliceRange, expected_rows: int) -> pa.Table:

@@ -90,3 +90,16 @@ def test_out_of_order_rows_are_refused() -> None:
                    expected_rows=5)
     with pytest.raises(RuntimeError, match="out of watermark order"):
         list(f.iter_batches(chunk_rows=5))
+
+
+def test_chunks_split_evenly_from_the_first_row() -> None:
+    """A slice far wider than its rows (a timestamp table's first slice starts in 1970): chunks are split from its
+    first row, so the rows spread over them instead of all landing in the last one."""
+    wide = SliceFrame(channel=CHANNEL, slice=SliceRange(0, 1_000_100), read_chunk=None, expected_rows=100,
+                      first_watermark=1_000_001)
+    subs = wide.sub_ranges(chunk_rows=25)
+    assert subs[0].lo == 0 and subs[-1].hi == 1_000_100 and len(subs) == 4
+    assert all(a.hi == b.lo for a, b in zip(subs, subs[1:], strict=False))  # contiguous: no gap, no overlap
+    assert [s.hi - max(s.lo, 1_000_000) for s in subs] == [25, 25, 25, 25]  # 25 watermarks of rows each
+    unknown = SliceFrame(channel=CHANNEL, slice=SliceRange(0, 100), read_chunk=None, expected_rows=100)
+    assert [(s.lo, s.hi) for s in unknown.sub_ranges(chunk_rows=50)] == [(0, 50), (50, 100)]
