@@ -416,11 +416,12 @@ def measure_freshness(stack: Stack, workdir: Path, samples: int, warm_spark: boo
     return results
 
 
-def stop_process_group(proc: subprocess.Popen) -> None:
-    """SIGTERM a daemon started with start_new_session (it, its code server and run workers), SIGKILL after 60 s."""
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM a process started with start_new_session (a daemon with its code server and run workers, a webserver)
+    and its group; SIGKILL after `grace_s`."""
     os.killpg(proc.pid, 15)
     try:
-        proc.wait(60)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.wait()

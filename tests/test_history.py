@@ -264,12 +264,9 @@ def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dag
         assert elapsed < 8, elapsed
         print(f"partitions page: {len(keys)} keys, rendered in {elapsed:.1f} s, screenshot {shot}")
     finally:
-        os.killpg(web.pid, 15)
-        try:
-            web.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(web.pid, 9)
-            web.wait()
+        from bench.run import stop_process_group
+
+        stop_process_group(web, grace_s=30)
 
 
 # -- many tables -----------------------------------------------------------------------------------------------

@@ -161,18 +161,25 @@ def test_postgres_timestamp_watermark_equal_times_and_out_of_order_commits(
     assert report.ok and report.source_rows == report.messages == 1000, report
 
 
+def _relayed_time_table(services, pg_database, pg_engine, dagster_instance, name: str, nullable: str,
+                        rows: int) -> tuple[Harness, list[str]]:
+    """A PostgreSQL table (n, created_at timestamptz DEFAULT now()) with rows 1..`rows`, relayed up to its max;
+    returns the harness and the slice keys run."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at timestamptz {nullable} DEFAULT now())"))
+        conn.execute(text(f"INSERT INTO {name} (n) SELECT generate_series(1, {rows})"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "created_at", "key": ["n"]}])
+    h = Harness(cfg, dagster_instance)
+    return h, h.drain(h.table())
+
+
 @pytest.mark.integration
 def test_postgres_open_transaction_holds_the_cut(services, pg_database, pg_engine, dagster_instance, spark,
                                                  name, monkeypatch, capsys) -> None:
     """The out-of-order case on its own: nothing at or above the open transaction's time is cut while it is open."""
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT now())"))
-        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1)"))
-    cfg = relay_config(services, {"src": pg_database}, [
-        {"source": "src", "table": f"public.{name}", "watermark": "created_at", "key": ["n"]}])
-    h = Harness(cfg, dagster_instance)
+    h, _ = _relayed_time_table(services, pg_database, pg_engine, dagster_instance, name, "NOT NULL", rows=1)
     table = h.table()
-    h.drain(table)
     first_hi = h.progress(table).hi
     slow = create_engine(pg_database).connect()
     try:
@@ -243,15 +250,9 @@ def test_null_timestamp_is_a_clear_error_and_nothing_moves(services, pg_database
                                                              spark, name, monkeypatch) -> None:
     import orchestration.sensors
 
-
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at timestamptz DEFAULT now())"))
-        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1), (2)"))
-    cfg = relay_config(services, {"src": pg_database}, [
-        {"source": "src", "table": f"public.{name}", "watermark": "created_at", "key": ["n"]}])
-    h = Harness(cfg, dagster_instance)
+    h, keys = _relayed_time_table(services, pg_database, pg_engine, dagster_instance, name, "NULL", rows=2)
     table = h.table()
-    (key,) = h.drain(table)
+    assert len(keys) == 1
     before = h.progress(table)
     with pg_engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {name} (n, created_at) VALUES (3, NULL)"))

@@ -139,9 +139,6 @@ def test_checks_tab_shows_a_passed_parity_and_a_failed_lag_check_in_headless_chr
         assert _png_size(shot) == (1280, 800) and shot.stat().st_size > 20_000
         print(f"checks tab rendered and shot in {time.monotonic() - started:.1f} s: {shot}")
     finally:
-        os.killpg(web.pid, 15)
-        try:
-            web.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(web.pid, 9)
-            web.wait()
+        from bench.run import stop_process_group
+
+        stop_process_group(web, grace_s=30)
