@@ -301,6 +301,10 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     if resplit and chain:
         too_long = source.count_rows(shape, chain[0].lo, chain[0].hi)
         max_rows = min(max_rows, max(1, too_long // 4))
+        # The slices' end was final when they were cut: cut again up to it at once (already-final candidate),
+        # not after the open transactions of this moment, or a busy source would re-cut them at full size.
+        state = SensorState([WatermarkCandidate(chain[-1].hi, float("-inf")), *state.pending], state.chain,
+                            state.waiting_since)
         delete, chain, frontier = delete + chain, [], committed_hi
     if chain and not cut_while_pending:
         return CutPlan(committed_hi, delete, [], chain, state)
