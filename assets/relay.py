@@ -31,7 +31,7 @@ from resources.exactly_once import (
     SliceOutOfOrder,
     TableChannel,
     read_committed_progress,
-    records_in_range,
+    tiles_by_range,
 )
 from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
@@ -338,12 +338,8 @@ def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_co
         # The run's slices are one span of the chain: one search over the progress topic finds their records
         # (a long-lived table has hundreds of thousands; reading them all cost seconds per run).
         wanted = [SliceRange.from_key(k) for k in slice_keys]
-        span = wanted[0].span(min(s.lo for s in wanted), max(s.hi for s in wanted))
-        tiles = records_in_range(kafka_conf, channel, span, timeout=CHECK_KAFKA_TIMEOUT_S)
-        if not tiles:  # not all of them committed (the run failed part way): the committed ones, one by one
-            tiles = [t for s in wanted for t in records_in_range(kafka_conf, channel, s, timeout=CHECK_KAFKA_TIMEOUT_S)]
-        by_range = {(r.lo, r.hi): r for r in tiles}
-        records = [by_range[(s.lo, s.hi)] for s in wanted if (s.lo, s.hi) in by_range]
+        tiles = tiles_by_range(kafka_conf, channel, wanted, timeout=CHECK_KAFKA_TIMEOUT_S)
+        records = [t[0] for s in wanted if len(t := tiles[s]) == 1]  # a slice's own record (not a roll-up's)
     elif slice_keys is None:
         last = read_committed_progress(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
         records = [last] if last is not None and last.hi > last.lo else []

@@ -442,7 +442,6 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         dropped = [k for k in keys if SliceRange.from_key(k).hi > args.after]
         for key in dropped:
             instance.delete_dynamic_partition(partitions.name, key)
-        for key in dropped:
             cut = SliceRange.from_key(key)
             if cut.lo < args.after:  # without it (lo, W] would have no partition, though it was published
                 below = cut.span(cut.lo, args.after)

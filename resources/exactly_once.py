@@ -564,6 +564,19 @@ def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Sli
         consumer.close()
 
 
+def tiles_by_range(kafka_conf: dict[str, Any], channel: TableChannel, ranges: list[SliceRange],
+                   timeout: float = 30.0) -> dict[SliceRange, list[ProgressRecord]]:
+    """The committed records tiling each of `ranges` (slice or roll-up keys; [] for one not covered): one search
+    over their whole span when it is tiled (a run's keys are consecutive), else one search per range."""
+    if not ranges:
+        return {}
+    spanned = records_in_range(kafka_conf, channel, ranges[0].span(min(r.lo for r in ranges),
+                                                                   max(r.hi for r in ranges)), timeout)
+    if spanned:
+        return {r: tiling(r, spanned) or [] for r in ranges}
+    return {r: records_in_range(kafka_conf, channel, r, timeout) for r in ranges}
+
+
 # -- the committed progress, read cheaply tick after tick -------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from resources.exactly_once import (
     TransactionTimedOut,
     read_published_messages,
     records_in_range,
+    tiles_by_range,
 )
 from resources.history import summarize
 from resources.messages import ReadAhead, SliceFrame, TableSlices
@@ -85,13 +86,9 @@ class KafkaIOManager(ConfigurableIOManager):
         pending = {s.key for s in obj.pending}
         committed = [s for s in obj.slices if s.key not in pending]
         if committed:  # committed before this run (a re-run, a roll-up key): report what they published
-            # Many keys: one search over their span beats a search per key (a key it does not tile, e.g. a
-            # roll-up, is then searched on its own).
-            span = committed[0].span(min(s.lo for s in committed), max(s.hi for s in committed))
-            history = {(r.lo, r.hi): r for r in records_in_range(self.kafka_conf(), obj.channel, span)
-                       } if len(committed) > 20 else {}
+            tiles = tiles_by_range(self.kafka_conf(), obj.channel, committed)  # one search for a run's keys
             for s in committed:
-                record = history.get((s.lo, s.hi)) or self.committed_record(obj.channel, s)
+                record = self.committed_record(obj.channel, s, tiles[s])
                 records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
         if obj.pending:
             assert obj.read is not None
@@ -178,11 +175,11 @@ class KafkaIOManager(ConfigurableIOManager):
                                      "rows_published": sum(r.progress.rows for r, _ in records.values()
                                                            if not r.already_committed)})
 
-    def committed_record(self, channel: TableChannel, rng: SliceRange) -> ProgressRecord:
-        """What a committed key published: its slice's progress record, or for a roll-up key (a range over several
-        committed slices, resources/history.py) their records summed; a range covered by progress without slices
-        of its own (below start_after, a baseline) published nothing."""
-        tiles = records_in_range(self.kafka_conf(), channel, rng)
+    @staticmethod
+    def committed_record(channel: TableChannel, rng: SliceRange, tiles: list[ProgressRecord]) -> ProgressRecord:
+        """What a committed key published, from the records tiling it: its slice's progress record, or for a
+        roll-up key (a range over several committed slices, resources/history.py) their records summed; a range
+        covered by progress without slices of its own (below start_after, a baseline) published nothing."""
         if len(tiles) == 1:
             return tiles[0]
         if not tiles:
