@@ -70,8 +70,7 @@ def seed_history(instance: Any, table: TableConfig, source_url: str, kafka_conf:
         for i in ids:
             producer.produce(channel.topic, value=json.dumps({"id": i, "v": "r"}).encode(),
                              on_delivery=partial(delivered, i), headers=[("rowrelay.table", channel.table.encode()),
-                                      ("rowrelay.watermark", str(i).encode()),
-                                      ("rowrelay.slice", SliceRange(i - 1, i).key.encode())])
+                                      ("rowrelay.watermark", str(i).encode())])
         producer.flush(60)  # the offsets go into the progress records of the same transaction
         for i in ids:
             value = json.dumps({"id": i, "v": "r"}).encode()

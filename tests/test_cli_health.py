@@ -125,7 +125,7 @@ def test_replay_republishes_a_committed_range_once_and_refuses_bad_input(
     assert [m.watermark for m in replayed] == list(range(101, 301))  # exactly the range, once, in order
     assert {m.headers["rowrelay.replay"].decode() for m in replayed} == {done["replay_id"]}
     original = {m.watermark: m for m in before}
-    for m in replayed:  # the same message: key, value and the original headers (checksum, slice, table)
+    for m in replayed:  # the same message: key, value and the original headers (table, watermark)
         o = original[m.watermark]
         assert (m.key, m.value) == (o.key, o.value)
         assert {k: v for k, v in m.headers.items() if k != "rowrelay.replay"} == o.headers
