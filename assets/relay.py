@@ -194,6 +194,9 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
         raise SourceError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
                           "sent; make the column NOT NULL or fill it")
     changed = check_schema(table, shape, committed_columns or [])
+    # Every chunk's read has the same Spark schema (the same columns, read once per run like the shape): asked of
+    # Spark once, not per chunk (a round trip and a JDBC schema query each).
+    spark_schema: dict[str, list[Any]] = {}
 
     def read(slice_range: SliceRange) -> SliceFrame:
         def read_chunk(chunk: SliceRange, expected_rows: int) -> "DataFrame":
@@ -202,7 +205,9 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
                 from pyspark.sql import functions as F
 
                 frame = frame.where(~F.col(f"`{shape.frame_watermark}`").isin(table.skip_watermark_values))
-            return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key)
+            schema = spark_schema.get("fields") or spark_schema.setdefault("fields", frame.schema.fields)
+            return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key,
+                                   schema=schema)
 
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
         first = source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi) if rows else None  # one indexed row

@@ -1,8 +1,9 @@
 """The Spark ceiling: a table read through rowrelay's own slice path into Python, without Kafka.
 
-Same reflection, the same JDBC read (`SparkResource.read_slice`), the same JSON/key/checksum expressions
-(`message_columns`) and the same chunked read-ahead into produce-ready Python bytes (`ReadAhead`) as a run, then
-nothing: what Spark can deliver on this machine, for `make bench` to set rowrelay's end-to-end figure against.
+The run's own read (`build_table_slices`: reflection and table check, the slice's count, then its chunks through
+`SparkResource.read_slice` and the JSON/key/checksum expressions of `message_columns`) and the same chunked
+read-ahead into produce-ready Python bytes (`ReadAhead`) as a run, then nothing: what Spark can deliver on this
+machine, for `make bench` to set rowrelay's end-to-end figure against.
 
     python -m bench.spark_ceiling --url URL --table public.t --rows N [--remote sc://...]
 
@@ -22,11 +23,10 @@ import sys  # noqa: E402
 
 
 def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -> tuple[int, float]:
-    from assets.relay import table_shape
+    from assets.relay import build_table_slices, channel_for
     from resources.config import TableConfig
-    from resources.exactly_once import TableChannel
     from resources.kafka_io_manager import KafkaIOManager
-    from resources.messages import ReadAhead, SliceFrame, message_columns
+    from resources.messages import ReadAhead
     from resources.slices import SliceRange
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
@@ -34,19 +34,15 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -
     spark = SparkResource(remote=remote) if remote else SparkResource(master=master)
     source = SourceDatabaseResource(url=url)
     config = TableConfig(source="bench", table=table, watermark="id", key=["id"])
-    shape = table_shape(source, config)
+    # The run's own read (build_table_slices: table check, then per slice its count and chunked Spark reads).
+    slices = build_table_slices(source, spark, config, channel_for(config), [SliceRange(0, rows)], 0)
     spark.get_session()
     # The IO manager's defaults: the ceiling reads in the same chunks with the same read-ahead as a run.
     defaults = KafkaIOManager.model_fields
     chunk_rows, prefetch = defaults["chunk_rows"].default, defaults["prefetch_chunks"].default
     started = time.monotonic()
-
-    def read_chunk(sub: SliceRange, expected: int):  # noqa: ANN202 - a Spark DataFrame
-        frame = spark.read_slice(source, shape, sub, expected)
-        return message_columns(frame, shape, ["id"], False, "bench", "ceiling")
-
-    frame = SliceFrame(channel=TableChannel.for_table("bench", "bench"), slice=SliceRange(0, rows),
-                       read_chunk=read_chunk, expected_rows=rows)
+    assert slices.read is not None
+    frame = slices.read(slices.pending[0])
     ahead = ReadAhead([frame], chunk_rows, prefetch)
     count = 0
     try:

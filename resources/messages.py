@@ -98,12 +98,14 @@ def json_object_expr(fields: list[StructField], json_columns: set[str]) -> Colum
 
 
 def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: bool, table: str,
-                    slice_key: str) -> DataFrame:
-    """key, value, watermark, checksum per row, in the input's order (pure Spark; no Python per row)."""
+                    slice_key: str, schema: list[StructField] | None = None) -> DataFrame:
+    """key, value, watermark, checksum per row, in the input's order (pure Spark; no Python per row).
+
+    `schema`: `df`'s fields if already known (asking Spark is a round trip and a JDBC schema query)."""
     from pyspark.sql import functions as F
 
     json_cols = set(shape.json_columns)
-    fields = {f.name: f for f in df.schema.fields}
+    fields = {f.name: f for f in (schema if schema is not None else df.schema.fields)}
     data = json_object_expr([fields[c] for c in shape.column_names], json_cols)
     if envelope:
         source = F.to_json(F.struct(F.lit(table).alias("table"), F.col(f"`{shape.frame_watermark}`").alias("watermark"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import weakref
 from math import ceil
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +43,16 @@ SQL_CONF = {
 }
 
 
+# Sessions whose SQL_CONF is set: once per session, not per read (with Spark Connect each set is a round trip, made
+# under the lock that every chunk's read took: two per chunk, serialising the fetch threads).
+_configured: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def _with_sql_conf(session: SparkSession) -> SparkSession:
-    for key, value in SQL_CONF.items():
-        session.conf.set(key, value)
+    if session not in _configured:
+        for key, value in SQL_CONF.items():
+            session.conf.set(key, value)
+        _configured.add(session)
     return session
 
 
