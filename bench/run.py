@@ -270,14 +270,6 @@ def run_watching_rss(cmd: list[str], env: dict[str, str], log_path: Path) -> tup
     return time.perf_counter() - started, code, peak
 
 
-def committed_hi(stack: Stack, table_id: str) -> int | None:
-    from resources.exactly_once import TableChannel, read_committed_progress
-
-    progress = read_committed_progress({"bootstrap.servers": stack.bootstrap},
-                                       TableChannel.for_table(table_id, table_id))
-    return progress.hi if progress else None
-
-
 class CommittedWatch:
     """Polls a table's committed progress (read_committed, the progress record commits with the rows) every 50 ms
     from launch and notes when it first reaches `hi`: when the last slice became visible to consumers."""
@@ -287,7 +279,7 @@ class CommittedWatch:
 
         self.tail = ProgressTail({"bootstrap.servers": stack.bootstrap}, TableChannel.for_table(
             table_id, table_id).progress_topic)
-        self.hi, self.at = hi, None
+        self.hi, self.at, self.committed_hi = hi, None, None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -300,13 +292,15 @@ class CommittedWatch:
             self._poll()  # one last look after the process ended
         self.stop.set()
         self.thread.join()
-        self.tail._reset()
+        self.tail.close()
 
     def _poll(self) -> None:
         with contextlib.suppress(Exception):  # the topic does not exist until the run creates it
             record = self.tail.read(5.0)
-            if record is not None and record.hi >= self.hi and self.at is None:
-                self.at = time.perf_counter()
+            if record is not None:
+                self.committed_hi = record.hi
+                if record.hi >= self.hi and self.at is None:
+                    self.at = time.perf_counter()
 
     def _watch(self) -> None:
         while self.at is None and not self.stop.wait(0.05):
@@ -331,7 +325,7 @@ def run_rowrelay(stack: Stack, table: str, rows: int, slice_rows: int, workdir: 
     if watch.at is None:
         raise RuntimeError(f"rowrelay backfill of {table_id} exited without committing up to {rows}")
     seconds = watch.at - started
-    hi = committed_hi(stack, table_id)
+    hi = watch.committed_hi  # the progress record that made the rows visible
     messages = topic_count(stack, table_id)
     return {"slice_max_rows": slice_rows, "seconds": round(seconds, 2), "seconds_to_exit": round(seconds_to_exit, 2),
             "rows_per_s": round(rows / seconds), "messages": messages, "committed_hi": hi,

@@ -618,6 +618,11 @@ class ProgressTail:
                 self._reset()  # a broken connection: the next call starts over with a new consumer
                 raise
 
+    def close(self) -> None:
+        """Disconnect; a later read connects again."""
+        with self.lock:
+            self._reset()
+
     def _reset(self) -> None:
         if self.consumer is not None:
             with contextlib.suppress(Exception):
