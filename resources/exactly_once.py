@@ -28,9 +28,11 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
@@ -117,7 +119,39 @@ class OutgoingMessage:
     key: bytes | None
     value: bytes
     watermark: int
-    checksum: str  # sha256 hex of value
+
+
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)  # an unsigned 32-bit array typecode
+
+
+class SliceDigest:
+    """A slice's checksum, fed with its message values batch by batch in watermark order: the sha256 of two sha256
+    digests, of the values concatenated and of their lengths (unsigned 32-bit little-endian), so any split of the
+    same bytes into other values gives another checksum.
+
+    Two hashes over whole batches, not one per row: hashlib releases the GIL for large inputs and uses the CPU's
+    SHA instructions, where a per-row sha256 in Spark cost about a seventh of its CPU per slice."""
+
+    def __init__(self) -> None:
+        self._values, self._lengths = hashlib.sha256(), hashlib.sha256()
+
+    def update(self, values: Sequence[bytes]) -> None:
+        self._values.update(b"".join(values))
+        lengths = array(_U32, map(len, values))
+        if sys.byteorder == "big":
+            lengths.byteswap()
+        self._lengths.update(lengths)
+
+    def hexdigest(self) -> str:
+        return hashlib.sha256(self._values.digest() + self._lengths.digest()).hexdigest()
+
+
+def slice_checksum(values: Iterable[bytes]) -> str:
+    """The checksum of a slice whose message values, in watermark order, are `values` (what a consumer computes
+    to check a slice from its messages alone)."""
+    digest = SliceDigest()
+    digest.update(list(values))
+    return digest.hexdigest()
 
 
 @dataclass
@@ -128,16 +162,12 @@ class MessageBatch:
     values: list[bytes]
     watermarks: list[int]
     watermark_texts: list[bytes]  # str(watermark).encode(), the header value
-    # The rows' sha256 (hex, ASCII) concatenated in order: only the slice's checksum needs them, so they are
-    # not split into an object per row.
-    checksums: bytes
 
     @classmethod
     def of(cls, messages: Sequence[OutgoingMessage]) -> MessageBatch:
         return cls(keys=[m.key for m in messages], values=[m.value for m in messages],
                    watermarks=[m.watermark for m in messages],
-                   watermark_texts=[str(m.watermark).encode() for m in messages],
-                   checksums=b"".join(m.checksum.encode() for m in messages))
+                   watermark_texts=[str(m.watermark).encode() for m in messages])
 
     def __len__(self) -> int:
         return len(self.values)
@@ -949,14 +979,14 @@ class SlicePublisher:
             span[0] = min(span[0], msg.offset())
             span[1] = max(span[1], msg.offset())
 
-        digest = hashlib.sha256()
+        digest = SliceDigest()
         rows = nbytes = 0
         # (size, watermark, value): names the culprit if the broker refuses a message as too large.
         largest: tuple[int, int | None, bytes | None] = (0, None, None)
         produce, topic = self.producer.produce, ch.topic
         # Per row only what is per row (each header costs about as much as the produce call itself): the table,
         # for topics that several tables share, and the row's watermark. Which slice a message belongs to is in
-        # the progress record (its offsets); a row's checksum is the sha256 of its value.
+        # the progress record (its offsets); the slice's checksum is over the values themselves (SliceDigest).
         table_pair = ("rowrelay.table", ch.table.encode())
 
         def send(rows: Iterable[tuple[bytes | None, bytes, int, bytes]], report: Callable[..., None] | None) -> None:
@@ -1006,7 +1036,7 @@ class SlicePublisher:
                 send(islice(rows_in, 1), delivered)
                 send(islice(rows_in, len(batch) - 2), None)
                 send(rows_in, delivered)
-            digest.update(batch.checksums)
+            digest.update(batch.values)
             rows += len(batch)
             self._txn_rows = rows
             nbytes += sum(sizes)

@@ -99,7 +99,7 @@ def json_object_expr(fields: list[StructField], json_columns: set[str]) -> Colum
 
 def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: bool, table: str,
                     slice_key: str, schema: list[StructField] | None = None) -> DataFrame:
-    """key, value, watermark, checksum per row, in the input's order (pure Spark; no Python per row).
+    """key, value, watermark and its text per row, in the input's order (pure Spark; no Python per row).
 
     `schema`: `df`'s fields if already known (asking Spark is a round trip and a JDBC schema query)."""
     from pyspark.sql import functions as F
@@ -125,8 +125,7 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
     return df.select(key_col.alias("key"), value.alias("value"),
                      F.col(f"`{shape.frame_watermark}`").cast("long").alias("watermark")
                      ).select(F.col("key").cast("binary").alias("key"), F.col("value").cast("binary").alias("value"),
-                              "watermark", F.col("watermark").cast("string").cast("binary").alias("watermark_text"),
-                              F.sha2(F.col("value"), 256).cast("binary").alias("checksum"))
+                              "watermark", F.col("watermark").cast("string").cast("binary").alias("watermark_text"))
 
 
 ChunkReader = Callable[[SliceRange, int], "DataFrame"]
@@ -158,7 +157,7 @@ class SliceFrame:
     """One slice to publish: its messages, read from the source one watermark sub-range (chunk) at a time.
 
     `read_chunk(sub_range, expected_rows)` returns the chunk's lazy message DataFrame (key, value, watermark,
-    watermark_text, checksum); each chunk is its own JDBC read, split over Spark partitions by watermark.
+    watermark_text); each chunk is its own JDBC read, split over Spark partitions by watermark.
     """
 
     channel: TableChannel
@@ -222,20 +221,8 @@ def to_message_batch(frame: SliceFrame, table: pa.Table, after: int) -> tuple[Me
         raise RuntimeError(f"{frame.channel.table}: rows of slice {frame.slice} out of watermark order")
     column = table.column
     batch = MessageBatch(keys=column("key").to_pylist(), values=column("value").to_pylist(),
-                         watermarks=wms.to_pylist(), watermark_texts=column("watermark_text").to_pylist(),
-                         checksums=concatenated(column("checksum")))
+                         watermarks=wms.to_pylist(), watermark_texts=column("watermark_text").to_pylist())
     return batch, pc.max(wms).as_py()
-
-
-def concatenated(column: pa.ChunkedArray) -> bytes:
-    """A binary column's (no NULLs) values joined, straight from its Arrow data buffers: no Python object per
-    value. A chunk's values are one run of its data buffer, between its first and last offsets."""
-    out = bytearray()
-    for chunk in column.chunks:
-        if len(chunk):
-            offsets = memoryview(chunk.buffers()[1]).cast("i")  # binary: int32 offsets (Spark's Arrow output)
-            out += memoryview(chunk.buffers()[2])[offsets[chunk.offset]:offsets[chunk.offset + len(chunk)]]
-    return bytes(out)
 
 
 class ReadAhead:

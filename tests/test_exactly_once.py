@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _rows(lo: int, hi: int):
     def batches():
-        yield [OutgoingMessage(str(i).encode(), f'{{"id":{i}}}'.encode(), i, f"{i:064d}")
+        yield [OutgoingMessage(str(i).encode(), f'{{"id":{i}}}'.encode(), i)
                for i in range(lo + 1, hi + 1)]
     return batches
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import pyarrow as pa
 import pytest
 
-from resources.exactly_once import TableChannel
-from resources.messages import ReadAhead, SliceFrame, concatenated
+from resources.exactly_once import SliceDigest, TableChannel, slice_checksum
+from resources.messages import ReadAhead, SliceFrame
 from resources.slices import SliceRange
 
 CHANNEL = TableChannel.for_table("src.public.t", "src.public.t")
@@ -27,7 +28,7 @@ class FakeChunk:
         wms = list(range(self.sub.lo + 1, self.sub.hi + 1))
         values = [b'{"id":%d}' % w for w in wms]
         return pa.table({"key": values, "value": values, "watermark": pa.array(wms, pa.int64()),
-                         "watermark_text": [str(w).encode() for w in wms], "checksum": [b"x" * 64] * len(wms)})
+                         "watermark_text": [str(w).encode() for w in wms]})
 
 
 def frames(slices: list[SliceRange], log: list[SliceRange], gate: threading.Event | None = None) -> list[SliceFrame]:
@@ -105,9 +106,17 @@ def test_chunks_split_evenly_from_the_first_row() -> None:
     assert [(s.lo, s.hi) for s in unknown.sub_ranges(chunk_rows=50)] == [(0, 50), (50, 100)]
 
 
-def test_row_checksums_join_from_arrow_buffers_of_sliced_chunks() -> None:
-    """The slice digest's input comes straight from Arrow's buffers: a chunk that is a slice of a larger array
-    (offset > 0) contributes only its own values, in order."""
-    whole = pa.array([b"a" * 64, b"b" * 64, b"c" * 64])
-    column = pa.chunked_array([whole.slice(1, 1), pa.array([b"d" * 64, b"e" * 64]), whole.slice(0, 0)])
-    assert concatenated(column) == b"b" * 64 + b"d" * 64 + b"e" * 64
+def test_slice_checksum_is_over_values_and_their_lengths_whatever_the_batches() -> None:
+    """The documented formula; the same values in other batches give the same checksum, and the same bytes split
+    into other values (or reordered) give another."""
+    values = [b'{"id":1}', b'{"id":22}', b"", b'{"id":333}']
+    lengths = b"".join(len(v).to_bytes(4, "little") for v in values)
+    expected = hashlib.sha256(hashlib.sha256(b"".join(values)).digest() + hashlib.sha256(lengths).digest())
+    assert slice_checksum(values) == expected.hexdigest()
+    digest = SliceDigest()
+    digest.update(values[:1])
+    digest.update([])
+    digest.update(values[1:])
+    assert digest.hexdigest() == expected.hexdigest()
+    assert slice_checksum([b'{"id":1}{"id":22}', b"", b'{"id":333}']) != expected.hexdigest()
+    assert slice_checksum(list(reversed(values))) != expected.hexdigest()
