@@ -340,10 +340,10 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from dagster import DagsterInstance, RunsFilter
     from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-    from assets.relay import channel_for, partitions_for, pool_name, table_shape
+    from assets.relay import channel_for, partitions_for, pool_name
     from orchestration.factory import build_definitions, job_name
     from orchestration.history import open_keys
-    from orchestration.sensors import ACTIVE, SensorState, ensure_pool, plan_cut
+    from orchestration.sensors import ACTIVE, SensorState, cached_table_shape, ensure_pool, plan_cut
     from resources.exactly_once import RelayError
     from resources.kafka_io_manager import KafkaIOManager
     from resources.source_database import SourceDatabaseResource, SourceError
@@ -376,10 +376,9 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                 state = plan.state
                 time.sleep(0.5)
         except (SourceError, RelayError, RuntimeError) as exc:  # RuntimeError: MariaDB's innodb_trx stayed stale
+            source.dispose()
             print(f"rowrelay: {exc}", file=sys.stderr)
             return 1
-        finally:
-            source.dispose()
         for orphan in plan.delete:
             instance.delete_dynamic_partition(partitions.name, orphan.key)
         if plan.delete:
@@ -391,15 +390,15 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         print(f"{table.table_id}: committed up to {plan.committed_hi}; {len(plan.add)} new slice(s) cut; "
               f"{len(todo)} slice(s) to publish" + (f" ({plan.waiting})" if plan.waiting else ""), flush=True)
         if args.dry_run or not todo:
+            source.dispose()
             return 0
         job = defs.resolve_job_def(job_name(table))
         step = table.max_slices_per_run
         channel = channel_for(table, io_manager.transactional_id_prefix)
-        counter = SourceDatabaseResource(url=config.sources[table.source].url)
-        try:  # one indexed count for the bar's total
-            total_rows = counter.count_rows(table_shape(counter, table), plan.committed_hi, todo[-1].hi)
+        try:  # one indexed count for the bar's total, on the cut's connection and shape (reflected moments ago)
+            total_rows = source.count_rows(cached_table_shape(source, table), plan.committed_hi, todo[-1].hi)
         finally:
-            counter.dispose()
+            source.dispose()
         tty = sys.stdout.isatty()
         # On a terminal the bar tells the story; Dagster's step-by-step DEBUG lines would scroll it away (they
         # stay in the run's event log).
