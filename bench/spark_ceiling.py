@@ -1,7 +1,7 @@
 """The Spark ceiling: a table read through rowrelay's own slice path into Python, without Kafka.
 
 The run's own read (`build_table_slices`: reflection and table check, the slice's count, then its chunks through
-`SparkResource.read_slice` and the JSON/key/checksum expressions of `message_columns`) and the same chunked
+`SparkResource.read_slice` and the JSON/key expressions of `message_columns`) and the same chunked
 read-ahead into produce-ready Python bytes (`ReadAhead`) as a run, then nothing: what Spark can deliver on this
 machine, for `make bench` to set rowrelay's end-to-end figure against.
 
