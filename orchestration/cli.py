@@ -375,10 +375,14 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                     break
                 state = plan.state
                 time.sleep(0.5)
+            # One indexed count for the bar's total, on the cut's connection and shape (reflected moments ago).
+            total_rows = (source.count_rows(cached_table_shape(source, table), plan.committed_hi, plan.chain[-1].hi)
+                          if plan.chain and not args.dry_run else 0)
         except (SourceError, RelayError, RuntimeError) as exc:  # RuntimeError: MariaDB's innodb_trx stayed stale
-            source.dispose()
             print(f"rowrelay: {exc}", file=sys.stderr)
             return 1
+        finally:
+            source.dispose()
         for orphan in plan.delete:
             instance.delete_dynamic_partition(partitions.name, orphan.key)
         if plan.delete:
@@ -390,15 +394,10 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         print(f"{table.table_id}: committed up to {plan.committed_hi}; {len(plan.add)} new slice(s) cut; "
               f"{len(todo)} slice(s) to publish" + (f" ({plan.waiting})" if plan.waiting else ""), flush=True)
         if args.dry_run or not todo:
-            source.dispose()
             return 0
         job = defs.resolve_job_def(job_name(table))
         step = table.max_slices_per_run
         channel = channel_for(table, io_manager.transactional_id_prefix)
-        try:  # one indexed count for the bar's total, on the cut's connection and shape (reflected moments ago)
-            total_rows = source.count_rows(cached_table_shape(source, table), plan.committed_hi, todo[-1].hi)
-        finally:
-            source.dispose()
         tty = sys.stdout.isatty()
         # On a terminal the bar tells the story; Dagster's step-by-step DEBUG lines would scroll it away (they
         # stay in the run's event log).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 
@@ -10,7 +9,7 @@ import pytest
 from sqlalchemy import text
 
 from assets.relay import channel_for
-from resources.exactly_once import read_progress_history, read_published_messages
+from resources.exactly_once import read_progress_history, read_published_messages, slice_checksum
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 
 pytestmark = pytest.mark.integration
@@ -85,7 +84,7 @@ def test_three_tables_fifty_thousand_rows_each_exactly_once(services, pg_databas
         for m in msgs[:50]:  # per row only what is per row
             assert set(m.headers) == {"rowrelay.table", "rowrelay.watermark"}
         # A consumer checks each slice from its messages alone: the progress record's offsets bound them, and its
-        # checksum is over their values in watermark order (computed here the long way, not with slice_checksum).
+        # checksum is over their values in watermark order (slice_checksum; its formula is pinned in test_units).
         conf = {"bootstrap.servers": services.kafka_bootstrap}
         records = [r for r in read_progress_history(conf, channel_for(table)) if r.rows]
         assert sum(r.rows for r in records) == ROWS
@@ -93,10 +92,7 @@ def test_three_tables_fifty_thousand_rows_each_exactly_once(services, pg_databas
             published = sorted(read_published_messages(conf, record),
                                key=lambda m: int(dict(m.headers())["rowrelay.watermark"]))
             assert len(published) == record.rows
-            values = [m.value() for m in published]
-            lengths = b"".join(len(v).to_bytes(4, "little") for v in values)
-            digests = hashlib.sha256(b"".join(values)).digest() + hashlib.sha256(lengths).digest()
-            assert hashlib.sha256(digests).hexdigest() == record.checksum
+            assert slice_checksum(m.value() for m in published) == record.checksum
     # Dagster's PostgreSQL storage recorded every slice with its metadata.
     for table in cfg.tables:
         keys = h.instance.get_dynamic_partitions(f"{table.dagster_name}__slices")

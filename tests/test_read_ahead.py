@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import threading
 
 import pyarrow as pa
 import pytest
 
-from resources.exactly_once import SliceDigest, TableChannel, slice_checksum
+from resources.exactly_once import TableChannel
 from resources.messages import ReadAhead, SliceFrame
 from resources.slices import SliceRange
 
@@ -104,19 +103,3 @@ def test_chunks_split_evenly_from_the_first_row() -> None:
     assert [s.hi - max(s.lo, 1_000_000) for s in subs] == [25, 25, 25, 25]  # 25 watermarks of rows each
     unknown = SliceFrame(channel=CHANNEL, slice=SliceRange(0, 100), read_chunk=None, expected_rows=100)
     assert [(s.lo, s.hi) for s in unknown.sub_ranges(chunk_rows=50)] == [(0, 50), (50, 100)]
-
-
-def test_slice_checksum_is_over_values_and_their_lengths_whatever_the_batches() -> None:
-    """The documented formula; the same values in other batches give the same checksum, and the same bytes split
-    into other values (or reordered) give another."""
-    values = [b'{"id":1}', b'{"id":22}', b"", b'{"id":333}']
-    lengths = b"".join(len(v).to_bytes(4, "little") for v in values)
-    expected = hashlib.sha256(hashlib.sha256(b"".join(values)).digest() + hashlib.sha256(lengths).digest())
-    assert slice_checksum(values) == expected.hexdigest()
-    digest = SliceDigest()
-    digest.update(values[:1])
-    digest.update([])
-    digest.update(values[1:])
-    assert digest.hexdigest() == expected.hexdigest()
-    assert slice_checksum([b'{"id":1}{"id":22}', b"", b'{"id":333}']) != expected.hexdigest()
-    assert slice_checksum(list(reversed(values))) != expected.hexdigest()

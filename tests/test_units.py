@@ -1,12 +1,14 @@
-"""Pure logic: slice keys, cutting slices, settling watermarks, configuration validation."""
+"""Pure logic: slice keys, cutting slices, settling watermarks, the slice checksum, configuration validation."""
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 
 import pytest
 
 from resources.config import ConfigError, parse_config, resolve_env
+from resources.exactly_once import SliceDigest, slice_checksum
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
 
 
@@ -113,3 +115,19 @@ def test_largest_field_names_the_column_behind_a_large_row() -> None:
     assert largest_field(b'{"op":"insert","data":{"id":1,"blob":"' + b"y" * 900 + b'"},"source":{"table":"t"}}'
                          ) == "blob"
     assert largest_field(b"not json") is None
+
+
+def test_slice_checksum_is_over_values_and_their_lengths_whatever_the_batches() -> None:
+    """The documented formula; the same values in other batches give the same checksum, and the same bytes split
+    into other values (or reordered) give another."""
+    values = [b'{"id":1}', b'{"id":22}', b"", b'{"id":333}']
+    lengths = b"".join(len(v).to_bytes(4, "little") for v in values)
+    expected = hashlib.sha256(hashlib.sha256(b"".join(values)).digest() + hashlib.sha256(lengths).digest())
+    assert slice_checksum(values) == expected.hexdigest()
+    digest = SliceDigest()
+    digest.update(values[:1])
+    digest.update([])
+    digest.update(values[1:])
+    assert digest.hexdigest() == expected.hexdigest()
+    assert slice_checksum([b'{"id":1}{"id":22}', b"", b'{"id":333}']) != expected.hexdigest()
+    assert slice_checksum(list(reversed(values))) != expected.hexdigest()
