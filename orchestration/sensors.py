@@ -49,7 +49,7 @@ from resources.exactly_once import (
 )
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle
-from resources.source_database import SourceDatabaseResource, SourceError, TableShape
+from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, TableShape
 
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
           DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
@@ -543,15 +543,20 @@ def tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: s
         return skip(f"{table.table_id}: slices after {committed_hi} are not committed yet; waiting for "
                     "their runs (or a resume)")
     keys = stored if stored is not None else [s.key for s in chain]
-    plan = plan_cut(table, source, io_manager, progress, keys, state, heal=True, cut_while_pending=False,
-                    resplit=resplit)
-    if plan.add and stored is None:
-        # About to add partitions: another cutter (`rowrelay backfill`) may have cut slices this cursor does
-        # not know. Check the newest keys (cheap: only uncommitted ones are read) and plan again if so.
-        stored = open_keys(instance, partitions.name, committed_hi)
-        if set(stored) - set(keys):
-            plan = plan_cut(table, source, io_manager, progress, stored, state, heal=True,
-                            cut_while_pending=False, resplit=resplit)
+    try:
+        plan = plan_cut(table, source, io_manager, progress, keys, state, heal=True, cut_while_pending=False,
+                        resplit=resplit)
+        if plan.add and stored is None:
+            # About to add partitions: another cutter (`rowrelay backfill`) may have cut slices this cursor does
+            # not know. Check the newest keys (cheap: only uncommitted ones are read) and plan again if so.
+            stored = open_keys(instance, partitions.name, committed_hi)
+            if set(stored) - set(keys):
+                plan = plan_cut(table, source, io_manager, progress, stored, state, heal=True,
+                                cut_while_pending=False, resplit=resplit)
+    except InnodbTrxStale as exc:
+        # Not a failed tick: which transactions are open is unknown this tick (other clients of the server keep
+        # MariaDB's cache stale); nothing is cut and the next tick asks again.
+        return skip(str(exc))
     if plan.delete:
         context.log.warning(f"{table.table_id}: partitions {[s.key for s in plan.delete]} do not continue Kafka's "
                             f"progress ({plan.committed_hi}) and can never commit: deleted, range cut again")

@@ -53,6 +53,11 @@ class SourceError(ValueError):
     """A configured table cannot be read as configured; the message says what to change."""
 
 
+class InnodbTrxStale(RuntimeError):
+    """MariaDB's innodb_trx cache stayed stale past observe's wait, so which transactions are open is unknown
+    right now: observe refuses rather than answers wrong, and asking again later (the next tick) is the remedy."""
+
+
 @dataclass(frozen=True)
 class ColumnInfo:
     name: str
@@ -431,7 +436,7 @@ class SourceDatabaseResource(ConfigurableResource):
             if any(r.trx_mysql_thread_id == connection_id for r in rows):
                 return tuple(_innodb_trx_key(r) for r in rows if r.trx_mysql_thread_id != connection_id)
             time.sleep(0.15)
-        raise RuntimeError(f"source {self.safe_description}: information_schema.innodb_trx stayed stale for "
+        raise InnodbTrxStale(f"source {self.safe_description}: information_schema.innodb_trx stayed stale for "
                            f"{INNODB_TRX_READS * 0.15:.1f} s (another client reads it more often than every 100 ms), "
                            "so the transactions still open below the max watermark are unknown; retried next time")
 

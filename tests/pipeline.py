@@ -74,6 +74,7 @@ class Harness:
     instance: DagsterInstance
     defs: Definitions = field(init=False)
     cursors: dict[str, str | None] = field(default_factory=dict)
+    skip_messages: dict[str, str | None] = field(default_factory=dict)  # each table's last tick
 
     def __post_init__(self) -> None:
         self.defs = build_definitions(self.config)
@@ -95,6 +96,7 @@ class Harness:
             else:
                 self.instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
         self.cursors[table.table_id] = data.cursor
+        self.skip_messages[table.table_id] = data.skip_message
         return [target(r) for r in data.run_requests or []]
 
     def run(self, table: TableConfig, key: str, raise_on_error: bool = True) -> Any:

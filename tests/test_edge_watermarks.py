@@ -327,6 +327,46 @@ def test_a_check_that_cannot_reach_the_database_is_not_final(url: str) -> None:
         source.dispose()
 
 
+def test_mariadb_sensor_skips_a_tick_while_innodb_trx_stays_stale(services, mariadb_database, mariadb_engine,
+                                                                   dagster_instance, spark, name) -> None:
+    """A client reading innodb_trx every 20 ms keeps its cache stale past observe's wait: the sensor's tick is
+    skipped with the reason (not a failed tick), nothing is cut, and the next tick cuts once the cache is fresh."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1), (2), (3)"))
+    h = Harness(relay_config(services, {"src": mariadb_database},
+                             [{"source": "src", "table": name, "watermark": "id", "settle_seconds": 0}]),
+                dagster_instance)
+    table = h.table()
+    reader = create_engine(services.mariadb_url())
+    stop = threading.Event()
+
+    def read_often() -> None:
+        with reader.connect() as conn:
+            while not stop.is_set():
+                conn.execute(text("SELECT COUNT(*) FROM information_schema.innodb_trx")).scalar()
+                conn.rollback()
+                time.sleep(0.02)
+
+    monitor = threading.Thread(target=read_often)
+    try:
+        monitor.start()
+        time.sleep(0.1)  # the cache is refreshed once, then kept stale
+        assert h.tick(table) == []
+        assert "innodb_trx stayed stale" in (h.skip_messages[table.table_id] or "")
+        assert h.instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []
+    finally:
+        stop.set()
+        monitor.join(5)
+        reader.dispose()
+    time.sleep(0.2)  # nobody reads it now: the next read refreshes it
+    keys: list[str] = []
+    assert eventually(lambda: bool(keys.extend(h.tick(table)) or keys), timeout=10), h.skip_messages[table.table_id]
+    for key in keys:
+        h.run(table, key)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3])
+
+
 # --------------------------------------------------------------------------- BIGINT UNSIGNED beyond 2^63
 
 
