@@ -1,5 +1,6 @@
 """One Dagster asset per configured table, dynamically partitioned into watermark slices."""
 
+import hashlib
 import os
 import socket
 import threading
@@ -178,6 +179,15 @@ def check_schema(table: TableConfig, shape: TableShape, committed_columns: list[
     return change.describe() if change else ""
 
 
+def read_signature(source: SourceDatabaseResource, spark: SparkResource, table: TableConfig, channel: TableChannel,
+                   shape: TableShape, slice_range: SliceRange, rows: int, first: int | None) -> str:
+    """Everything a slice's messages are computed from: two reads with equal signatures read the same rows into the
+    same messages (the rows of a cut slice are final, so the same range holds the same rows at any later time)."""
+    parts = [source.model_dump_json(), table.model_dump_json(), spark.model_dump_json(), channel.table, channel.topic,
+             repr(shape), slice_range.key, str(rows), str(first)]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
 def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, table: TableConfig,
                        channel: TableChannel, slices: list[SliceRange], committed_hi: int,
                        committed_columns: list[list[str]] | None = None) -> TableSlices:
@@ -211,8 +221,9 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
 
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
         first = source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi) if rows else None  # one indexed row
+        signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
-                          first_watermark=first)
+                          first_watermark=first, signature=signature)
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
                        columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed)

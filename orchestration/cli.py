@@ -332,6 +332,45 @@ def keep_storage_connections(instance: Any) -> None:
     instance.optimize_for_webserver(statement_timeout=0, pool_recycle=3600, max_overflow=2)
 
 
+EARLY_READ_WAIT_S = 10.0
+
+
+def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, started: threading.Event) -> None:
+    """Work out the slice a backfill will publish first and start reading its first chunks (EarlyRead), while the
+    main thread loads Dagster and creates the run. The same cut as the real one (`plan_cut`, up to the safe
+    watermark) from Kafka's progress alone: the run takes the chunks only if its first slice turns out the same.
+    Best effort: any error here is the real cut's or the run's to report. `started` is set once the early read is
+    registered or given up."""
+    from assets.relay import build_table_slices, channel_for
+    from orchestration.sensors import SensorState, plan_cut
+    from resources.exactly_once import broker_max_transaction_timeout_ms, ensure_topics
+    from resources.messages import EARLY_READS
+    from resources.source_database import SourceDatabaseResource
+
+    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    with contextlib.suppress(Exception), contextlib.ExitStack() as done:
+        done.callback(started.set)
+        channel = channel_for(table, io_manager.transactional_id_prefix)
+        progress = read_committed_progress(io_manager.kafka_conf(), channel)
+        if progress is None and table.start_after == "latest":
+            return  # the real cut records a baseline first; nothing to guess here
+        plan = plan_cut(table, source, io_manager, progress, [], SensorState(), heal=False, cut_while_pending=True,
+                        limit=1)
+        if not plan.add:
+            return
+        first = plan.add[0]
+        slices = build_table_slices(source, io_manager.spark, table, channel, [first], plan.committed_hi,
+                                    progress.columns if progress else [])
+        if slices.read is not None and slices.pending == [first]:
+            EARLY_READS.start(slices.read(first), io_manager.chunk_rows, io_manager.prefetch_chunks + 1)
+        done.close()  # registered: the run may start
+        # The run's publisher would create the table's topics (and read the brokers' transaction limit, cached per
+        # process) before its first message: done here, its fencing is then a round trip.
+        ensure_topics(io_manager.kafka_conf(), channel)
+        broker_max_transaction_timeout_ms(io_manager.kafka_conf())
+    source.dispose()  # its pooled connections; the chunks' JDBC reads are Spark's own
+
+
 def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     """Cut the table's backlog (up to its safe high watermark) into slices, add them as partitions and run every
     uncommitted slice in this process: one run per `max_slices_per_run` slices, recorded on the Dagster instance
@@ -346,13 +385,20 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from orchestration.sensors import ACTIVE, SensorState, cached_table_shape, ensure_pool, plan_cut
     from resources.exactly_once import RelayError
     from resources.kafka_io_manager import KafkaIOManager
+    from resources.messages import EARLY_READS
     from resources.source_database import SourceDatabaseResource, SourceError
 
     (table,) = _tables(config, args.table)
     defs = build_definitions(config)
     io_manager: KafkaIOManager = defs.resources["kafka_io_manager"]  # type: ignore[assignment]
-    if not args.dry_run:  # connect Spark while the backlog is cut
-        threading.Thread(target=io_manager.spark.get_session, daemon=True).start()
+    early_started = threading.Event()
+    if not args.dry_run:
+        # Spark first: the first slice's first chunks are read (EarlyRead) while Dagster's storage loads and the
+        # run is created, on a core that would otherwise idle. The slice is worked out meanwhile (Kafka, the source).
+        threading.Thread(target=start_early_read, args=(config, table, io_manager, early_started), daemon=True,
+                         name="rowrelay-early-read").start()
+        with contextlib.suppress(Exception):  # a Spark that cannot connect fails the run, with its own message
+            io_manager.spark.get_session()
     partitions = partitions_for(table)
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     started = time.monotonic()
@@ -396,6 +442,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         if args.dry_run or not todo:
             return 0
         job = defs.resolve_job_def(job_name(table))
+        early_started.wait(EARLY_READ_WAIT_S)  # a run takes early chunks only once they are registered
         step = table.max_slices_per_run
         channel = channel_for(table, io_manager.transactional_id_prefix)
         tty = sys.stdout.isatty()
@@ -403,7 +450,8 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         # stay in the run's event log).
         run_config = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}} if tty else None
         with BackfillProgress(table.table_id, io_manager.kafka_conf(), channel, todo, plan.committed_hi, total_rows,
-                              tty=tty):
+                              tty=tty), contextlib.ExitStack() as cleanup:
+            cleanup.callback(EARLY_READS.discard)  # chunks no run took (its first slice was another)
             for group in (todo[i:i + step] for i in range(0, len(todo), step)):
                 tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key, ASSET_PARTITION_RANGE_END_TAG: group[-1].key,
                         "rowrelay/backfill": "cli"}

@@ -391,7 +391,7 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
         if all(n in topics and topics[n].partitions and all(p.leader >= 0 for p in topics[n].partitions.values())
                for n in names):
             return partitions
-        time.sleep(0.2)
+        time.sleep(0.05)  # a new topic's leader is usually elected within tens of milliseconds
     return partitions
 
 

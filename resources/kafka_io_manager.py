@@ -83,6 +83,7 @@ class KafkaIOManager(ConfigurableIOManager):
         records: dict[str, tuple[PublishResult, int]] = {}
         timings: dict[str, dict[str, float]] = {}  # per published slice: seconds per step of the run
         phase_times: dict[str, dict[str, float]] = {}  # per published slice: read, convert, produce, flush, commit
+        early_chunks: dict[str, int] = {}
         pending = {s.key for s in obj.pending}
         committed = [s for s in obj.slices if s.key not in pending]
         if committed:  # committed before this run (a re-run, a roll-up key): report what they published
@@ -156,6 +157,7 @@ class KafkaIOManager(ConfigurableIOManager):
                     metadata["topic_watermark"] = exc.topic_watermark
                 raise Failure(description=str(exc), allow_retries=False, metadata=metadata) from exc
             finally:
+                early_chunks.update(ahead.early_chunks)
                 ahead.close()
                 if publisher is not None:
                     publisher.close()
@@ -163,6 +165,8 @@ class KafkaIOManager(ConfigurableIOManager):
             metadata = self.slice_metadata(obj, result)
             if key in timings:
                 metadata["timings_s"] = MetadataValue.json({k: round(v, 3) for k, v in timings[key].items()})
+            if key in early_chunks:  # chunks read before the run started (EarlyRead: a CLI backfill's first slice)
+                metadata["chunks_read_early"] = early_chunks[key]
             if phase_times.get(key):
                 metadata["phases_s"] = MetadataValue.json({k: round(v, 3) for k, v in phase_times[key].items()})
             if result.progress.schema_fingerprint:

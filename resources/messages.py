@@ -8,6 +8,7 @@ zone), dates, binary as base64, JSON columns embedded, NULL as null.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -165,6 +166,9 @@ class SliceFrame:
     read_chunk: ChunkReader | None  # None: already committed
     expected_rows: int
     first_watermark: int | None = None  # the slice's lowest watermark, if known
+    # What the read depends on (source, table settings, reflected shape, Spark settings, slice, rows): chunks
+    # fetched under the same signature are the same rows in the same messages (see EarlyRead). "": not shareable.
+    signature: str = ""
 
     def sub_ranges(self, chunk_rows: int) -> list[SliceRange]:
         """Split the slice into watermark sub-ranges of about `chunk_rows` rows each, evenly from its first row:
@@ -242,7 +246,9 @@ class ReadAhead:
         self._pool = ThreadPoolExecutor(max_workers=self._depth, thread_name_prefix="rowrelay-fetch")
         self._ahead: deque[tuple[SliceFrame, bool, Future[pa.Table]]] = deque()
         self._next: tuple[SliceFrame, SliceRange, int, bool] | None = None
+        self._early: dict[tuple[str, SliceRange, int], Future[pa.Table]] | None = None
         self.convert_s = 0.0  # Arrow -> Python bytes, for the run's per-phase timings
+        self.early_chunks: dict[str, int] = {}  # per slice key: chunks taken from an EarlyRead
 
     def _peek(self) -> tuple[SliceFrame, SliceRange, int, bool] | None:
         if self._next is None:
@@ -253,7 +259,14 @@ class ReadAhead:
         while len(self._ahead) < self._depth and self._peek() is not None:
             frame, sub, rows, last = self._next  # type: ignore[misc]
             self._next = None
-            self._ahead.append((frame, last, self._pool.submit(frame.fetch, sub, rows)))
+            if self._early is None:  # the first frame: take the chunks an early read fetched for it, if any
+                self._early = EARLY_READS.claim(frame)
+            early = self._early.pop((frame.signature, sub, rows), None)
+            if early is not None:
+                self.early_chunks[frame.slice.key] = self.early_chunks.get(frame.slice.key, 0) + 1
+            future = (self._pool.submit(_early_or_fetch, early, frame, sub, rows) if early is not None
+                      else self._pool.submit(frame.fetch, sub, rows))
+            self._ahead.append((frame, last, future))
 
     def batches(self, frame: SliceFrame) -> Iterator[MessageBatch]:
         """`frame`'s batches in watermark order; frames must be asked for in the order they were given."""
@@ -297,7 +310,73 @@ class ReadAhead:
         for _, _, future in self._ahead:
             future.cancel()
         self._ahead.clear()
+        for future in (self._early or {}).values():
+            future.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _early_or_fetch(early: Future[pa.Table], frame: SliceFrame, sub: SliceRange, rows: int) -> pa.Table:
+    """An early read's chunk; if that read failed, the chunk is read again now (the run's own read decides)."""
+    try:
+        return early.result()
+    except Exception:
+        return frame.fetch(sub, rows)
+
+
+class EarlyRead:
+    """The first chunks of the slice a run is about to publish, fetched before the run starts.
+
+    `rowrelay backfill` knows the slice it will publish first while Dagster is still loading and creating the
+    run; on two cores Spark would idle through that second. A run's read-ahead takes the chunks only for a first
+    frame with the same signature (same source, table settings, reflected shape, Spark settings, slice and row
+    count): the same rows in the same messages. Anything else is dropped. Reading is only reading: nothing here
+    publishes or records progress, and the run's own checks (order, slice bounds, fencing) apply to these chunks
+    as to any. In memory: at most the chunks of one read-ahead.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunks: dict[tuple[str, SliceRange, int], Future[pa.Table]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, frame: SliceFrame, chunk_rows: int, depth: int) -> int:
+        """Fetch `frame`'s first `depth` chunks in the background; returns how many were started."""
+        if not frame.signature:
+            return 0
+        with self._lock:
+            self._drop()
+            self._pool = ThreadPoolExecutor(max_workers=max(1, depth - 1), thread_name_prefix="rowrelay-early")
+            for sub, rows in frame.chunks(chunk_rows)[:depth]:
+                self._chunks[(frame.signature, sub, rows)] = self._pool.submit(frame.fetch, sub, rows)
+            return len(self._chunks)
+
+    def claim(self, frame: SliceFrame) -> dict[tuple[str, SliceRange, int], Future[pa.Table]]:
+        """The early chunks if they were read for `frame`; the registry is emptied either way."""
+        with self._lock:
+            chunks, self._chunks = self._chunks, {}
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)  # its queued chunks still run; the claimer waits on their futures
+        if any(sig != frame.signature for sig, _, _ in chunks) or not frame.signature:
+            for future in chunks.values():
+                future.cancel()
+            return {}
+        return chunks
+
+    def discard(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        for future in self._chunks.values():
+            future.cancel()
+        self._chunks = {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+EARLY_READS = EarlyRead()  # one per process: a CLI backfill and the in-process runs it executes
 
 
 @dataclass

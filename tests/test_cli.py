@@ -76,7 +76,47 @@ def test_backfill_command_publishes_the_backlog_in_range_runs(services, pg_datab
     h = Harness(cfg, dagster_instance)
     keys = dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
     assert [h.materialization(table, k)["rows"] for k in keys] == [500] * 5  # per-slice metadata in range runs
+    # The first slice's one chunk was read while Dagster loaded (EarlyRead), the others by their run.
+    assert [h.materialization(table, k).get("chunks_read_early") for k in keys] == [1, None, None, None, None]
     # Again, with nothing new: nothing to publish, nothing re-sent.
     assert main(["--config", str(config_file), "backfill", "--table", table.table_id]) == 0
     assert "0 new slice(s) cut; 0 slice(s) to publish" in capsys.readouterr().out
     assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 2500
+
+
+def test_backfill_reads_early_only_the_slice_its_run_publishes_first(services, pg_database, pg_engine, dagster_home,
+                                                                    dagster_instance, spark, name, tmp_path, capsys,
+                                                                    monkeypatch) -> None:
+    """The early read guesses the first slice from Kafka's progress alone; a partition already cut (here (0, 200],
+    as a sensor would have) makes the run's first slice another one: the early chunks are dropped, the run reads
+    its own, and every row is published exactly once."""
+    import yaml
+
+    from resources.slices import SliceRange
+    from tests.pipeline import assert_exactly_once, read_topic
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 1200) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 500}])
+    table = cfg.tables[0]
+    partitions = f"{table.dagster_name}__slices"
+    dagster_instance.add_dynamic_partitions(partitions, [SliceRange(0, 200).key])
+    config_file = tmp_path / "rowrelay.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    from resources.messages import EARLY_READS
+
+    guessed: list[SliceRange] = []
+    start = EARLY_READS.start
+    monkeypatch.setattr(EARLY_READS, "start", lambda frame, *a: guessed.append(frame.slice) or start(frame, *a))
+    assert main(["--config", str(config_file), "backfill", "--table", table.table_id]) == 0
+    assert "2 new slice(s) cut; 3 slice(s) to publish" in capsys.readouterr().out
+    assert guessed == [SliceRange(0, 500)]  # the early read did read, another slice than the run's first
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 1201)))
+    h = Harness(cfg, dagster_instance)
+    keys = dagster_instance.get_dynamic_partitions(partitions)
+    assert keys[0] == SliceRange(0, 200).key
+    assert [h.materialization(table, k)["rows"] for k in keys] == [200, 500, 500]
+    assert all("chunks_read_early" not in h.materialization(table, k) for k in keys)

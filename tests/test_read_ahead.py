@@ -103,3 +103,72 @@ def test_chunks_split_evenly_from_the_first_row() -> None:
     assert [s.hi - max(s.lo, 1_000_000) for s in subs] == [25, 25, 25, 25]  # 25 watermarks of rows each
     unknown = SliceFrame(channel=CHANNEL, slice=SliceRange(0, 100), read_chunk=None, expected_rows=100)
     assert [(s.lo, s.hi) for s in unknown.sub_ranges(chunk_rows=50)] == [(0, 50), (50, 100)]
+
+
+def _signed(s: SliceRange, log: list[SliceRange], signature: str, fail: bool = False) -> SliceFrame:
+    def read_chunk(sub: SliceRange, _rows: int) -> FakeChunk:
+        if fail:
+            raise RuntimeError("the early read's connection dropped")
+        return FakeChunk(sub, log)
+
+    return SliceFrame(channel=CHANNEL, slice=s, read_chunk=read_chunk, expected_rows=s.hi - s.lo,
+                      signature=signature)
+
+
+def test_a_run_takes_the_early_chunks_read_for_its_first_slice_and_reads_the_rest() -> None:
+    from resources.messages import EARLY_READS
+
+    early_log: list[SliceRange] = []
+    assert EARLY_READS.start(_signed(SliceRange(0, 50), early_log, "sig-a"), chunk_rows=10, depth=3) == 3
+    run_log: list[SliceRange] = []
+    frame = _signed(SliceRange(0, 50), run_log, "sig-a")  # the run's own frame: same signature, its own reader
+    ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
+    try:
+        assert [w for b in ahead.batches(frame) for w in b.watermarks] == list(range(1, 51))
+    finally:
+        ahead.close()
+    assert sorted(early_log, key=lambda s: s.lo) == [SliceRange(0, 10), SliceRange(10, 20), SliceRange(20, 30)]
+    assert sorted(run_log, key=lambda s: s.lo) == [SliceRange(30, 40), SliceRange(40, 50)]  # no chunk read twice
+    assert ahead.early_chunks == {SliceRange(0, 50).key: 3}
+
+
+def test_early_chunks_for_another_slice_or_signature_are_dropped_and_the_run_reads_its_own() -> None:
+    from resources.messages import EARLY_READS
+
+    # (A signature covers the slice: another slice is another signature.)
+    for early_frame in (_signed(SliceRange(0, 30), [], "sig-b"),     # the cut turned out another slice
+                        _signed(SliceRange(0, 20), [], "sig-old")):  # same range, read differently (e.g. a column)
+        EARLY_READS.start(early_frame, chunk_rows=10, depth=3)
+        run_log: list[SliceRange] = []
+        frame = _signed(SliceRange(0, 20), run_log, "sig-a")
+        ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
+        try:
+            assert [w for b in ahead.batches(frame) for w in b.watermarks] == list(range(1, 21))
+        finally:
+            ahead.close()
+        assert sorted(run_log, key=lambda s: s.lo) == [SliceRange(0, 10), SliceRange(10, 20)]
+        assert ahead.early_chunks == {}
+    # The registry was emptied by the first claim: a later run finds nothing.
+    assert EARLY_READS.claim(_signed(SliceRange(0, 30), [], "sig-a")) == {}
+
+
+def test_a_failed_early_chunk_is_read_again_by_the_run() -> None:
+    from resources.messages import EARLY_READS
+
+    EARLY_READS.start(_signed(SliceRange(0, 20), [], "sig-a", fail=True), chunk_rows=10, depth=3)
+    run_log: list[SliceRange] = []
+    frame = _signed(SliceRange(0, 20), run_log, "sig-a")
+    ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
+    try:
+        assert [w for b in ahead.batches(frame) for w in b.watermarks] == list(range(1, 21))
+    finally:
+        ahead.close()
+    assert sorted(run_log, key=lambda s: s.lo) == [SliceRange(0, 10), SliceRange(10, 20)]
+
+
+def test_a_frame_without_signature_never_shares_chunks() -> None:
+    from resources.messages import EARLY_READS
+
+    assert EARLY_READS.start(_signed(SliceRange(0, 20), [], ""), chunk_rows=10, depth=3) == 0
+    EARLY_READS.start(_signed(SliceRange(0, 20), [], "sig-a"), chunk_rows=10, depth=3)
+    assert EARLY_READS.claim(_signed(SliceRange(0, 20), [], "")) == {}
