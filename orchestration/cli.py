@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from math import ceil
 from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
@@ -354,15 +355,14 @@ def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, s
         progress = read_committed_progress(io_manager.kafka_conf(), channel)
         if progress is None and table.start_after == "latest":
             return  # the real cut records a baseline first; nothing to guess here
+        # As many slices as the early chunks may span (one, unless slices are smaller than chunks).
+        depth = io_manager.prefetch_chunks + 1
         plan = plan_cut(table, source, io_manager, progress, [], SensorState(), heal=False, cut_while_pending=True,
-                        limit=1)
-        if not plan.add:
-            return
-        first = plan.add[0]
-        slices = build_table_slices(source, io_manager.spark, table, channel, [first], plan.committed_hi,
+                        limit=max(1, min(depth, ceil(depth * io_manager.chunk_rows / table.slice_max_rows))))
+        slices = build_table_slices(source, io_manager.spark, table, channel, plan.add, plan.committed_hi,
                                     progress.columns if progress else [])
-        if slices.read is not None and slices.pending == [first]:
-            EARLY_READS.start(slices.read(first), io_manager.chunk_rows, io_manager.prefetch_chunks + 1)
+        if plan.add and slices.read is not None and slices.pending == plan.add:
+            EARLY_READS.start(map(slices.read, plan.add), io_manager.chunk_rows, depth)
         done.close()  # registered: the run may start
         # The run's publisher would create the table's topics (and read the brokers' transaction limit, cached per
         # process) before its first message: done here, its fencing is then a round trip.

@@ -324,40 +324,47 @@ def _early_or_fetch(early: Future[pa.Table], frame: SliceFrame, sub: SliceRange,
 
 
 class EarlyRead:
-    """The first chunks of the slice a run is about to publish, fetched before the run starts.
+    """The first chunks a run is about to publish, fetched before the run starts.
 
-    `rowrelay backfill` knows the slice it will publish first while Dagster is still loading and creating the
-    run; on two cores Spark would idle through that second. A run's read-ahead takes the chunks only for a first
-    frame with the same signature (same source, table settings, reflected shape, Spark settings, slice and row
-    count): the same rows in the same messages. Anything else is dropped. Reading is only reading: nothing here
-    publishes or records progress, and the run's own checks (order, slice bounds, fencing) apply to these chunks
-    as to any. In memory: at most the chunks of one read-ahead.
+    `rowrelay backfill` knows the slices it will publish first while Dagster is still loading and creating the
+    run; on two cores Spark would idle through that second. A run's read-ahead takes the chunks only if its first
+    frame has the signature of the first frame read early (same source, table settings, reflected shape, Spark
+    settings, slice and row count: the same rows in the same messages), and each chunk only for a frame of its own
+    signature. Anything else is dropped. Reading is only reading: nothing here publishes or records progress, and
+    the run's own checks (order, slice bounds, fencing) apply to these chunks as to any. In memory: at most the
+    chunks of one read-ahead.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._chunks: dict[tuple[str, SliceRange, int], Future[pa.Table]] = {}
+        self._first = ""  # the signature of the first frame read early
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, frame: SliceFrame, chunk_rows: int, depth: int) -> int:
-        """Fetch `frame`'s first `depth` chunks in the background; returns how many were started."""
-        if not frame.signature:
-            return 0
+    def start(self, frames: Iterable[SliceFrame], chunk_rows: int, depth: int) -> int:
+        """Fetch the first `depth` chunks of `frames` (consecutive slices, in order) in the background; returns how
+        many were started. A frame is only asked for its chunks (its count queries) while chunks are wanted."""
         with self._lock:
             self._drop()
             self._pool = ThreadPoolExecutor(max_workers=max(1, depth - 1), thread_name_prefix="rowrelay-early")
-            for sub, rows in frame.chunks(chunk_rows)[:depth]:
-                self._chunks[(frame.signature, sub, rows)] = self._pool.submit(frame.fetch, sub, rows)
+            for frame in frames:
+                if not frame.signature:
+                    break
+                self._first = self._first or frame.signature
+                for sub, rows in frame.chunks(chunk_rows)[:depth - len(self._chunks)]:
+                    self._chunks[(frame.signature, sub, rows)] = self._pool.submit(frame.fetch, sub, rows)
+                if len(self._chunks) >= depth:
+                    break
             return len(self._chunks)
 
     def claim(self, frame: SliceFrame) -> dict[tuple[str, SliceRange, int], Future[pa.Table]]:
-        """The early chunks if they were read for `frame`; the registry is emptied either way."""
+        """The early chunks, if the first was read for `frame` (a run's first); the registry is emptied either way."""
         with self._lock:
-            chunks, self._chunks = self._chunks, {}
+            chunks, first, self._chunks, self._first = self._chunks, self._first, {}, ""
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)  # its queued chunks still run; the claimer waits on their futures
-        if any(sig != frame.signature for sig, _, _ in chunks) or not frame.signature:
+        if not frame.signature or first != frame.signature:
             for future in chunks.values():
                 future.cancel()
             return {}
@@ -370,7 +377,7 @@ class EarlyRead:
     def _drop(self) -> None:
         for future in self._chunks.values():
             future.cancel()
-        self._chunks = {}
+        self._chunks, self._first = {}, ""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -119,7 +119,7 @@ def test_a_run_takes_the_early_chunks_read_for_its_first_slice_and_reads_the_res
     from resources.messages import EARLY_READS
 
     early_log: list[SliceRange] = []
-    assert EARLY_READS.start(_signed(SliceRange(0, 50), early_log, "sig-a"), chunk_rows=10, depth=3) == 3
+    assert EARLY_READS.start([_signed(SliceRange(0, 50), early_log, "sig-a")], chunk_rows=10, depth=3) == 3
     run_log: list[SliceRange] = []
     frame = _signed(SliceRange(0, 50), run_log, "sig-a")  # the run's own frame: same signature, its own reader
     ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
@@ -138,7 +138,7 @@ def test_early_chunks_for_another_slice_or_signature_are_dropped_and_the_run_rea
     # (A signature covers the slice: another slice is another signature.)
     for early_frame in (_signed(SliceRange(0, 30), [], "sig-b"),     # the cut turned out another slice
                         _signed(SliceRange(0, 20), [], "sig-old")):  # same range, read differently (e.g. a column)
-        EARLY_READS.start(early_frame, chunk_rows=10, depth=3)
+        EARLY_READS.start([early_frame], chunk_rows=10, depth=3)
         run_log: list[SliceRange] = []
         frame = _signed(SliceRange(0, 20), run_log, "sig-a")
         ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
@@ -155,7 +155,7 @@ def test_early_chunks_for_another_slice_or_signature_are_dropped_and_the_run_rea
 def test_a_failed_early_chunk_is_read_again_by_the_run() -> None:
     from resources.messages import EARLY_READS
 
-    EARLY_READS.start(_signed(SliceRange(0, 20), [], "sig-a", fail=True), chunk_rows=10, depth=3)
+    EARLY_READS.start([_signed(SliceRange(0, 20), [], "sig-a", fail=True)], chunk_rows=10, depth=3)
     run_log: list[SliceRange] = []
     frame = _signed(SliceRange(0, 20), run_log, "sig-a")
     ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
@@ -169,6 +169,32 @@ def test_a_failed_early_chunk_is_read_again_by_the_run() -> None:
 def test_a_frame_without_signature_never_shares_chunks() -> None:
     from resources.messages import EARLY_READS
 
-    assert EARLY_READS.start(_signed(SliceRange(0, 20), [], ""), chunk_rows=10, depth=3) == 0
-    EARLY_READS.start(_signed(SliceRange(0, 20), [], "sig-a"), chunk_rows=10, depth=3)
+    assert EARLY_READS.start([_signed(SliceRange(0, 20), [], "")], chunk_rows=10, depth=3) == 0
+    EARLY_READS.start([_signed(SliceRange(0, 20), [], "sig-a")], chunk_rows=10, depth=3)
     assert EARLY_READS.claim(_signed(SliceRange(0, 20), [], "")) == {}
+
+
+def test_early_chunks_span_consecutive_slices_smaller_than_a_chunk() -> None:
+    from resources.messages import EARLY_READS
+
+    early_log: list[SliceRange] = []
+    slices = [SliceRange(0, 10), SliceRange(10, 20), SliceRange(20, 30), SliceRange(30, 40)]
+    asked: list[SliceRange] = []
+
+    def early_frames():
+        for i, s in enumerate(slices):
+            asked.append(s)
+            yield _signed(s, early_log, f"sig-{i}")
+
+    assert EARLY_READS.start(early_frames(), chunk_rows=10, depth=3) == 3
+    assert asked == slices[:3]  # the fourth slice's frame (its count queries) was never built
+    run_log: list[SliceRange] = []
+    run_frames = [_signed(s, run_log, f"sig-{i}") for i, s in enumerate(slices)]
+    ahead = ReadAhead(run_frames, chunk_rows=10, prefetch=2)
+    try:
+        assert [w for f in run_frames for b in ahead.batches(f) for w in b.watermarks] == list(range(1, 41))
+    finally:
+        ahead.close()
+    assert sorted(early_log, key=lambda s: s.lo) == slices[:3]
+    assert run_log == [SliceRange(30, 40)]
+    assert ahead.early_chunks == {s.key: 1 for s in slices[:3]}
