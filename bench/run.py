@@ -14,6 +14,8 @@ TCP (sslmode=disable) and produces lz4 to the same broker:
   freshness insert one row, time until it is visible read_committed, with the daemon's sensor ticking at
             the default interval; warm Spark (Connect server) and cold Spark (a JVM per run)
   memory    peak RSS of the run worker (the backfill process) for the largest slice
+The 1M-row runs (raw, ceiling, rowrelay, dpone, Debezium) go in `--repeats` rounds (3), every tool once per round;
+each figure is the median of its rounds, and every sample is kept in results.json.
 Prints a table and writes bench/results.json. Not a test: figures depend on the machine and its load.
 """
 
@@ -476,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freshness-samples", type=int, default=20)
     parser.add_argument("--cold-samples", type=int, default=5, help="freshness samples with a JVM per run (0: skip)")
     parser.add_argument("--skip-dpone", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of the 1M-row throughput runs (raw, ceiling, rowrelay, dpone, Debezium); each "
+                             "figure is the median of its rounds")
     parser.add_argument("--launchers", nargs="+", choices=sorted(LAUNCHERS), default=["warm"],
                         help="run launchers to measure freshness and run overhead with (the first gives the "
                              "unsuffixed keys)")
@@ -500,70 +505,65 @@ def main(argv: list[str] | None = None) -> int:
     log(f"loading {args.rows:,} rows into {BENCH_DB}.public.{table}")
     results["load_seconds"] = round(load_table(stack, table, args.rows), 1)
 
-    if "raw" in only:
-        log("raw: COPY row_to_json -> plain producer")
-        topic = f"bench.raw.{run_id}"
-        seconds = run_raw(stack, table, topic)
-        count = topic_count(stack, topic)
-        results["raw"] = {"seconds": round(seconds, 2), "messages": count}
-        results["raw_rows_per_s"] = round(args.rows / seconds)
-        log(f"raw: {seconds:.1f} s, {results['raw_rows_per_s']:,} rows/s, {count:,} messages")
-
+    # The 1M-row throughput figures: `--repeats` rounds, each running every tool once in the same order, so a slow
+    # stretch of this shared box slows each tool alike; each figure is the median of its rounds (every sample is
+    # in results.json, and so are the ratios within each round).
     if "ceiling" in only:
         # A long-running Spark Connect server has a warm JIT; a fresh one compiles its JDBC and JSON code paths on
         # the first read (the first 1M rows took 2-3x longer here). One untimed pass warms it for every figure.
         log("spark ceiling: one untimed warm-up pass of the Spark Connect server")
         run_spark_ceiling(stack, table, args.rows)
-        log("spark ceiling: the slice path into Python without Kafka")
-        c = run_spark_ceiling(stack, table, args.rows)
-        results["spark_ceiling"] = c
-        results["spark_ceiling_rows_per_s"] = c["rows_per_s"]
-        log(f"spark ceiling: {c['seconds']} s ({c['read_seconds']} s reading), {c['rows_per_s']:,} rows/s")
+    samples: dict[str, list[dict[str, Any]]] = {}
+    for rnd in range(1, args.repeats + 1):
+        tag = "" if rnd == 1 else f"r{rnd}"  # round 1 keeps the plain names (the idle tick reuses its config)
+        log(f"throughput round {rnd} of {args.repeats}")
+        if "raw" in only:
+            log("raw: COPY row_to_json -> plain producer")
+            topic = f"bench.raw.{run_id}{tag}"
+            seconds = run_raw(stack, table, topic)
+            count = topic_count(stack, topic)
+            samples.setdefault("raw", []).append({"seconds": round(seconds, 2), "messages": count,
+                                                  "rows_per_s": round(args.rows / seconds)})
+            log(f"raw: {seconds:.1f} s, {round(args.rows / seconds):,} rows/s, {count:,} messages")
+        if "ceiling" in only:
+            log("spark ceiling: the slice path into Python without Kafka")
+            c = run_spark_ceiling(stack, table, args.rows)
+            samples.setdefault("spark_ceiling", []).append(c)
+            log(f"spark ceiling: {c['seconds']} s ({c['read_seconds']} s reading), {c['rows_per_s']:,} rows/s")
+        if "rowrelay" in only:
+            for slice_rows, label in ((100_000, "100k"), (1_000_000, "1m")):
+                log(f"rowrelay: backfill from the CLI, slice_max_rows {slice_rows:,}")
+                r = run_rowrelay(stack, table, args.rows, slice_rows, workdir, label + tag)
+                log(f"rowrelay {label}: {r['seconds']} s, {r['rows_per_s']:,} rows/s, exactly once: "
+                    f"{r['exactly_once']}")
+                samples.setdefault(f"rowrelay_{label}", []).append(r)
+        if "dpone" in only and not args.skip_dpone:
+            from bench.dpone_peer import run_dpone
 
-    if "rowrelay" in only:
-        runs = []
-        for slice_rows, label in ((100_000, "100k"), (1_000_000, "1m")):
-            log(f"rowrelay: backfill from the CLI, slice_max_rows {slice_rows:,}")
-            r = run_rowrelay(stack, table, args.rows, slice_rows, workdir, label)
-            log(f"rowrelay {label}: {r['seconds']} s, {r['rows_per_s']:,} rows/s, exactly once: {r['exactly_once']}")
-            runs.append(r)
-        results["rowrelay"] = runs
-        results["rowrelay_100k_slices_rows_per_s"] = runs[0]["rows_per_s"]
-        results["rowrelay_1m_slice_rows_per_s"] = runs[1]["rows_per_s"]
-        results["rowrelay_100k_vs_1m_slice"] = round(runs[0]["rows_per_s"] / runs[1]["rows_per_s"], 2)
-        best = max(runs, key=lambda r: r["rows_per_s"])
-        results["rowrelay_rows_per_s"] = best["rows_per_s"]
-        results["rowrelay_best_slice_max_rows"] = best["slice_max_rows"]
-
-    if "dpone" in only and not args.skip_dpone:
-        from bench.dpone_peer import run_dpone
-
-        log("dpone: PostgreSQL -> Kafka sink (separate venv)")
-        try:
-            d = run_dpone(stack.pg(), table, stack.bootstrap, f"bench.dpone.{run_id}", args.rows, workdir)
-            results["dpone"] = d
-            results["dpone_rows_per_s"] = round(d["rows_per_s"])
-            log(f"dpone: {d['seconds']:.1f} s, {d['rows_per_s']:,.0f} rows/s, {d['messages']:,} messages")
-        except Exception as exc:  # noqa: BLE001 - a peer failing is a figure to report, not a crash
-            results["dpone"] = {"error": str(exc)[-2000:]}
-            log(f"dpone failed: {exc}")
-
-    if "debezium" in only:
-        for exactly_once in (False, True):
-            label = "debezium_eos" if exactly_once else "debezium"
-            log(f"{label}: Kafka Connect + Debezium PostgreSQL connector, snapshot.mode=initial_only"
-                + (" (distributed worker, exactly.once.source.support)" if exactly_once else " (standalone)"))
+            log("dpone: PostgreSQL -> Kafka sink (separate venv)")
             try:
-                from bench.debezium_peer import run_debezium
-
-                d = run_debezium(stack.pg(), f"public.{table}", stack.bootstrap, f"bench.{label}.{run_id}",
-                                 args.rows, workdir / label, exactly_once=exactly_once)
-                results[label] = d
-                results[f"{label}_rows_per_s"] = round(d["rows_per_s"])
-                log(f"{label}: {d['seconds']:.1f} s, {d['rows_per_s']:,.0f} rows/s, {d['messages']:,} messages")
+                d = run_dpone(stack.pg(), table, stack.bootstrap, f"bench.dpone.{run_id}{tag}", args.rows, workdir)
+                samples.setdefault("dpone", []).append(d)
+                log(f"dpone: {d['seconds']:.1f} s, {d['rows_per_s']:,.0f} rows/s, {d['messages']:,} messages")
             except Exception as exc:  # noqa: BLE001 - a peer failing is a figure to report, not a crash
-                results[label] = {"error": str(exc)[-2000:]}
-                log(f"{label} failed: {exc}")
+                samples.setdefault("dpone", []).append({"error": str(exc)[-2000:]})
+                log(f"dpone failed: {exc}")
+        if "debezium" in only:
+            from bench.debezium_peer import run_debezium
+
+            for exactly_once in (False, True):
+                label = "debezium_eos" if exactly_once else "debezium"
+                log(f"{label}: Kafka Connect + Debezium PostgreSQL connector, snapshot.mode=initial_only"
+                    + (" (distributed worker, exactly.once.source.support)" if exactly_once else " (standalone)"))
+                try:
+                    d = run_debezium(stack.pg(), f"public.{table}", stack.bootstrap, f"bench.{label}.{run_id}{tag}",
+                                     args.rows, workdir / f"{label}{tag}", exactly_once=exactly_once)
+                    samples.setdefault(label, []).append(d)
+                    log(f"{label}: {d['seconds']:.1f} s, {d['rows_per_s']:,.0f} rows/s, {d['messages']:,} messages")
+                except Exception as exc:  # noqa: BLE001 - a peer failing is a figure to report, not a crash
+                    samples.setdefault(label, []).append({"error": str(exc)[-2000:]})
+                    log(f"{label} failed: {exc}")
+    summarize_throughput(results, samples, args.repeats)
 
     if "idle" in only:
         source = "bench100k"
@@ -636,11 +636,52 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run with the median rows/s (of an even number, the slower middle one); None if none succeeded."""
+    ok = sorted((r for r in runs if r.get("rows_per_s")), key=lambda r: r["rows_per_s"])
+    return ok[(len(ok) - 1) // 2] if ok else None
+
+
+def summarize_throughput(results: dict[str, Any], samples: dict[str, list[dict[str, Any]]], repeats: int) -> None:
+    """Each tool's figure: the median of its rounds (`<tool>` is that run, `<tool>_runs` every run)."""
+    results["repeats"] = repeats
+    for name in ("raw", "spark_ceiling", "dpone", "debezium", "debezium_eos"):
+        runs = samples.get(name)
+        if not runs:
+            continue
+        mid = median_run(runs)
+        results[name] = mid if mid is not None else runs[-1]
+        results[f"{name}_runs"] = runs
+        if mid is not None:
+            results[f"{name}_rows_per_s"] = round(mid["rows_per_s"])
+    if samples.get("rowrelay_100k") and samples.get("rowrelay_1m"):
+        hundred, million = median_run(samples["rowrelay_100k"]), median_run(samples["rowrelay_1m"])
+        assert hundred is not None and million is not None
+        results["rowrelay"] = [hundred, million]
+        results["rowrelay_runs"] = samples["rowrelay_100k"] + samples["rowrelay_1m"]
+        results["rowrelay_exactly_once"] = all(r["exactly_once"] for r in results["rowrelay_runs"])
+        results["rowrelay_100k_slices_rows_per_s"] = hundred["rows_per_s"]
+        results["rowrelay_1m_slice_rows_per_s"] = million["rows_per_s"]
+        results["rowrelay_100k_vs_1m_slice"] = round(hundred["rows_per_s"] / million["rows_per_s"], 2)
+        best = max(hundred, million, key=lambda r: r["rows_per_s"])
+        results["rowrelay_rows_per_s"] = best["rows_per_s"]
+        results["rowrelay_best_slice_max_rows"] = best["slice_max_rows"]
+        # Within each round: rowrelay's better slice size against each tool measured in the same round.
+        for peer, key in (("spark_ceiling", "ratio_vs_spark_ceiling_by_round"), ("dpone", "ratio_vs_dpone_by_round"),
+                          ("debezium", "ratio_vs_debezium_by_round")):
+            pairs = zip(samples["rowrelay_100k"], samples["rowrelay_1m"], samples.get(peer, []), strict=False)
+            results[key] = [round(max(a["rows_per_s"], b["rows_per_s"]) / p["rows_per_s"], 2)
+                            for a, b, p in pairs if p.get("rows_per_s")]
+
+
 def print_table(r: dict[str, Any]) -> None:
     def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "yes" if v else "NO"
         return "-" if v is None else (f"{v:,}" if isinstance(v, int) else str(v))
 
-    rows = [("rows", r["rows"]), ("raw rows/s (COPY -> producer)", r["raw_rows_per_s"])]
+    rows = [("rows", r["rows"]), ("rounds of the 1M-row runs (each figure: the median)", r.get("repeats")),
+            ("raw rows/s (COPY -> producer)", r["raw_rows_per_s"])]
     for run in r.get("rowrelay", []):
         rows.append((f"rowrelay rows/s, slice_max_rows {run['slice_max_rows']:,}", run["rows_per_s"]))
     rows += [("Spark ceiling rows/s (slice path, no Kafka)", r["spark_ceiling_rows_per_s"]),
@@ -649,6 +690,10 @@ def print_table(r: dict[str, Any]) -> None:
              ("rowrelay / raw", r["ratio_vs_raw"]), ("rowrelay / dpone", r["ratio_vs_dpone"]),
              ("rowrelay / Debezium", r["ratio_vs_debezium"]), ("rowrelay / Spark ceiling", r["ratio_vs_spark_ceiling"]),
              ("rowrelay 100k slices / 1M slice", r.get("rowrelay_100k_vs_1m_slice")),
+             ("rowrelay / Spark ceiling, each round", " ".join(map(str, r.get("ratio_vs_spark_ceiling_by_round") or
+                                                                    [])) or None),
+             ("rowrelay / dpone, each round", " ".join(map(str, r.get("ratio_vs_dpone_by_round") or [])) or None),
+             ("rowrelay exactly once in every run", r.get("rowrelay_exactly_once")),
              ("idle sensor tick, ms", r["idle_tick_ms"]),
              ("idle sensor tick with 300k slices of history, ms", r.get("idle_tick_large_history_ms")),
              ("100 tables: worst gap between a sensor's ticks, s", r.get("sensor_lag_100_tables_s")),
