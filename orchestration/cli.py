@@ -348,9 +348,10 @@ def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, s
     from resources.messages import EARLY_READS
     from resources.source_database import SourceDatabaseResource
 
-    source = SourceDatabaseResource(url=config.sources[table.source].url)
-    with contextlib.suppress(Exception), contextlib.ExitStack() as done:
-        done.callback(started.set)
+    with contextlib.suppress(Exception), contextlib.ExitStack() as finish:
+        finish.callback(started.set)  # on every way out: the backfill never waits for a read that gave up
+        source = SourceDatabaseResource(url=config.sources[table.source].url)
+        finish.callback(source.dispose)  # its pooled connections; the chunks' JDBC reads are Spark's own
         channel = channel_for(table, io_manager.transactional_id_prefix)
         progress = read_committed_progress(io_manager.kafka_conf(), channel)
         if progress is None and table.start_after == "latest":
@@ -363,12 +364,11 @@ def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, s
                                     progress.columns if progress else [])
         if plan.add and slices.read is not None and slices.pending == plan.add:
             EARLY_READS.start(map(slices.read, plan.add), io_manager.chunk_rows, depth)
-        done.close()  # registered: the run may start
+        started.set()  # registered: the run may start
         # The run's publisher would create the table's topics (and read the brokers' transaction limit, cached per
         # process) before its first message: done here, its fencing is then a round trip.
         ensure_topics(io_manager.kafka_conf(), channel)
         broker_max_transaction_timeout_ms(io_manager.kafka_conf())
-    source.dispose()  # its pooled connections; the chunks' JDBC reads are Spark's own
 
 
 def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:

@@ -115,18 +115,24 @@ def _signed(s: SliceRange, log: list[SliceRange], signature: str, fail: bool = F
                       signature=signature)
 
 
+def run_read(frames: list[SliceFrame]) -> tuple[list[int], ReadAhead]:
+    """A run's read of `frames` through its read-ahead: the watermarks it got, and the (closed) read-ahead."""
+    ahead = ReadAhead(frames, chunk_rows=10, prefetch=2)
+    try:
+        return [w for f in frames for b in ahead.batches(f) for w in b.watermarks], ahead
+    finally:
+        ahead.close()
+
+
 def test_a_run_takes_the_early_chunks_read_for_its_first_slice_and_reads_the_rest() -> None:
     from resources.messages import EARLY_READS
 
     early_log: list[SliceRange] = []
     assert EARLY_READS.start([_signed(SliceRange(0, 50), early_log, "sig-a")], chunk_rows=10, depth=3) == 3
     run_log: list[SliceRange] = []
-    frame = _signed(SliceRange(0, 50), run_log, "sig-a")  # the run's own frame: same signature, its own reader
-    ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
-    try:
-        assert [w for b in ahead.batches(frame) for w in b.watermarks] == list(range(1, 51))
-    finally:
-        ahead.close()
+    # The run's own frame: same signature, its own reader.
+    got, ahead = run_read([_signed(SliceRange(0, 50), run_log, "sig-a")])
+    assert got == list(range(1, 51))
     assert sorted(early_log, key=lambda s: s.lo) == [SliceRange(0, 10), SliceRange(10, 20), SliceRange(20, 30)]
     assert sorted(run_log, key=lambda s: s.lo) == [SliceRange(30, 40), SliceRange(40, 50)]  # no chunk read twice
     assert ahead.early_chunks == {SliceRange(0, 50).key: 3}
@@ -140,12 +146,8 @@ def test_early_chunks_for_another_slice_or_signature_are_dropped_and_the_run_rea
                         _signed(SliceRange(0, 20), [], "sig-old")):  # same range, read differently (e.g. a column)
         EARLY_READS.start([early_frame], chunk_rows=10, depth=3)
         run_log: list[SliceRange] = []
-        frame = _signed(SliceRange(0, 20), run_log, "sig-a")
-        ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
-        try:
-            assert [w for b in ahead.batches(frame) for w in b.watermarks] == list(range(1, 21))
-        finally:
-            ahead.close()
+        got, ahead = run_read([_signed(SliceRange(0, 20), run_log, "sig-a")])
+        assert got == list(range(1, 21))
         assert sorted(run_log, key=lambda s: s.lo) == [SliceRange(0, 10), SliceRange(10, 20)]
         assert ahead.early_chunks == {}
     # The registry was emptied by the first claim: a later run finds nothing.
@@ -157,12 +159,8 @@ def test_a_failed_early_chunk_is_read_again_by_the_run() -> None:
 
     EARLY_READS.start([_signed(SliceRange(0, 20), [], "sig-a", fail=True)], chunk_rows=10, depth=3)
     run_log: list[SliceRange] = []
-    frame = _signed(SliceRange(0, 20), run_log, "sig-a")
-    ahead = ReadAhead([frame], chunk_rows=10, prefetch=2)
-    try:
-        assert [w for b in ahead.batches(frame) for w in b.watermarks] == list(range(1, 21))
-    finally:
-        ahead.close()
+    got, _ = run_read([_signed(SliceRange(0, 20), run_log, "sig-a")])
+    assert got == list(range(1, 21))
     assert sorted(run_log, key=lambda s: s.lo) == [SliceRange(0, 10), SliceRange(10, 20)]
 
 
@@ -189,12 +187,8 @@ def test_early_chunks_span_consecutive_slices_smaller_than_a_chunk() -> None:
     assert EARLY_READS.start(early_frames(), chunk_rows=10, depth=3) == 3
     assert asked == slices[:3]  # the fourth slice's frame (its count queries) was never built
     run_log: list[SliceRange] = []
-    run_frames = [_signed(s, run_log, f"sig-{i}") for i, s in enumerate(slices)]
-    ahead = ReadAhead(run_frames, chunk_rows=10, prefetch=2)
-    try:
-        assert [w for f in run_frames for b in ahead.batches(f) for w in b.watermarks] == list(range(1, 41))
-    finally:
-        ahead.close()
+    got, ahead = run_read([_signed(s, run_log, f"sig-{i}") for i, s in enumerate(slices)])
+    assert got == list(range(1, 41))
     assert sorted(early_log, key=lambda s: s.lo) == slices[:3]
     assert run_log == [SliceRange(30, 40)]
     assert ahead.early_chunks == {s.key: 1 for s in slices[:3]}
