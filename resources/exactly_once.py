@@ -989,14 +989,22 @@ class SlicePublisher:
         # the progress record (its offsets); the slice's checksum is over the values themselves (SliceDigest).
         table_pair = ("rowrelay.table", ch.table.encode())
 
+        # Set when librdkafka refuses to produce because the transaction already failed (_STATE): a message
+        # delivered earlier was refused (too large, say), and its delivery report, collected below, says why.
+        refused: list[KafkaError] = []
+
         def send(rows: Iterable[tuple[bytes | None, bytes, int, bytes]], report: Callable[..., None] | None) -> None:
+            if refused:
+                return
             for key, value, wm, wm_text in rows:
                 headers = [table_pair, ("rowrelay.watermark", wm_text)]
                 try:  # the hot path: one C call per row, positional (keyword parsing cost 20 % of the loop):
                     # topic, value, key, partition (-1: the partitioner), on_delivery, callback, timestamp, headers
                     produce(topic, value, key, -1, report, None, 0, headers)
                 except (BufferError, KafkaException):
-                    self._produce(topic, key, value, headers, report, wm)
+                    self._produce(topic, key, value, headers, report, wm, refused)
+                    if refused:
+                        return
 
         self._call(self.producer.begin_transaction)
         self._txn_began, self._txn_rows = time.monotonic(), 0
@@ -1044,7 +1052,7 @@ class SlicePublisher:
             now = time.monotonic()
             phases["produce_s"] += now - clock
             clock = now
-            if errors:
+            if errors or refused:
                 break
         phases["read_s"] += time.monotonic() - clock  # the wait for the end of the rows
         clock = time.monotonic()
@@ -1052,13 +1060,25 @@ class SlicePublisher:
         # Delivery of every row (uncommitted) before the progress record, so it can carry their offsets.
         # Short flushes: a failed delivery ends the wait at once instead of after the whole timeout.
         deadline = time.monotonic() + self.flush_timeout_s
-        while self._serve(self.producer.flush, 1.0) and not errors:
+        failure: KafkaError | None = None
+        while True:
+            left = 0 if refused else self._serve(self.producer.flush, 1.0)
+            # A refused message without a delivery callback fails the transaction silently, and the messages
+            # queued behind it then wait out message.timeout.ms: ask the producer instead of waiting.
+            failure = self._transaction_failure()
+            if failure is not None or errors:
+                break
+            if refused:  # refused, yet the transaction has not failed: say what was refused
+                self._raise_for(refused[0])
+            if not left:
+                break
             if time.monotonic() > deadline:
                 raise _AbortAndRedo(f"messages not delivered within {self.flush_timeout_s:.0f} s")
         phases["flush_s"] = time.monotonic() - clock
         self.on_stage("flushed")
-        if errors:
-            err, _ = errors[0]
+        if failure is not None or errors:
+            # The transaction's own error names the cause; a delivery report may only say its message was purged.
+            err = failure if failure is not None else errors[0][0]
             if err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE,
                               KafkaError.INVALID_RECORD):
                 size, wm, value = largest
@@ -1088,8 +1108,23 @@ class SlicePublisher:
         self.on_stage("committed")
         return record
 
+    def _transaction_failure(self) -> KafkaError | None:
+        """The error that failed the open transaction, if one did, without waiting. librdkafka has no call that
+        reads the transaction's state, but begin_transaction checks it locally and changes nothing when it
+        refuses: inside a healthy transaction it refuses with _STATE; once the transaction has failed it
+        returns that failure (txn_requires_abort, or fatal)."""
+        try:
+            self.producer.begin_transaction()
+        except KafkaException as exc:
+            err = exc.args[0]
+            return err if err.txn_requires_abort() or err.fatal() or _is_fenced(err) else None
+        raise RelayError(f"{self.channel.table}: a transaction was expected to be open")  # a bug of ours
+
     def _produce(self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]] | None,
-                 callback: Callable[..., None] | None, watermark: int | None) -> None:
+                 callback: Callable[..., None] | None, watermark: int | None,
+                 refused: list[KafkaError] | None = None) -> None:
+        """Produce one message, waiting while the local queue is full. With `refused`, a produce refused because
+        the transaction already failed (_STATE) is appended to it instead of raised: the caller finds out why."""
         while True:
             try:
                 self.producer.produce(topic, value, key, headers=headers, on_delivery=callback)
@@ -1104,6 +1139,9 @@ class SlicePublisher:
                         f"{self.channel.table}: row with watermark {watermark} is too large for Kafka "
                         f"({len(value)} bytes{hint}); raise message.max.bytes or skip the row (see README, runbook)",
                         table=self.channel.table, watermark=watermark, column=column) from exc
+                if refused is not None and err.code() == KafkaError._STATE:
+                    refused.append(err)
+                    return
                 self._raise_for(err)
 
     def _serve(self, fn: Callable[[float], int], timeout: float) -> int:

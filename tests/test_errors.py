@@ -124,3 +124,23 @@ def test_unreachable_broker_fails_clearly(services, pg_database, pg_engine, dags
     assert "cannot reach Kafka at 127.0.0.1:1" in failure_text(result)
     good = Harness(cfg, dagster_instance)
     _assert_nothing_published(good, services)
+
+
+def test_broker_refusal_named_while_rows_are_still_produced(services, pg_database, pg_engine, dagster_instance,
+                                                            spark, name) -> None:
+    """The broker refuses row 7 while the slice's later rows are still being produced: librdkafka then refuses
+    every further produce ('Erroneous state'). The error must still name the row, not the refused produce."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT CASE WHEN g = 7 THEN (SELECT string_agg(md5(random()::text),"
+                          " '') FROM generate_series(1, 60000)) ELSE 'ok' END FROM generate_series(1, 300000) g"))
+    cfg = relay_config(services, {"src": pg_database},
+                       [{"source": "src", "table": f"public.{name}", "watermark": "id"}],
+                       producer={"message.max.bytes": 5_000_000})
+    h = Harness(cfg, dagster_instance)
+    (key,) = h.tick(h.table())
+    result = h.run(h.table(), key, raise_on_error=False)
+    assert not result.success
+    text_ = failure_text(result)
+    assert "watermark 7" in text_ and "column 'v'" in text_ and "max.message.bytes" in text_, text_[-600:]
+    _assert_nothing_published(h, services)
