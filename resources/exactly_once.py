@@ -351,6 +351,24 @@ def unreachable(client: Any, kafka_conf: dict[str, Any], what: str) -> RelayErro
     return KafkaUnavailable(f"cannot reach Kafka at {bootstrap}: {what}")
 
 
+def list_topics(client: Any, kafka_conf: dict[str, Any], topic: str | None = None, timeout: float = 10.0) -> Any:
+    """client.list_topics(topic), asked in steps of a second: a refused login fails within about a second, not
+    after the whole timeout (librdkafka notes it within ~0.3 s, but only to error_cb). Other failures, e.g. a
+    broker that is away, still wait out `timeout`."""
+    bootstrap = str(kafka_conf.get("bootstrap.servers"))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.list_topics(topic, timeout=min(1.0, max(0.1, deadline - time.monotonic())))
+        except KafkaException as exc:
+            # Serve error_cb; never on a consumer with partitions assigned, where poll() would take a message.
+            if not isinstance(client, Consumer) or not client.assignment():
+                with contextlib.suppress(Exception):
+                    client.poll(0)
+            if bootstrap in _auth_failures or time.monotonic() >= deadline:
+                raise unreachable(client, kafka_conf, exc.args[0].str()) from exc
+
+
 def base_conf(kafka_conf: dict[str, Any]) -> dict[str, Any]:
     """Client settings shared by producer, consumer and admin (bootstrap, security); producer-only keys dropped."""
     shared_prefixes = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.",
@@ -361,10 +379,7 @@ def base_conf(kafka_conf: dict[str, Any]) -> dict[str, Any]:
 def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> int:
     """Create the channel's topics if missing; returns the data topic's partition count."""
     admin = AdminClient(base_conf(kafka_conf))
-    try:
-        existing = admin.list_topics(timeout=timeout).topics
-    except KafkaException as exc:
-        raise unreachable(admin, kafka_conf, exc.args[0].str()) from exc
+    existing = list_topics(admin, kafka_conf, timeout=timeout).topics
     if channel.topic in existing and existing[channel.topic].partitions:
         partitions = len(existing[channel.topic].partitions)
     else:
@@ -460,10 +475,7 @@ def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_co
     bootstrap = kafka_conf.get("bootstrap.servers")
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            md = consumer.list_topics(tp.topic, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
-        except KafkaException as exc:
-            raise unreachable(consumer, kafka_conf, exc.args[0].str()) from exc
+        md = list_topics(consumer, kafka_conf, tp.topic, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
         topic = md.topics.get(tp.topic)
         if topic is None or (topic.error is not None and topic.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
             return 0, 0
