@@ -1001,8 +1001,8 @@ class SlicePublisher:
         # the progress record (its offsets); the slice's checksum is over the values themselves (SliceDigest).
         table_pair = ("rowrelay.table", ch.table.encode())
 
-        # Set when librdkafka refuses to produce because the transaction already failed (_STATE): a message
-        # delivered earlier was refused (too large, say), and its delivery report, collected below, says why.
+        # Set when librdkafka refuses to produce because the transaction already failed (_STATE): a message sent
+        # earlier was refused (too large, say); the flush below asks the producer why (_transaction_failure).
         refused: list[KafkaError] = []
 
         def send(rows: Iterable[tuple[bytes | None, bytes, int, bytes]], report: Callable[..., None] | None) -> None:
