@@ -99,6 +99,17 @@ class Harness:
         self.skip_messages[table.table_id] = data.skip_message
         return [target(r) for r in data.run_requests or []]
 
+    def cut(self, table: TableConfig, timeout: float = 60.0) -> list[str]:
+        """Tick until a tick requests runs; returns that tick's keys. A PostgreSQL source's new rows are cut only
+        once every transaction holding an xid anywhere in the cluster has ended (a snapshot's xmin is
+        cluster-wide), and the parallel tests write in other databases of the same cluster: one tick's 1-s wait
+        is not always enough. [] after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.tick(table)
+            if got or time.monotonic() > deadline:
+                return got
+
     def run(self, table: TableConfig, key: str, raise_on_error: bool = True) -> Any:
         """One run of the table's job for a slice or a range `first...last`: in-process with local Spark;
         with Spark Connect in a `dagster asset materialize` process (one process cannot hold a classic and a

@@ -40,7 +40,7 @@ def test_start_after_changed_before_first_commit_heals(services, pg_database, pg
     again from Kafka's progress."""
     _pg_table(pg_engine, name, 10)
     first = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
-    assert first.tick(first.table()) == ["000000000000-000000000010"]  # cut, never run
+    assert first.cut(first.table()) == ["000000000000-000000000010"]  # cut, never run
     moved = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after=5)]),
                     dagster_instance)
     table = moved.table()
@@ -206,7 +206,7 @@ def test_slice_that_outlives_the_transaction_timeout_is_cut_again_smaller(servic
                        producer={"transaction.timeout.ms": "2000"})
     h = Harness(cfg, dagster_instance)
     table = h.table()
-    (key,) = h.tick(table)
+    (key,) = h.cut(table)
     assert key == SliceRange(0, 4000).key
     # Longer than the 2 s timeout plus the broker's 2 s check for timed-out transactions (stack/local.py).
     monkeypatch.setenv("ROWRELAY_FAILPOINT", "sleep:rows_produced:5.5")

@@ -88,7 +88,7 @@ def test_row_larger_than_broker_limit_stops_slice_and_later_slices(services, pg_
                        [{"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 10}],
                        producer={"message.max.bytes": 5_000_000})
     h = Harness(cfg, dagster_instance)
-    (both,) = h.tick(h.table())  # the backlog: one run for both slices
+    (both,) = h.cut(h.table())  # the backlog: one run for both slices
     assert both == f"{SliceRange(0, 10).key}...{SliceRange(10, 20).key}"
     first = h.run(h.table(), both, raise_on_error=False)
     assert not first.success
@@ -105,7 +105,7 @@ def test_row_larger_than_producer_limit(services, pg_database, pg_engine, dagste
         conn.execute(text(f"INSERT INTO {name} (v) VALUES ('ok'), (repeat('y', 2000000)), ('ok')"))
     h = Harness(relay_config(services, {"src": pg_database},
                              [{"source": "src", "table": f"public.{name}", "watermark": "id"}]), dagster_instance)
-    (key,) = h.tick(h.table())
+    (key,) = h.cut(h.table())
     result = h.run(h.table(), key, raise_on_error=False)
     assert not result.success and "watermark 2" in failure_text(result) and "column 'v'" in failure_text(result)
     _assert_nothing_published(h, services)
@@ -138,7 +138,7 @@ def test_broker_refusal_named_while_rows_are_still_produced(services, pg_databas
                        [{"source": "src", "table": f"public.{name}", "watermark": "id"}],
                        producer={"message.max.bytes": 5_000_000})
     h = Harness(cfg, dagster_instance)
-    (key,) = h.tick(h.table())
+    (key,) = h.cut(h.table())
     result = h.run(h.table(), key, raise_on_error=False)
     assert not result.success
     text_ = failure_text(result)

@@ -105,7 +105,7 @@ def crash_table(services, pg_database, pg_engine, dagster_instance, tmp_path, na
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
                                                          "slice_max_rows": 3000}], spark_remote=True)
     h = Harness(cfg, dagster_instance)
-    keys = h.tick(h.table())
+    keys = h.cut(h.table())
     assert keys == ["000000000000-000000003000"]
     return h, keys[0]
 

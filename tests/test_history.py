@@ -195,7 +195,7 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
     from tests.pipeline import Harness
 
     harness = Harness(config, instance)
-    assert harness.tick(table) == [SliceRange(SLICES, SLICES + 1).key]
+    assert harness.cut(table) == [SliceRange(SLICES, SLICES + 1).key]
 
 
 # -- the Partitions page in a real browser --------------------------------------------------------------------
@@ -311,7 +311,8 @@ def test_group_sensor_cuts_each_table_and_keeps_their_cursors(services, pg_datab
     sensor = defs.resolve_sensor_def("slices_pair")
     first: dict[str, str] = {}  # job -> the first partition requested
     cursor = None
-    for _ in range(10):  # a table waits while other sessions' PostgreSQL transactions may hide lower ids
+    deadline = time.monotonic() + 60  # a table waits while transactions anywhere in the cluster may hide lower ids
+    while time.monotonic() < deadline:
         with build_sensor_context(cursor=cursor, resources=defs.resources, definitions=defs, sensor_name=sensor.name,
                                   instance_ref=dagster_instance.get_ref()) as ctx:
             data = sensor.evaluate_tick(ctx)
@@ -387,15 +388,8 @@ def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_
         {"source": "src", "table": f"public.{n}", "watermark": "id", "min_slice_rows": 5,
          "max_slice_delay_seconds": 2} for n in (few, many)]), dagster_instance)
 
-    def tick_until_cut(table: TableConfig) -> list[str]:
-        for _ in range(10):  # a tick may also wait on other sessions' open PostgreSQL transactions
-            got = h.tick(table)
-            if got:
-                return got
-        return []
-
     started = time.monotonic()
-    assert tick_until_cut(h.table(1)) == [SliceRange(0, 5).key]  # enough rows: no wait
+    assert h.cut(h.table(1)) == [SliceRange(0, 5).key]  # enough rows: no wait
     assert h.tick(h.table(0)) == []  # 2 rows < 5: held back
     with pg_engine.begin() as conn:
         conn.execute(sa.text(f"INSERT INTO {few} (v) VALUES ('late')"))
@@ -403,4 +397,4 @@ def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_
         assert h.tick(h.table(0)) == []  # still within the delay
     while time.monotonic() - started < 2.2:
         time.sleep(0.2)
-    assert tick_until_cut(h.table(0)) == [SliceRange(0, 3).key]  # the delay is over: one slice of 3 rows
+    assert h.cut(h.table(0)) == [SliceRange(0, 3).key]  # the delay is over: one slice of 3 rows

@@ -77,7 +77,7 @@ def test_column_added_mid_stream(services, pg_database, pg_engine, dagster_insta
     with pg_engine.begin() as conn:
         conn.execute(text(f"ALTER TABLE {name} ADD COLUMN region text"))
         conn.execute(text(f"INSERT INTO {name} (label, region) SELECT 'n' || g, 'eu' FROM generate_series(1, 10) g"))
-    (key,) = h.tick(table)
+    (key,) = h.cut(table)
     result = h.run(table, key, raise_on_error=False)
     if policy == "follow":
         assert result.success
