@@ -386,7 +386,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from resources.exactly_once import RelayError
     from resources.kafka_io_manager import KafkaIOManager
     from resources.messages import EARLY_READS
-    from resources.source_database import SourceDatabaseResource, SourceError
+    from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError
 
     (table,) = _tables(config, args.table)
     defs = build_definitions(config)
@@ -424,7 +424,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             # One indexed count for the bar's total, on the cut's connection and shape (reflected moments ago).
             total_rows = (source.count_rows(cached_table_shape(source, table), plan.committed_hi, plan.chain[-1].hi)
                           if plan.chain and not args.dry_run else 0)
-        except (SourceError, RelayError, RuntimeError) as exc:  # RuntimeError: MariaDB's innodb_trx stayed stale
+        except (SourceError, RelayError, InnodbTrxStale) as exc:  # any other error keeps its traceback
             print(f"rowrelay: {exc}", file=sys.stderr)
             return 1
         finally:

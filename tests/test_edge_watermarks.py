@@ -14,6 +14,7 @@ import yaml
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
 
+from orchestration.cli import main
 from resources.slices import WatermarkCandidate
 from resources.source_database import SourceDatabaseResource, SourceError
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, source_url
@@ -337,9 +338,11 @@ def test_a_check_that_cannot_reach_the_database_is_not_final(url: str) -> None:
 
 
 def test_mariadb_sensor_skips_a_tick_while_innodb_trx_stays_stale(services, mariadb_database, mariadb_engine,
-                                                                   dagster_instance, spark, name) -> None:
+                                                                   dagster_instance, dagster_home, spark, name,
+                                                                   tmp_path, capsys, monkeypatch) -> None:
     """A client reading innodb_trx every 20 ms keeps its cache stale past observe's wait: the sensor's tick is
-    skipped with the reason (not a failed tick), nothing is cut, and the next tick cuts once the cache is fresh."""
+    skipped with the reason (not a failed tick), `rowrelay backfill` exits 1 with it, nothing is cut, and the next
+    tick cuts once the cache is fresh."""
     with mariadb_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
         conn.execute(text(f"INSERT INTO {name} (v) VALUES (1), (2), (3)"))
@@ -363,6 +366,10 @@ def test_mariadb_sensor_skips_a_tick_while_innodb_trx_stays_stale(services, mari
         time.sleep(0.1)  # the cache is refreshed once, then kept stale
         assert h.tick(table) == []
         assert "innodb_trx stayed stale" in (h.skip_messages[table.table_id] or "")
+        monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+        capsys.readouterr()
+        assert main(["--config", str(h.config_file()), "backfill", "--table", table.table_id]) == 1
+        assert "innodb_trx stayed stale" in capsys.readouterr().err
         assert h.instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []
     finally:
         stop.set()
