@@ -70,16 +70,25 @@ def column_to_json_expr(field: StructField) -> Column:
     return col
 
 
-def json_object_expr(fields: list[StructField], json_columns: set[str]) -> Column:
+def json_object_expr(fields: list[StructField], json_columns: set[str], texts: dict[str, str] | None = None
+                     ) -> Column:
     """One JSON object per row, fields in column order, computed in the JVM.
 
     JSON columns are spliced in verbatim (the database guarantees valid JSON): Spark's VARIANT would
-    re-sort keys and drop decimal scale (1.10 -> 1.1), which is not exact.
+    re-sort keys and drop decimal scale (1.10 -> 1.1), which is not exact. `texts`: column -> the column of its
+    text as the source rendered it (NULL where the source left the value to Spark; see TableShape.rendered_select).
     """
     from pyspark.sql import functions as F
 
+    texts = texts or {}
+
+    def value(f: StructField) -> Column:
+        if f.name in texts:
+            return F.coalesce(F.col(f"`{texts[f.name]}`"), column_to_json_expr(f))
+        return column_to_json_expr(f)
+
     def plain(group: list[StructField]) -> Column:
-        return F.to_json(F.struct(*[column_to_json_expr(f).alias(f.name) for f in group]), JSON_OPTIONS)
+        return F.to_json(F.struct(*[value(f).alias(f.name) for f in group]), JSON_OPTIONS)
 
     if not any(is_json_field(f, json_columns) for f in fields):
         return plain(fields)
@@ -107,7 +116,8 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
 
     json_cols = set(shape.json_columns)
     fields = {f.name: f for f in (schema if schema is not None else df.schema.fields)}
-    data = json_object_expr([fields[c] for c in shape.column_names], json_cols)
+    texts = {name: text for name, text in shape.source_texts.items() if text in fields}
+    data = json_object_expr([fields[c] for c in shape.column_names], json_cols, texts)
     if envelope:
         source = F.to_json(F.struct(F.lit(table).alias("table"), F.col(f"`{shape.frame_watermark}`").alias("watermark"),
                                     F.lit(slice_key).alias("slice")))
@@ -115,7 +125,7 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
     else:
         value = data
     if isinstance(key, list):
-        key_col = json_object_expr([fields[c] for c in key], json_cols)
+        key_col = json_object_expr([fields[c] for c in key], json_cols, texts)
     elif key == "hash_row":
         # The row's data only (the JSON object of its columns), never the envelope: the same row gets the same key
         # whichever slice (or replay) publishes it.

@@ -154,8 +154,12 @@ class SparkResource(ConfigurableResource):
             column = preparer.quote(shape.watermark)
             predicates += [f"{column} > {shape.watermark_sql_literal(slice_range.lo)}",
                            f"{column} <= {shape.watermark_sql_literal(slice_range.hi)}"]
-        if predicates:
-            qualified = f"(SELECT * FROM {qualified} WHERE {' AND '.join(predicates)}) rowrelay_slice"
+        # PostgreSQL renders dates and timestamps as text itself (TableShape.rendered_select): cheaper than the
+        # driver parsing and Spark formatting them.
+        select = shape.rendered_select(preparer.quote)
+        if predicates or select:
+            where = f" WHERE {' AND '.join(predicates)}" if predicates else ""
+            qualified = f"(SELECT {select or '*'} FROM {qualified}{where}) rowrelay_slice"
         options: dict[str, Any] = {**source.jdbc_options(), "dbtable": qualified, "fetchsize": str(self.fetchsize)}
         partitions = max(1, min(self.max_partitions, ceil(expected_rows / self.rows_per_partition)))
         if partitions > 1:
@@ -176,7 +180,7 @@ class SparkResource(ConfigurableResource):
         for key, value in options.items():
             reader = reader.option(key, value)
         frame = reader.load()
-        columns = [F.col(f"`{c}`") for c in shape.column_names]
+        columns = [F.col(f"`{c}`") for c in shape.column_names] + [F.col(f"`{t}`") for t in shape.source_texts.values()]
         if shape.timestamps:  # microseconds since 1970 UTC; a zone-less value is read as UTC (session zone)
             columns.append(F.unix_micros(F.col(f"`{shape.watermark}`").cast("timestamp")).alias(shape.frame_watermark))
         wm = F.col(f"`{shape.frame_watermark}`")

@@ -99,6 +99,60 @@ def test_postgres_types_round_trip(services, pg_database, pg_engine, dagster_ins
     assert got[2]["c_text"] is None and "c_text" in got[2]
 
 
+def test_postgres_dates_and_timestamps_rendered_by_the_source_at_the_edges(services, pg_database, pg_engine,
+                                                                          dagster_instance, spark, name) -> None:
+    """PostgreSQL renders dates and timestamps of years 1-9999 (to_char, TableShape.rendered_select); values
+    beyond (a year 10000 or later, also one reached only in UTC) still come raw and Spark renders them, and NULL
+    stays null: no value is lost or changed at the range's edges."""
+    from resources.slices import SliceRange
+    from resources.source_database import SourceDatabaseResource
+    from resources.spark import SparkResource
+    from tests.pipeline import source_url
+
+    rows = [("0001-01-01 00:00:00", "0001-01-01 00:00:00+00", "0001-01-01"),
+            ("0099-03-04 05:06:07.5", "0099-03-04 05:06:07.5+00", "0099-03-04"),
+            ("1582-10-04 23:59:59.999999", "1582-10-04 23:59:59.999999+00", "1582-10-04"),
+            ("1883-11-18 12:00:00", "1883-11-18 12:00:00+05:30", "1883-11-18"),
+            ("9999-12-31 23:59:59.999999", "9999-12-31 22:59:59.999999-01", "9999-12-31"),
+            (None, None, None),
+            ("12345-01-01 01:02:03.5", "12345-01-01 01:02:03.5+00", "12345-01-01"),
+            ("9999-12-31 23:00:00", "9999-12-31 23:59:59.999999-01", "9999-12-31"),
+            # Days the Julian calendar lacks: JDBC's java.sql types shifted them by ten days before.
+            ("1582-10-10 12:00:00", "1582-10-10 12:00:00+00", "1582-10-14")]
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, c_ts timestamp, c_tstz timestamptz, "
+                          "c_date date)"))
+        for row in rows:
+            conn.execute(text(f"INSERT INTO {name} (c_ts, c_tstz, c_date) VALUES (:a, :b, :c)"),
+                         dict(zip("abc", row, strict=True)))
+    with pg_engine.connect() as conn:  # Python's datetime stops at 9999: the driver reads all but rows 7 and 8
+        conn.execute(text("SET TIME ZONE 'UTC'"))
+        readable = conn.execute(text(f"SELECT * FROM {name} WHERE id NOT IN (7, 8)"))
+        expected = {r.id: dict(r._mapping) for r in readable}
+    source = SourceDatabaseResource(url=source_url(pg_database))
+    try:
+        shape = source.table_shape("public", name, "id")
+        frame = SparkResource(master="local[2]", jars=services.jdbc_jars).read_slice(source, shape, SliceRange(0, 9), 9)
+        assert {"__rowrelay_text_1", "__rowrelay_text_2", "__rowrelay_text_3"} <= set(frame.columns)
+    finally:
+        source.dispose()
+    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 9)
+    assert [value["id"] for value in got] == list(range(1, 10))
+    for value in got:
+        if value["id"] in expected:
+            assert value == {col: _expected(v) for col, v in expected[value["id"]].items()}
+    assert got[8] == {"id": 9, "c_ts": "1582-10-10T12:00:00.000000", "c_tstz": "1582-10-10T12:00:00.000000+00:00",
+                      "c_date": "1582-10-14"}
+    assert got[1]["c_ts"] == "0099-03-04T05:06:07.500000" and got[3]["c_tstz"] == "1883-11-18T06:30:00.000000+00:00"
+    assert got[4]["c_tstz"] == "9999-12-31T23:59:59.999999+00:00"
+    assert got[5] == {"id": 6, "c_ts": None, "c_tstz": None, "c_date": None}
+    # Beyond year 9999, as Spark renders it (ISO 8601's expanded years, with their sign).
+    assert got[6] == {"id": 7, "c_ts": "+12345-01-01T01:02:03.500000", "c_tstz": "+12345-01-01T01:02:03.500000+00:00",
+                      "c_date": "+12345-01-01"}
+    assert got[7] == {"id": 8, "c_ts": "9999-12-31T23:00:00.000000", "c_tstz": "+10000-01-01T00:59:59.999999+00:00",
+                      "c_date": "9999-12-31"}
+
+
 def test_postgres_json_text_is_spliced_verbatim(services, pg_database, pg_engine, dagster_instance, spark, name):
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, doc json)"))

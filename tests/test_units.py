@@ -131,3 +131,31 @@ def test_slice_checksum_is_over_values_and_their_lengths_whatever_the_batches() 
     assert digest.hexdigest() == expected.hexdigest()
     assert slice_checksum([b'{"id":1}{"id":22}', b"", b'{"id":333}']) != expected.hexdigest()
     assert slice_checksum(list(reversed(values))) != expected.hexdigest()
+
+
+def test_postgres_renders_dates_and_timestamps_except_watermark_and_tie_break_raw() -> None:
+    from resources.source_database import ColumnInfo, TableShape
+
+    def col(name: str, source_text: str = "") -> ColumnInfo:
+        return ColumnInfo(name=name, type_name="X", nullable=True, is_json=False, is_integer=False,
+                          source_text=source_text)
+
+    shape = TableShape(dialect="postgresql", schema="public", name="t", watermark="at", watermark_kind="timestamp",
+                       tie_break="seen", columns=(col("id"), col("at", "timestamp"), col("seen", "timestamptz"),
+                                                  col("day", "date")))
+    ts = "'YYYY-MM-DD\"T\"HH24:MI:SS.US'"
+    expected = [
+        '"id"', '"at"', '"seen"',  # the watermark and the tie_break: whole (the read filters and sorts on them)
+        """CASE WHEN NOT ("day" >= DATE '0001-01-01' AND "day" < DATE '10000-01-01') THEN "day" END AS "day\"""",
+        f"""CASE WHEN "at" >= TIMESTAMP '0001-01-01' AND "at" < TIMESTAMP '10000-01-01' THEN to_char("at", {ts}) """
+        """END AS "__rowrelay_text_1\"""",
+        """CASE WHEN "seen" >= TIMESTAMPTZ '0001-01-01 00:00:00+00' """
+        """AND "seen" < TIMESTAMPTZ '10000-01-01 00:00:00+00' """
+        f"""THEN to_char("seen" AT TIME ZONE 'UTC', {ts}) || '+00:00' END AS "__rowrelay_text_2\"""",
+        """CASE WHEN "day" >= DATE '0001-01-01' AND "day" < DATE '10000-01-01' THEN to_char("day", 'YYYY-MM-DD') """
+        """END AS "__rowrelay_text_3\"""",
+    ]
+    assert shape.rendered_select(lambda n: f'"{n}"') == ", ".join(expected)
+    assert shape.source_texts == {"at": "__rowrelay_text_1", "seen": "__rowrelay_text_2", "day": "__rowrelay_text_3"}
+    plain = TableShape(dialect="postgresql", schema=None, name="t", watermark="id", columns=(col("id"), col("v")))
+    assert plain.rendered_select(lambda n: n) is None and plain.source_texts == {}
