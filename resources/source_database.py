@@ -60,8 +60,10 @@ class InnodbTrxStale(RuntimeError):
 
 # PostgreSQL renders a date or timestamp's JSON text itself (to_char): the same text Spark's date_format gives for
 # years 1-9999 (tests/test_types.py), at a fraction of the cost of the JDBC driver parsing each value and Spark
-# formatting it again (a 1M-row read: Spark CPU -0.5 s, PostgreSQL +0.3 s). Values outside that range (BC, year
-# 10000 and later, infinity) still reach Spark raw and are rendered as before. {c}: the quoted column.
+# formatting it again (a 1M-row read: Spark CPU -0.5 s, PostgreSQL +0.3 s). Finite values outside that range (BC,
+# year 10000 and later) still reach Spark raw and are rendered as before; +-infinity, which Spark cannot hold (its
+# read failed with "long overflow"), become the strings "infinity" / "-infinity", as NaN and Infinity do for
+# floats. {c}: the quoted column.
 PG_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (in range, text)
     "timestamp": ("{c} >= TIMESTAMP '0001-01-01' AND {c} < TIMESTAMP '10000-01-01'",
                   "to_char({c}, 'YYYY-MM-DD\"T\"HH24:MI:SS.US')"),
@@ -144,8 +146,8 @@ class TableShape:
     def rendered_select(self, quote: Callable[[str], str]) -> str | None:
         """The select list of a slice read where the source renders some columns' text (None: none does).
 
-        Each rendered column also comes raw, but only where its text is NULL for a value out of the text's
-        range, so the JDBC driver skips parsing the others; the watermark and tie_break stay whole (the read
+        Each rendered column also comes raw, but only where its text is NULL (a finite value out of the text's
+        range), so the JDBC driver skips parsing the others; the watermark and tie_break stay whole (the read
         filters and sorts on them)."""
         if not any(c.source_text for c in self.columns):
             return None
@@ -158,8 +160,9 @@ class TableShape:
                 items.append(q)
                 continue
             in_range, rendered = (part.format(c=q) for part in PG_TEXT_RENDERING[c.source_text])
-            items.append(q if c.name in whole else f"CASE WHEN NOT ({in_range}) THEN {q} END AS {q}")
-            texts.append(f"CASE WHEN {in_range} THEN {rendered} END AS {quote(self.text_column(i))}")
+            items.append(q if c.name in whole else f"CASE WHEN NOT ({in_range}) AND isfinite({q}) THEN {q} END AS {q}")
+            texts.append(f"CASE WHEN {in_range} THEN {rendered} WHEN NOT isfinite({q}) THEN {q}::text END "
+                         f"AS {quote(self.text_column(i))}")
         return ", ".join(items + texts)
 
     @property

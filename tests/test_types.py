@@ -118,31 +118,38 @@ def test_postgres_dates_and_timestamps_rendered_by_the_source_at_the_edges(servi
             ("12345-01-01 01:02:03.5", "12345-01-01 01:02:03.5+00", "12345-01-01"),
             ("9999-12-31 23:00:00", "9999-12-31 23:59:59.999999-01", "9999-12-31"),
             # Days the Julian calendar lacks: JDBC's java.sql types shifted them by ten days before.
-            ("1582-10-10 12:00:00", "1582-10-10 12:00:00+00", "1582-10-14")]
+            ("1582-10-10 12:00:00", "1582-10-10 12:00:00+00", "1582-10-14"),
+            ("-infinity", "infinity", "infinity"),
+            (None, "0044-03-15 12:00:00+00 BC", "0044-03-15 BC")]
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, c_ts timestamp, c_tstz timestamptz, "
                           "c_date date)"))
         for row in rows:
             conn.execute(text(f"INSERT INTO {name} (c_ts, c_tstz, c_date) VALUES (:a, :b, :c)"),
                          dict(zip("abc", row, strict=True)))
-    with pg_engine.connect() as conn:  # Python's datetime stops at 9999: the driver reads all but rows 7 and 8
+    with pg_engine.connect() as conn:  # Python's datetime has years 1-9999 only, and no infinity
         conn.execute(text("SET TIME ZONE 'UTC'"))
-        readable = conn.execute(text(f"SELECT * FROM {name} WHERE id NOT IN (7, 8)"))
+        readable = conn.execute(text(f"SELECT * FROM {name} WHERE id NOT IN (7, 8, 10, 11)"))
         expected = {r.id: dict(r._mapping) for r in readable}
     source = SourceDatabaseResource(url=source_url(pg_database))
     try:
         shape = source.table_shape("public", name, "id")
-        frame = SparkResource(master="local[2]", jars=services.jdbc_jars).read_slice(source, shape, SliceRange(0, 9), 9)
+        reader = SparkResource(master="local[2]", jars=services.jdbc_jars)
+        frame = reader.read_slice(source, shape, SliceRange(0, 11), 11)
         assert {"__rowrelay_text_1", "__rowrelay_text_2", "__rowrelay_text_3"} <= set(frame.columns)
     finally:
         source.dispose()
-    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 9)
-    assert [value["id"] for value in got] == list(range(1, 10))
+    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 11)
+    assert [value["id"] for value in got] == list(range(1, 12))
     for value in got:
         if value["id"] in expected:
             assert value == {col: _expected(v) for col, v in expected[value["id"]].items()}
     assert got[8] == {"id": 9, "c_ts": "1582-10-10T12:00:00.000000", "c_tstz": "1582-10-10T12:00:00.000000+00:00",
                       "c_date": "1582-10-14"}
+    # Spark holds no infinity (its read failed, "long overflow"): PostgreSQL's own text, as for NaN and Infinity.
+    assert got[9] == {"id": 10, "c_ts": "-infinity", "c_tstz": "infinity", "c_date": "infinity"}
+    # BC, as Spark renders it: astronomical years (44 BC is -0043).
+    assert got[10] == {"id": 11, "c_ts": None, "c_tstz": "-0043-03-15T12:00:00.000000+00:00", "c_date": "-0043-03-15"}
     assert got[1]["c_ts"] == "0099-03-04T05:06:07.500000" and got[3]["c_tstz"] == "1883-11-18T06:30:00.000000+00:00"
     assert got[4]["c_tstz"] == "9999-12-31T23:59:59.999999+00:00"
     assert got[5] == {"id": 6, "c_ts": None, "c_tstz": None, "c_date": None}

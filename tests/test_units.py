@@ -146,14 +146,16 @@ def test_postgres_renders_dates_and_timestamps_except_watermark_and_tie_break_ra
     ts = "'YYYY-MM-DD\"T\"HH24:MI:SS.US'"
     expected = [
         '"id"', '"at"', '"seen"',  # the watermark and the tie_break: whole (the read filters and sorts on them)
-        """CASE WHEN NOT ("day" >= DATE '0001-01-01' AND "day" < DATE '10000-01-01') THEN "day" END AS "day\"""",
+        """CASE WHEN NOT ("day" >= DATE '0001-01-01' AND "day" < DATE '10000-01-01') AND isfinite("day") """
+        """THEN "day" END AS "day\"""",
         f"""CASE WHEN "at" >= TIMESTAMP '0001-01-01' AND "at" < TIMESTAMP '10000-01-01' THEN to_char("at", {ts}) """
-        """END AS "__rowrelay_text_1\"""",
+        """WHEN NOT isfinite("at") THEN "at"::text END AS "__rowrelay_text_1\"""",
         """CASE WHEN "seen" >= TIMESTAMPTZ '0001-01-01 00:00:00+00' """
         """AND "seen" < TIMESTAMPTZ '10000-01-01 00:00:00+00' """
-        f"""THEN to_char("seen" AT TIME ZONE 'UTC', {ts}) || '+00:00' END AS "__rowrelay_text_2\"""",
+        f"""THEN to_char("seen" AT TIME ZONE 'UTC', {ts}) || '+00:00' """
+        """WHEN NOT isfinite("seen") THEN "seen"::text END AS "__rowrelay_text_2\"""",
         """CASE WHEN "day" >= DATE '0001-01-01' AND "day" < DATE '10000-01-01' THEN to_char("day", 'YYYY-MM-DD') """
-        """END AS "__rowrelay_text_3\"""",
+        """WHEN NOT isfinite("day") THEN "day"::text END AS "__rowrelay_text_3\"""",
     ]
     assert shape.rendered_select(lambda n: f'"{n}"') == ", ".join(expected)
     assert shape.source_texts == {"at": "__rowrelay_text_1", "seen": "__rowrelay_text_2", "day": "__rowrelay_text_3"}
