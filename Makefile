@@ -26,7 +26,13 @@ help:
 	$(UV) sync --frozen --compile-bytecode
 	touch $@
 
-install: .venv/.synced
+# The publisher's per-row loop in C (resources/arrow_produce.py). Without a C compiler rowrelay still works: it
+# produces every row through confluent-kafka (slower) and says so in its log.
+NATIVE := resources/native/produce_rows.so
+$(NATIVE): resources/native/produce_rows.c
+	cc -O2 -Wall -Werror -shared -fPIC -o $@ $< || echo "rowrelay: no C compiler: rows are produced through confluent-kafka"
+
+install: .venv/.synced $(NATIVE)
 
 stack: install
 	$(PY) -m stack up

@@ -2,7 +2,7 @@
 
 The run's own read (`build_table_slices`: reflection and table check, the slice's count, then its chunks through
 `SparkResource.read_slice` and the JSON/key expressions of `message_columns`) and the same chunked
-read-ahead into produce-ready Python bytes (`ReadAhead`) as a run, then nothing: what Spark can deliver on this
+read-ahead into produce-ready Arrow batches (`ReadAhead`) as a run, then nothing: what Spark can deliver on this
 machine, for `make bench` to set rowrelay's end-to-end figure against.
 
     python -m bench.spark_ceiling --url URL --table public.t --rows N [--remote sc://...]
@@ -16,6 +16,10 @@ from __future__ import annotations
 import time
 
 LAUNCHED = time.monotonic()  # before the heavy imports below: the figure is from process launch, like a run's
+
+import gc  # noqa: E402
+
+gc.disable()  # as `rowrelay backfill` starts (orchestration/cli.py, end_of_startup): no collection until the read
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -37,6 +41,8 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -
     # The run's own read (build_table_slices: table check, then per slice its count and chunked Spark reads).
     slices = build_table_slices(source, spark, config, channel_for(config), [SliceRange(0, rows)], 0)
     spark.get_session()
+    gc.freeze()  # what startup built stays out of later collections, as in a backfill
+    gc.enable()
     # The IO manager's defaults: the ceiling reads in the same chunks with the same read-ahead as a run.
     defaults = KafkaIOManager.model_fields
     chunk_rows, prefetch = defaults["chunk_rows"].default, defaults["prefetch_chunks"].default

@@ -36,12 +36,14 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
-from itertools import islice
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
+from resources.arrow_produce import RowProducer
 from resources.slices import SliceRange, is_timestamp_key
 
 _log = logging.getLogger(__name__)
@@ -142,6 +144,14 @@ class SliceDigest:
             lengths.byteswap()
         self._lengths.update(lengths)
 
+    def update_arrow(self, values: pa.Array) -> None:
+        """`update` from an Arrow binary array without nulls, straight from its buffers."""
+        _, offsets_buffer, data = values.buffers()
+        offsets = np.frombuffer(offsets_buffer, dtype=np.int32, count=len(values) + 1, offset=4 * values.offset)
+        if data is not None:
+            self._values.update(memoryview(data)[offsets[0]:offsets[-1]])
+        self._lengths.update(np.diff(offsets).astype("<u4").tobytes())
+
     def hexdigest(self) -> str:
         return hashlib.sha256(self._values.digest() + self._lengths.digest()).hexdigest()
 
@@ -154,23 +164,50 @@ def slice_checksum(values: Iterable[bytes]) -> str:
     return digest.hexdigest()
 
 
-@dataclass
 class MessageBatch:
-    """A run of messages in watermark order, column-wise: no Python object per row on the hot path."""
+    """A run of messages in watermark order, as Arrow columns: key (binary; null: no key), value (binary),
+    watermark (int64) and watermark_text (binary: the watermark header's value, str(watermark).encode()). The
+    publisher produces them from the buffers (resources/arrow_produce.py): no Python object per row, except for
+    the few rows it produces through confluent-kafka."""
 
-    keys: list[bytes | None]
-    values: list[bytes]
-    watermarks: list[int]
-    watermark_texts: list[bytes]  # str(watermark).encode(), the header value
+    def __init__(self, keys: pa.Array, values: pa.Array, watermarks: pa.Array, watermark_texts: pa.Array) -> None:
+        self.keys, self.values, self.watermarks, self.watermark_texts = keys, values, watermarks, watermark_texts
 
     @classmethod
     def of(cls, messages: Sequence[OutgoingMessage]) -> MessageBatch:
-        return cls(keys=[m.key for m in messages], values=[m.value for m in messages],
-                   watermarks=[m.watermark for m in messages],
-                   watermark_texts=[str(m.watermark).encode() for m in messages])
+        return cls(keys=pa.array([m.key for m in messages], pa.binary()),
+                   values=pa.array([m.value for m in messages], pa.binary()),
+                   watermarks=pa.array([m.watermark for m in messages], pa.int64()),
+                   watermark_texts=pa.array([str(m.watermark).encode() for m in messages], pa.binary()))
+
+    @classmethod
+    def from_arrow(cls, batch: pa.RecordBatch) -> MessageBatch:
+        column = batch.column
+        return cls(column("key"), column("value"), column("watermark"), column("watermark_text"))
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def watermark_bounds(self) -> tuple[int, int]:
+        import pyarrow.compute as pc
+
+        bounds = pc.min_max(self.watermarks).as_py()
+        return bounds["min"], bounds["max"]
+
+    def sizes(self) -> np.ndarray:
+        """Bytes of each row's key and value (as the producer's message.max.bytes counts them)."""
+        import pyarrow.compute as pc
+
+        keys = (np.zeros(len(self), dtype=np.int64) if self.keys.type == pa.null()
+                else pc.binary_length(self.keys).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+        return keys + pc.binary_length(self.values).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    def rows(self, start: int, stop: int) -> Iterator[tuple[bytes | None, bytes, int, bytes]]:
+        """Rows [start, stop) as Python objects (key, value, watermark, watermark text)."""
+        n = max(0, stop - start)
+        return zip(self.keys.slice(start, n).to_pylist(), self.values.slice(start, n).to_pylist(),
+                   self.watermarks.slice(start, n).to_pylist(), self.watermark_texts.slice(start, n).to_pylist(),
+                   strict=True)
 
 
 @dataclass
@@ -1010,7 +1047,7 @@ class SlicePublisher:
                 return
             for key, value, wm, wm_text in rows:
                 headers = [table_pair, ("rowrelay.watermark", wm_text)]
-                try:  # the hot path: one C call per row, positional (keyword parsing cost 20 % of the loop):
+                try:  # one C call per row, positional (keyword parsing cost 20 % of the loop):
                     # topic, value, key, partition (-1: the partitioner), on_delivery, callback, timestamp, headers
                     produce(topic, value, key, -1, report, None, 0, headers)
                 except (BufferError, KafkaException):
@@ -1018,54 +1055,73 @@ class SlicePublisher:
                     if refused:
                         return
 
-        self._call(self.producer.begin_transaction)
-        self._txn_began, self._txn_rows = time.monotonic(), 0
-        self.on_stage("begun")
-        # Seconds per phase of this transaction: waiting for rows (read), producing them, flushing, committing.
-        phases = self.last_phases = {"read_s": 0.0, "produce_s": 0.0, "flush_s": 0.0, "commit_s": 0.0}
-        clock = time.monotonic()
-        for batch in batches:
-            now = time.monotonic()
-            phases["read_s"] += now - clock
-            clock = now
-            if not isinstance(batch, MessageBatch):
-                batch = MessageBatch.of(batch)
-            if not batch.values:
-                continue
-            low, high = min(batch.watermarks), max(batch.watermarks)
-            if low <= slice_range.lo or high > slice_range.hi:
-                wm = low if low <= slice_range.lo else high
-                raise BadRowError(f"{ch.table}: row with watermark {wm} is outside slice {slice_range}",
-                                  table=ch.table, watermark=wm)
-            sizes = [len(v) + (len(k) if k else 0) for k, v in zip(batch.keys, batch.values, strict=True)]
-            biggest = max(sizes)
-            if biggest > largest[0]:
-                at = sizes.index(biggest)
-                largest = (biggest, batch.watermarks[at], batch.values[at])
-            if biggest > self.max_message_bytes:
-                column, hint = _column_hint(largest[2])
-                raise BadRowError(
-                    f"{ch.table}: row with watermark {largest[1]} is {biggest} bytes as a message{hint}, over the "
-                    f"producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on the "
-                    "producer and the topic (max.message.bytes), or skip the row (see README, runbook)",
-                    table=ch.table, watermark=largest[1], column=column)
-            rows_in = zip(batch.keys, batch.values, batch.watermarks, batch.watermark_texts, strict=True)
-            if self._report_every_row or self._data_partitions != 1 or len(batch) <= 2:
-                send(rows_in, delivered)
-            else:  # the first and the last row report their offsets; one iterator, so order is kept
-                send(islice(rows_in, 1), delivered)
-                send(islice(rows_in, len(batch) - 2), None)
-                send(rows_in, delivered)
-            digest.update(batch.values)
-            rows += len(batch)
-            self._txn_rows = rows
-            nbytes += sum(sizes)
-            self._serve(self.producer.poll, 0)  # delivery reports so far
-            now = time.monotonic()
-            phases["produce_s"] += now - clock
-            clock = now
-            if errors or refused:
-                break
+        def send_quietly(batch: MessageBatch, start: int, stop: int) -> None:
+            """Rows [start, stop) without a delivery report: from C where it is attached (the hot path), each
+            row librdkafka refuses through `send`, which waits out a full queue or says why."""
+            if native is None or not native.supports(batch.keys, batch.values, batch.watermark_texts):
+                send(batch.rows(start, stop), None)
+                return
+            while start < stop and not refused:
+                done, _ = native.produce(batch.keys, batch.values, batch.watermark_texts, start, stop)
+                start += done
+                if start < stop:
+                    send(batch.rows(start, start + 1), None)
+                    start += 1
+
+        native = None if self._report_every_row or self._data_partitions != 1 else RowProducer.attach(
+            self.producer, topic, ch.table)
+        try:
+            self._call(self.producer.begin_transaction)
+            self._txn_began, self._txn_rows = time.monotonic(), 0
+            self.on_stage("begun")
+            # Seconds per phase of this transaction: waiting for rows (read), producing them, flushing, committing.
+            phases = self.last_phases = {"read_s": 0.0, "produce_s": 0.0, "flush_s": 0.0, "commit_s": 0.0}
+            clock = time.monotonic()
+            for batch in batches:
+                now = time.monotonic()
+                phases["read_s"] += now - clock
+                clock = now
+                if not isinstance(batch, MessageBatch):
+                    batch = MessageBatch.of(batch)
+                n = len(batch)
+                if not n:
+                    continue
+                low, high = batch.watermark_bounds()
+                if low <= slice_range.lo or high > slice_range.hi:
+                    wm = low if low <= slice_range.lo else high
+                    raise BadRowError(f"{ch.table}: row with watermark {wm} is outside slice {slice_range}",
+                                      table=ch.table, watermark=wm)
+                sizes = batch.sizes()
+                at = int(sizes.argmax())
+                biggest = int(sizes[at])
+                if biggest > largest[0]:
+                    largest = (biggest, batch.watermarks[at].as_py(), batch.values[at].as_py())
+                if biggest > self.max_message_bytes:
+                    column, hint = _column_hint(largest[2])
+                    raise BadRowError(
+                        f"{ch.table}: row with watermark {largest[1]} is {biggest} bytes as a message{hint}, over "
+                        f"the producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on "
+                        "the producer and the topic (max.message.bytes), or skip the row (see README, runbook)",
+                        table=ch.table, watermark=largest[1], column=column)
+                if self._report_every_row or self._data_partitions != 1 or n <= 2:
+                    send(batch.rows(0, n), delivered)
+                else:  # the first and the last row report their offsets, in order around the rest
+                    send(batch.rows(0, 1), delivered)
+                    send_quietly(batch, 1, n - 1)
+                    send(batch.rows(n - 1, n), delivered)
+                digest.update_arrow(batch.values)
+                rows += n
+                self._txn_rows = rows
+                nbytes += int(sizes.sum())
+                self._serve(self.producer.poll, 0)  # delivery reports so far
+                now = time.monotonic()
+                phases["produce_s"] += now - clock
+                clock = now
+                if errors or refused:
+                    break
+        finally:
+            if native is not None:
+                native.close()
         phases["read_s"] += time.monotonic() - clock  # the wait for the end of the rows
         clock = time.monotonic()
         self.on_stage("rows_produced")
@@ -1199,13 +1255,24 @@ class SlicePublisher:
 
     def _abort(self) -> None:
         self._txn_began = None
-        try:
-            self.producer.abort_transaction(60)
-        except KafkaException as exc:
-            err = exc.args[0]
-            if _is_fenced(err) or err.fatal():
-                raise PublisherFenced(f"{self.channel.table}: {_fatal_message(err)}") from exc
-            # Not in a transaction, or the broker is away: the transaction times out on its own.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.producer.abort_transaction(max(1.0, deadline - time.monotonic()))
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if _is_fenced(err) or err.fatal():
+                    raise PublisherFenced(f"{self.channel.table}: {_fatal_message(err)}") from exc
+                # librdkafka: a retriable abort error (a timeout, the coordinator busy) is retried by calling it again.
+                if err.retriable() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    continue
+                # Not in a transaction, or the broker is away: the transaction times out on its own.
+                _log.warning("%s: aborting the transaction failed (%s); the broker aborts it after "
+                             "transaction.timeout.ms (%d ms)", self.channel.table, err.str(),
+                             self.transaction_timeout_ms)
+                return
 
 
 def publish_slice(channel: TableChannel, kafka_conf: dict[str, Any], slice_range: SliceRange,

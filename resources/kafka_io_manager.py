@@ -135,7 +135,7 @@ class KafkaIOManager(ConfigurableIOManager):
                     steps["publish_s"] = result.duration_s
                     convert = ahead.convert_s - convert_before
                     phases = dict(result.phases)
-                    if "read_s" in phases:  # Arrow -> Python bytes happens while the producer waits for rows
+                    if "read_s" in phases:  # the order check and split happen while the producer waits for rows
                         phases["read_s"] = max(0.0, phases["read_s"] - convert)
                         phases["convert_s"] = convert
                     timings[slice_range.key] = steps

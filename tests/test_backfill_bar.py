@@ -133,7 +133,10 @@ def _backfill(services: Services, pg_database: URL, name: str, tmp_path: Path) -
 
 
 def _env(dagster_home: Path) -> dict[str, str]:
-    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "TERM": "xterm-256color", "COLUMNS": "160"}
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "TERM": "xterm-256color", "COLUMNS": "160",
+           # Each slice holds 0.8 s after its commit: these tests are about the display keeping up with commits,
+           # not about throughput (once three 100k slices committed within one 0.5-s poll of the display).
+           "ROWRELAY_FAILPOINT": "sleep:committed:0.8"}
     for var in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
         env.pop(var, None)  # rich reads these; the test wants its own terminal detection
     return env

@@ -43,13 +43,13 @@ def test_reads_every_slice_in_order_and_fetches_the_next_slice_ahead() -> None:
     try:
         first = ahead.frame_at_head()
         assert first is fs[0]
-        got = [w for b in ahead.batches(fs[0]) for w in b.watermarks]
+        got = [w for b in ahead.batches(fs[0]) for w in b.watermarks.to_pylist()]
         assert got == list(range(1, 11))
         # While slice 1 was produced, slice 2 was already being fetched (one chunk per slice here).
         assert ahead.frame_at_head() is fs[1]
         assert SliceRange(10, 20) in [f.slice for f, _, _ in ahead._ahead]
-        assert [w for b in ahead.batches(fs[1]) for w in b.watermarks] == list(range(11, 21))
-        assert [w for b in ahead.batches(fs[2]) for w in b.watermarks] == list(range(21, 31))
+        assert [w for b in ahead.batches(fs[1]) for w in b.watermarks.to_pylist()] == list(range(11, 21))
+        assert [w for b in ahead.batches(fs[2]) for w in b.watermarks.to_pylist()] == list(range(21, 31))
         assert ahead.frame_at_head() is None
     finally:
         ahead.close()
@@ -62,10 +62,10 @@ def test_a_slice_stopped_midway_is_skipped_and_the_next_one_is_whole() -> None:
     ahead = ReadAhead(fs, chunk_rows=10, prefetch=2)  # slice 1: four chunks
     try:
         gen = ahead.batches(fs[0])
-        assert next(gen).watermarks == list(range(1, 11))
+        assert next(gen).watermarks.to_pylist() == list(range(1, 11))
         gen.close()  # the publisher gave up on slice 1 (e.g. an abort)
         assert ahead.frame_at_head() is fs[1]
-        assert [w for b in ahead.batches(fs[1]) for w in b.watermarks] == list(range(41, 51))
+        assert [w for b in ahead.batches(fs[1]) for w in b.watermarks.to_pylist()] == list(range(41, 51))
     finally:
         ahead.close()
 
@@ -119,7 +119,7 @@ def run_read(frames: list[SliceFrame]) -> tuple[list[int], ReadAhead]:
     """A run's read of `frames` through its read-ahead: the watermarks it got, and the (closed) read-ahead."""
     ahead = ReadAhead(frames, chunk_rows=10, prefetch=2)
     try:
-        return [w for f in frames for b in ahead.batches(f) for w in b.watermarks], ahead
+        return [w for f in frames for b in ahead.batches(f) for w in b.watermarks.to_pylist()], ahead
     finally:
         ahead.close()
 

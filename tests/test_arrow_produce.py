@@ -1,0 +1,134 @@
+"""The publisher's C produce loop (resources/arrow_produce.py) on the real broker: the same messages as through
+confluent-kafka's produce(), byte for byte, for every shape of Arrow column a slice brings (null and empty keys,
+batches sliced at an offset, non-ASCII and NUL bytes); a full local queue; and the Python path wherever the loop
+is not attached."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from resources import arrow_produce
+from resources.arrow_produce import QUEUE_FULL, RowProducer
+from resources.exactly_once import MessageBatch, SlicePublisher, TableChannel, read_committed_progress, slice_checksum
+from resources.slices import SliceRange
+
+pytestmark = pytest.mark.integration
+
+Raw = tuple[bytes | None, bytes, list[tuple[str, bytes]]]
+
+
+def _record_batch(lo: int, hi: int) -> pa.RecordBatch:
+    """Rows (lo, hi]: every 7th without a key, every 11th with an empty key, values with non-ASCII and NUL bytes."""
+    wms, pad = list(range(lo + 1, hi + 1)), "x"
+    keys = [None if i % 7 == 0 else b"" if i % 11 == 0 else b'{"id":%d}' % i for i in wms]
+    values = [f'{{"id":{i},"s":"é\u0000{pad * (i % 50)}"}}' for i in wms]
+    return pa.record_batch({"key": pa.array(keys, pa.binary()),
+                            "value": pa.array([v.encode() for v in values], pa.binary()),
+                            "watermark": pa.array(wms, pa.int64()),
+                            "watermark_text": pa.array([str(i).encode() for i in wms], pa.binary())})
+
+
+def _batches(lo: int, hi: int) -> Callable[[], Iterator[MessageBatch]]:
+    """The rows in uneven batches, each a slice of one record batch (Arrow offsets other than 0), one of 2 rows."""
+    whole = _record_batch(lo, hi)
+    cuts = [0, 2, 4, 131, 2000, hi - lo]
+
+    def batches() -> Iterator[MessageBatch]:
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            yield MessageBatch.from_arrow(whole.slice(a, b - a))
+    return batches
+
+
+def _raw(bootstrap: str, topic: str) -> list[Raw]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4().hex}",
+                         "isolation.level": "read_committed", "enable.auto.commit": False})
+    try:
+        high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1]
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        out: list[Raw] = []
+        while consumer.position([TopicPartition(topic, 0)])[0].offset < high:
+            for msg in consumer.consume(1000, 1.0):
+                if not msg.error():
+                    out.append((msg.key(), msg.value(), msg.headers()))
+        return out
+    finally:
+        consumer.close()
+
+
+def _publish(services, table: str, topic: str, rows: int, **producer: str) -> tuple[list[Raw], str]:
+    """Publish rows (0, rows] of table `arrow.public.<table>` to `topic` (its own progress and transactional id)."""
+    conf = {"bootstrap.servers": services.kafka_bootstrap, **producer}
+    channel = TableChannel.for_table(f"arrow.public.{table}", topic, prefix=f"rowrelay-{topic}")
+    publisher = SlicePublisher(channel, conf)
+    try:
+        result = publisher.publish(SliceRange(0, rows), _batches(0, rows))
+    finally:
+        publisher.close()
+    assert result.progress.rows == rows
+    assert read_committed_progress(conf, channel).hi == rows
+    return _raw(services.kafka_bootstrap, topic), result.progress.checksum
+
+
+def test_c_loop_produces_the_messages_confluent_kafka_would(services, name, monkeypatch) -> None:
+    rows, calls = 3000, []
+    produce = RowProducer.produce
+
+    def counted(self: RowProducer, *args: object) -> tuple[int, int]:
+        done, err = produce(self, *args)
+        calls.append(done)
+        return done, err
+
+    monkeypatch.setattr(RowProducer, "produce", counted)
+    native, native_checksum = _publish(services, name, name, rows)
+    # Every batch's first and last row report their offsets through confluent-kafka; the rest came from C.
+    sizes = [len(b) for b in _batches(0, rows)()]
+    assert sizes == [2, 2, 127, 1869, 1000]
+    assert sum(calls) == sum(n - 2 for n in sizes if n > 2), "rows between first and last did not come from C"
+
+    calls.clear()
+    monkeypatch.setattr(RowProducer, "attach", classmethod(lambda cls, *args: None))  # as without the library
+    python, python_checksum = _publish(services, name, f"{name}_py", rows)
+    assert calls == []
+
+    assert native == python
+    assert native_checksum == python_checksum == slice_checksum([value for _, value, _ in native])
+    expected = _record_batch(0, rows).to_pylist()
+    assert [(k, v) for k, v, _ in native] == [(r["key"], r["value"]) for r in expected]
+    assert [h for _, _, h in native] == [[("rowrelay.table", f"arrow.public.{name}".encode()),
+                                          ("rowrelay.watermark", r["watermark_text"])] for r in expected]
+    assert native[6][0] is None and native[10][0] == b""  # no key, and an empty one: not the same in Kafka
+
+
+def test_full_local_queue_waits_and_loses_nothing(services, name, monkeypatch) -> None:
+    rows, errors = 20_000, []
+    produce = RowProducer.produce
+
+    def noted(self: RowProducer, *args: object) -> tuple[int, int]:
+        done, err = produce(self, *args)
+        errors.append(err)
+        return done, err
+
+    monkeypatch.setattr(RowProducer, "produce", noted)
+    messages, checksum = _publish(services, name, name, rows, **{"queue.buffering.max.messages": "500",
+                                                           "linger.ms": "5"})
+    assert QUEUE_FULL in errors, "the local queue never filled: the test did not reach the wait"
+    assert [int(dict(h)["rowrelay.watermark"]) for _, _, h in messages] == list(range(1, rows + 1))
+    assert checksum == slice_checksum([value for _, value, _ in messages])
+
+
+def test_c_loop_attaches_to_the_locked_confluent_kafka_only_where_checked(services, monkeypatch) -> None:
+    producer = Producer({"bootstrap.servers": services.kafka_bootstrap})
+    row_producer = RowProducer.attach(producer, "any-topic", "t")
+    assert row_producer is not None, "the locked confluent-kafka must take the C loop (CHECKED_VERSIONS)"
+    row_producer.close()
+    # Restored after the test (the loaded library, not failed): later tests in this process keep the C loop.
+    monkeypatch.setattr(arrow_produce._Native, "_loaded", None)
+    monkeypatch.setattr(arrow_produce._Native, "_failed", False)
+    monkeypatch.setattr(arrow_produce, "CHECKED_VERSIONS", frozenset({"0.0.0"}))
+    assert RowProducer.attach(producer, "any-topic", "t") is None  # an unchecked version: confluent-kafka's path
+    producer.flush(5)
