@@ -170,6 +170,8 @@ def ensure_tools() -> None:
         missing.append("postgresql")
     if not shutil.which("mariadbd") and not os.path.exists("/usr/sbin/mariadbd"):
         missing.append("mariadb-server")
+    if not any(shutil.which(name) for name in ("chromium", "chromium-browser")):
+        missing.append("chromium")  # headless, for the tests of what the Dagster UI shows (they skip without it)
     if missing:
         apt_install(*missing)
 
