@@ -74,21 +74,27 @@ def _publish(services, table: str, topic: str, rows: int, **producer: str) -> tu
     return _raw(services.kafka_bootstrap, topic), result.progress.checksum
 
 
-def test_c_loop_produces_the_messages_confluent_kafka_would(services, name, monkeypatch) -> None:
-    rows, calls = 3000, []
+def _record_c_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every RowProducer.produce call from now on, as (rows produced, librdkafka's error for the next row)."""
+    calls: list[tuple[int, int]] = []
     produce = RowProducer.produce
 
-    def counted(self: RowProducer, *args: object) -> tuple[int, int]:
-        done, err = produce(self, *args)
-        calls.append(done)
-        return done, err
+    def recorded(self: RowProducer, *args: object) -> tuple[int, int]:
+        calls.append(produce(self, *args))
+        return calls[-1]
 
-    monkeypatch.setattr(RowProducer, "produce", counted)
+    monkeypatch.setattr(RowProducer, "produce", recorded)
+    return calls
+
+
+def test_c_loop_produces_the_messages_confluent_kafka_would(services, name, monkeypatch) -> None:
+    rows, calls = 3000, _record_c_calls(monkeypatch)
     native, native_checksum = _publish(services, name, name, rows)
     # Every batch's first and last row report their offsets through confluent-kafka; the rest came from C.
     sizes = [len(b) for b in _batches(0, rows)()]
     assert sizes == [2, 2, 127, 1869, 1000]
-    assert sum(calls) == sum(n - 2 for n in sizes if n > 2), "rows between first and last did not come from C"
+    from_c = sum(done for done, _ in calls)
+    assert from_c == sum(n - 2 for n in sizes if n > 2), "the rows between first and last did not come from C"
 
     calls.clear()
     monkeypatch.setattr(RowProducer, "attach", classmethod(lambda cls, *args: None))  # as without the library
@@ -105,18 +111,10 @@ def test_c_loop_produces_the_messages_confluent_kafka_would(services, name, monk
 
 
 def test_full_local_queue_waits_and_loses_nothing(services, name, monkeypatch) -> None:
-    rows, errors = 20_000, []
-    produce = RowProducer.produce
-
-    def noted(self: RowProducer, *args: object) -> tuple[int, int]:
-        done, err = produce(self, *args)
-        errors.append(err)
-        return done, err
-
-    monkeypatch.setattr(RowProducer, "produce", noted)
+    rows, calls = 20_000, _record_c_calls(monkeypatch)
     messages, checksum = _publish(services, name, name, rows, **{"queue.buffering.max.messages": "500",
                                                            "linger.ms": "5"})
-    assert QUEUE_FULL in errors, "the local queue never filled: the test did not reach the wait"
+    assert QUEUE_FULL in [err for _, err in calls], "the local queue never filled: the test did not reach the wait"
     assert [int(dict(h)["rowrelay.watermark"]) for _, _, h in messages] == list(range(1, rows + 1))
     assert checksum == slice_checksum([value for _, value, _ in messages])
 
