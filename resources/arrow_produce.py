@@ -105,6 +105,10 @@ class _Native:
 
     def handle_of(self, producer: Any) -> int | None:
         """The producer's rd_kafka_t, if its object holds it where checked (see the module docstring)."""
+        import confluent_kafka
+
+        if not isinstance(producer, confluent_kafka.Producer):  # only its C struct may be read this way
+            return None
         rk = ctypes.c_void_p.from_address(id(producer) + object.__basicsize__).value
         # confluent-kafka registers the Producer object as librdkafka's opaque: the handle is this producer's.
         if rk and self.rdkafka.rd_kafka_type(rk) == 0 and self.rdkafka.rd_kafka_opaque(rk) == id(producer):
@@ -135,7 +139,11 @@ class RowProducer:
                         "through confluent-kafka")
             _Native._failed, _Native._loaded = True, None
             return None
-        return cls(native, producer, rk, topic, table)
+        try:
+            return cls(native, producer, rk, topic, table)
+        except OSError as exc:
+            log.warning("rowrelay: %s; producing through confluent-kafka", exc)
+            return None
 
     @staticmethod
     def supports(keys: pa.Array, values: pa.Array, watermark_texts: pa.Array) -> bool:

@@ -126,6 +126,12 @@ class OutgoingMessage:
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)  # an unsigned 32-bit array typecode
 
 
+# Arrow's variable-size binary layouts: their offsets' type (Spark returns the large ones where
+# spark.sql.execution.arrow.useLargeVarTypes is set).
+_OFFSET_TYPES = {pa.binary(): np.int32, pa.string(): np.int32, pa.large_binary(): np.int64,
+                 pa.large_string(): np.int64}
+
+
 class SliceDigest:
     """A slice's checksum, fed with its message values batch by batch in watermark order: the sha256 of two sha256
     digests, of the values concatenated and of their lengths (unsigned 32-bit little-endian), so any split of the
@@ -145,9 +151,14 @@ class SliceDigest:
         self._lengths.update(lengths)
 
     def update_arrow(self, values: pa.Array) -> None:
-        """`update` from an Arrow binary array without nulls, straight from its buffers."""
+        """`update` from an Arrow binary or string array, straight from its buffers where it can (no nulls)."""
+        offset_type = _OFFSET_TYPES.get(values.type)
+        if offset_type is None or values.null_count:
+            self.update(values.to_pylist())  # other layouts (views), or a null value: refused as `update` does
+            return
         _, offsets_buffer, data = values.buffers()
-        offsets = np.frombuffer(offsets_buffer, dtype=np.int32, count=len(values) + 1, offset=4 * values.offset)
+        offsets = np.frombuffer(offsets_buffer, dtype=offset_type, count=len(values) + 1,
+                                offset=np.dtype(offset_type).itemsize * values.offset)
         if data is not None:
             self._values.update(memoryview(data)[offsets[0]:offsets[-1]])
         self._lengths.update(np.diff(offsets).astype("<u4").tobytes())

@@ -124,6 +124,7 @@ def test_c_loop_attaches_to_the_locked_confluent_kafka_only_where_checked(servic
     row_producer = RowProducer.attach(producer, "any-topic", "t")
     assert row_producer is not None, "the locked confluent-kafka must take the C loop (CHECKED_VERSIONS)"
     row_producer.close()
+    assert RowProducer.attach(object(), "any-topic", "t") is None  # not a Producer: its memory is never read
     # Restored after the test (the loaded library, not failed): later tests in this process keep the C loop.
     monkeypatch.setattr(arrow_produce._Native, "_loaded", None)
     monkeypatch.setattr(arrow_produce._Native, "_failed", False)

@@ -176,6 +176,15 @@ def test_slice_checksum_from_arrow_buffers_matches_the_values() -> None:
     digest = SliceDigest()
     digest.update_arrow(pa.array([b"", b""], pa.binary()))
     assert digest.hexdigest() == slice_checksum([b"", b""])
+    # Spark returns the large layouts (64-bit offsets) where spark.sql.execution.arrow.useLargeVarTypes is set.
+    for kind in (pa.large_binary(), pa.string(), pa.large_string()):
+        typed = pa.array([v.decode() for v in values] if pa.types.is_unicode(kind) or pa.types.is_large_unicode(kind)
+                         else values, kind)
+        digest = SliceDigest()
+        digest.update_arrow(typed.slice(1, 3))
+        assert digest.hexdigest() == slice_checksum(values[1:4]), kind
+    with pytest.raises(TypeError):  # a null value has no bytes to hash: refused, as by `update`
+        SliceDigest().update_arrow(pa.array([b"a", None], pa.binary()))
 
 
 def test_message_batch_sizes_count_key_and_value_bytes() -> None:
