@@ -28,6 +28,7 @@ import sys  # noqa: E402
 
 def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -> tuple[int, float]:
     from assets.relay import build_table_slices, channel_for
+    from orchestration.cli import end_of_startup
     from resources.config import TableConfig
     from resources.kafka_io_manager import KafkaIOManager
     from resources.messages import ReadAhead
@@ -41,8 +42,7 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -
     # The run's own read (build_table_slices: table check, then per slice its count and chunked Spark reads).
     slices = build_table_slices(source, spark, config, channel_for(config), [SliceRange(0, rows)], 0)
     spark.get_session()
-    gc.freeze()  # what startup built stays out of later collections, as in a backfill
-    gc.enable()
+    end_of_startup()  # what startup built stays out of later collections, as in a backfill
     # The IO manager's defaults: the ceiling reads in the same chunks with the same read-ahead as a run.
     defaults = KafkaIOManager.model_fields
     chunk_rows, prefetch = defaults["chunk_rows"].default, defaults["prefetch_chunks"].default

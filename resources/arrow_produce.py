@@ -47,10 +47,6 @@ def _column(array: pa.Array) -> _BinaryColumn:
                          validity.address if validity is not None and array.null_count else None, array.offset)
 
 
-def _no_key() -> _BinaryColumn:
-    return _BinaryColumn(None, None, None, 0)
-
-
 class _Native:
     """librdkafka (the copy confluent-kafka loaded) and the produce_rows library, loaded once per process."""
 
@@ -147,9 +143,9 @@ class RowProducer:
 
     @staticmethod
     def supports(keys: pa.Array, values: pa.Array, watermark_texts: pa.Array) -> bool:
-        """Whether these columns can be produced from C: binary with 32-bit offsets, no null value or watermark."""
-        return (all(a.type == pa.binary() for a in (values, watermark_texts))
-                and keys.type in (pa.binary(), pa.null()) and values.null_count == 0
+        """Whether these columns can be produced from C: binary with 32-bit offsets, no null value or watermark
+        (a null key is no key)."""
+        return (all(a.type == pa.binary() for a in (keys, values, watermark_texts)) and values.null_count == 0
                 and watermark_texts.null_count == 0)
 
     def produce(self, keys: pa.Array, values: pa.Array, watermark_texts: pa.Array, start: int, stop: int
@@ -158,9 +154,8 @@ class RowProducer:
         row): fewer rows than asked means that row was not produced (QUEUE_FULL: the local queue is full)."""
         if self._rkt is None:
             raise RuntimeError("RowProducer is closed")
-        key_column = _no_key() if keys.type == pa.null() or keys.null_count == len(keys) else _column(keys)
         done = self._native.lib.produce_rows(
-            self._native.producev, self._rk, self._rkt, ctypes.byref(key_column), ctypes.byref(_column(values)),
+            self._native.producev, self._rk, self._rkt, ctypes.byref(_column(keys)), ctypes.byref(_column(values)),
             ctypes.byref(_column(watermark_texts)), self._table, len(self._table), start, stop,
             ctypes.byref(self._error))
         return done, self._error.value

@@ -209,8 +209,7 @@ class MessageBatch:
         """Bytes of each row's key and value (as the producer's message.max.bytes counts them)."""
         import pyarrow.compute as pc
 
-        keys = (np.zeros(len(self), dtype=np.int64) if self.keys.type == pa.null()
-                else pc.binary_length(self.keys).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+        keys = pc.binary_length(self.keys).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         return keys + pc.binary_length(self.values).to_numpy(zero_copy_only=False).astype(np.int64)
 
     def rows(self, start: int, stop: int) -> Iterator[tuple[bytes | None, bytes, int, bytes]]:
@@ -1079,8 +1078,9 @@ class SlicePublisher:
                     send(batch.rows(start, start + 1), None)
                     start += 1
 
-        native = None if self._report_every_row or self._data_partitions != 1 else RowProducer.attach(
-            self.producer, topic, ch.table)
+        # Offsets per partition need a report per row (several partitions, or the redo naming a failed row).
+        every_row_reports = self._report_every_row or self._data_partitions != 1
+        native = None if every_row_reports else RowProducer.attach(self.producer, topic, ch.table)
         try:
             self._call(self.producer.begin_transaction)
             self._txn_began, self._txn_rows = time.monotonic(), 0
@@ -1114,7 +1114,7 @@ class SlicePublisher:
                         f"the producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on "
                         "the producer and the topic (max.message.bytes), or skip the row (see README, runbook)",
                         table=ch.table, watermark=largest[1], column=column)
-                if self._report_every_row or self._data_partitions != 1 or n <= 2:
+                if every_row_reports or n <= 2:
                     send(batch.rows(0, n), delivered)
                 else:  # the first and the last row report their offsets, in order around the rest
                     send(batch.rows(0, 1), delivered)
