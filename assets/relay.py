@@ -219,8 +219,10 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
             return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key,
                                    schema=schema)
 
-        rows = source.count_rows(shape, slice_range.lo, slice_range.hi)
-        first = source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi) if rows else None  # one indexed row
+        # A cut slice holds settled rows: an early read of it and the run ask the source once.
+        rows = source.count_rows(shape, slice_range.lo, slice_range.hi, settled=True)
+        first = (source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi, settled=True)  # one indexed row
+                 if rows else None)
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
                           first_watermark=first, signature=signature)

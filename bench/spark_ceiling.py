@@ -21,6 +21,10 @@ import gc  # noqa: E402
 
 gc.disable()  # as `rowrelay backfill` starts (orchestration/cli.py, end_of_startup): no collection until the read
 
+import os  # noqa: E402
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as orchestration/cli.py sets it before numpy loads
+
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402

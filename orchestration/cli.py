@@ -28,11 +28,15 @@ from dataclasses import asdict, dataclass, field
 from math import ceil
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
+# numpy's OpenBLAS starts a thread per core at import, and they spin: ~0.1 CPU-s of a backfill on two cores for
+# linear algebra rowrelay never does. Before anything imports numpy (the publisher does, below).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env
-from resources.exactly_once import read_committed_progress
-from resources.slices import micros_text, parse_watermark
+from confluent_kafka import Consumer, TopicPartition  # noqa: E402
+
+from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
+from resources.exactly_once import read_committed_progress  # noqa: E402
+from resources.slices import micros_text, parse_watermark  # noqa: E402
 
 
 @dataclass
@@ -436,7 +440,8 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                 state = plan.state
                 time.sleep(0.5)
             # One indexed count for the bar's total, on the cut's connection and shape (reflected moments ago).
-            total_rows = (source.count_rows(cached_table_shape(source, table), plan.committed_hi, plan.chain[-1].hi)
+            total_rows = (source.count_rows(cached_table_shape(source, table), plan.committed_hi, plan.chain[-1].hi,
+                                            settled=True)
                           if plan.chain and not args.dry_run else 0)
         except (SourceError, RelayError, InnodbTrxStale) as exc:  # any other error keeps its traceback
             print(f"rowrelay: {exc}", file=sys.stderr)

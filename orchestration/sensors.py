@@ -180,7 +180,8 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
     if safe_hi is not None and safe_hi > cut_after:
         slices = cut_slices(
             cut_after, safe_hi, max_rows or table.slice_max_rows,
-            nth_watermark=lambda lo, n, upto: source.nth_watermark(shape, lo, n, upto),
+            # Up to the safe watermark: settled rows, so an early read's cut answers the backfill's cut.
+            nth_watermark=lambda lo, n, upto: source.nth_watermark(shape, lo, n, upto, settled=True),
             max_watermark=lambda lo, upto: source.max_watermark(shape, upto=upto, after=lo),
             limit=limit, timestamps=shape.timestamps,
         )

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from assets.relay import asset_key, channel_for
 from orchestration.cli import main
 from resources.exactly_once import ProgressRecord, read_committed_progress, read_progress_history
 from resources.slices import SliceRange
+from resources.source_database import SETTLED_ANSWERS, SourceDatabaseResource
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 
 pytestmark = pytest.mark.integration
@@ -227,3 +228,45 @@ def test_slice_that_outlives_the_transaction_timeout_is_cut_again_smaller(servic
     assert keys == [SliceRange(lo, lo + 1000).key for lo in range(0, 4000, 1000)]
     h.drain(table, until_hi=4000, timeout=60)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 4001)))
+
+
+def test_settled_rows_are_asked_about_once_and_a_recount_asks_again(services, pg_database, pg_engine, name) -> None:
+    """A backfill's early read, its cut, its bar and its run ask the source the same questions about one slice of
+    settled rows: each is asked once per process (SETTLED_ANSWERS). A question not marked settled (the
+    slice_parity recount, a lag) is asked every time, and sees the source as it is now."""
+    _pg_table(pg_engine, name, 10)
+    cfg = relay_config(services, {"src": pg_database}, [_table_cfg(name)])
+    source = SourceDatabaseResource(url=cfg.sources["src"].url)
+    shape = source.table_shape("public", name, "id")
+    filtered = source.table_shape("public", name, "id", where="id % 2 = 0")
+    asked: list[str] = []
+    event.listen(source.engine, "before_cursor_execute", lambda conn, cursor, sql, *rest: asked.append(sql))
+    try:
+        assert source.count_rows(shape, 0, 10, settled=True) == 10
+        assert source.nth_watermark(shape, 0, 4, 10, settled=True) == 4
+        assert len(asked) == 2
+        assert source.count_rows(shape, 0, 10, settled=True) == 10
+        assert source.nth_watermark(shape, 0, 4, 10, settled=True) == 4
+        assert len(asked) == 2, asked[2:]  # answered without the source
+
+        # Another range, another n, the skip list: other questions, asked.
+        assert source.count_rows(shape, 0, 9, settled=True) == 9
+        assert source.count_rows(shape, 0, 10, [3], settled=True) == 9
+        assert source.nth_watermark(shape, 0, 5, 10, settled=True) == 5
+        assert len(asked) == 5
+
+        # Rows removed below the watermark (which an append-only table never does): a settled question keeps its
+        # answer for the process; the recount (not settled) asks again and sees the source now.
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"DELETE FROM {name} WHERE id = 2"))
+        assert source.count_rows(shape, 0, 10, settled=True) == 10
+        assert source.count_rows(shape, 0, 10) == 9
+        assert source.nth_watermark(shape, 0, 4, 10) == 5
+        assert len(asked) == 7
+
+        # The table's `where:` is part of the question.
+        assert source.count_rows(filtered, 0, 10, settled=True) == 4
+        assert len(asked) == 8
+    finally:
+        SETTLED_ANSWERS.clear()
+        source.dispose()
