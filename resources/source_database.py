@@ -288,6 +288,12 @@ class SourceDatabaseResource(ConfigurableResource):
         """The URL with any password hidden, for messages and metadata."""
         return make_url(resolve_env(self.url)).render_as_string(hide_password=True)
 
+    @property
+    def _answer_scope(self) -> str:
+        """The database an answer is about: the URL connected to, ${VAR}s resolved (one config may name another
+        database once its environment changes)."""
+        return self.engine.url.render_as_string(hide_password=False)
+
     def dispose(self) -> None:
         if self._engine is not None:
             self._engine.dispose()
@@ -409,7 +415,7 @@ class SourceDatabaseResource(ConfigurableResource):
     def nth_watermark(self, shape: TableShape, after: int, n: int, upto: int, *, settled: bool = False
                       ) -> int | None:
         """The n-th watermark above `after` among rows up to `upto`. `settled`: see `SETTLED_ANSWERS`."""
-        key = (self.url, shape.schema, shape.name, shape.watermark, shape.where, "nth", after, n, upto)
+        key = (self._answer_scope, shape.schema, shape.name, shape.watermark, shape.where, "nth", after, n, upto)
         if settled and (known := SETTLED_ANSWERS.get(key)) is not None:
             return known[0]
         t = self._table(shape)
@@ -428,7 +434,7 @@ class SourceDatabaseResource(ConfigurableResource):
                    settled: bool = False) -> int:
         """Rows in (after, upto] that the table's `where:` admits, minus those whose watermark is in `skip`.
         `settled`: see `SETTLED_ANSWERS` (a check that recounts the source now leaves it off)."""
-        key = (self.url, shape.schema, shape.name, shape.watermark, shape.where, "count", after, upto,
+        key = (self._answer_scope, shape.schema, shape.name, shape.watermark, shape.where, "count", after, upto,
                tuple(skip or ()))
         if settled and (known := SETTLED_ANSWERS.get(key)) is not None:
             return int(known[0])  # type: ignore[arg-type]
