@@ -55,32 +55,31 @@ class SettledAnswers:
     """Answers about settled rows, kept for the process: a bounded map, safe across threads.
 
     Rows at or below a table's safe high watermark are final (rowrelay's premise: append-only tables, and no
-    transaction that could still insert below that watermark is open), so the slice's row count and the cut's
-    boundaries asked about them cannot change. One `rowrelay backfill` asked the source the same three questions
-    up to three times (the early read, the cut, the bar's total, the run's own read): a 1M-row slice cost the
-    database two index scans of a million entries and three counts where one scan and one count give the same
-    answers. Callers pass `settled=True` only for ranges at or below the safe watermark; a check that must
-    see the source as it is now (`slice_parity`'s recount) never does.
+    transaction that could still insert below that watermark is open), so what the cut and the read ask about
+    them cannot change. One `rowrelay backfill` asked the same questions up to three times (its early read, its
+    cut, the bar's total, the run's own read): for a 1M-row slice, two scans of a million index entries and three
+    counts where one scan and one count give the same answers. Callers pass `settled=True` only for ranges at or
+    below the safe watermark; a check that must see the source as it is now (`slice_parity`'s recount) never does.
     """
 
     def __init__(self, limit: int = 4096) -> None:
-        self._answers: OrderedDict[tuple[Any, ...], tuple[int | None]] = OrderedDict()
+        self._answers: OrderedDict[tuple[Any, ...], int | None] = OrderedDict()
         self._limit = limit
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[Any, ...]) -> tuple[int | None] | None:
+    def answer(self, key: tuple[Any, ...], ask: Callable[[], int | None]) -> int | None:
+        """The answer kept for `key`, else `ask()`'s (asked outside the lock: it is a query), then kept."""
         with self._lock:
-            answer = self._answers.get(key)
-            if answer is not None:
+            if key in self._answers:
                 self._answers.move_to_end(key)
-            return answer
-
-    def put(self, key: tuple[Any, ...], answer: tuple[int | None]) -> None:
+                return self._answers[key]
+        value = ask()
         with self._lock:
-            self._answers[key] = answer
+            self._answers[key] = value
             self._answers.move_to_end(key)
             while len(self._answers) > self._limit:
                 self._answers.popitem(last=False)
+        return value
 
     def clear(self) -> None:
         with self._lock:
@@ -288,11 +287,15 @@ class SourceDatabaseResource(ConfigurableResource):
         """The URL with any password hidden, for messages and metadata."""
         return make_url(resolve_env(self.url)).render_as_string(hide_password=True)
 
-    @property
-    def _answer_scope(self) -> str:
-        """The database an answer is about: the URL connected to, ${VAR}s resolved (one config may name another
-        database once its environment changes)."""
-        return self.engine.url.render_as_string(hide_password=False)
+    def _asked(self, shape: TableShape, question: tuple[Any, ...], ask: Callable[[], int | None], settled: bool
+               ) -> int | None:
+        """`ask()`, or where `settled` the answer SETTLED_ANSWERS kept for the same question about the same rows:
+        the database connected to (its URL, ${VAR}s resolved), the table, its watermark and its `where:`."""
+        if not settled:
+            return ask()
+        scope = (self.engine.url.render_as_string(hide_password=False), shape.schema, shape.name, shape.watermark,
+                 shape.where)
+        return SETTLED_ANSWERS.answer((*scope, *question), ask)
 
     def dispose(self) -> None:
         if self._engine is not None:
@@ -415,40 +418,33 @@ class SourceDatabaseResource(ConfigurableResource):
     def nth_watermark(self, shape: TableShape, after: int, n: int, upto: int, *, settled: bool = False
                       ) -> int | None:
         """The n-th watermark above `after` among rows up to `upto`. `settled`: see `SETTLED_ANSWERS`."""
-        key = (self._answer_scope, shape.schema, shape.name, shape.watermark, shape.where, "nth", after, n, upto)
-        if settled and (known := SETTLED_ANSWERS.get(key)) is not None:
-            return known[0]
-        t = self._table(shape)
-        wm = t.c[shape.watermark]
-        q = self._filtered(sa.select(wm).select_from(t).where(wm > shape.watermark_param(after),
-                                                              wm <= shape.watermark_param(upto)), shape
-                           ).order_by(wm).limit(1).offset(n - 1)
-        with self.engine.connect() as conn:
-            value = conn.execute(q).scalar()
-        answer = None if value is None else shape.watermark_value(value)
-        if settled:
-            SETTLED_ANSWERS.put(key, (answer,))
-        return answer
+        def ask() -> int | None:
+            t = self._table(shape)
+            wm = t.c[shape.watermark]
+            q = self._filtered(sa.select(wm).select_from(t).where(wm > shape.watermark_param(after),
+                                                                  wm <= shape.watermark_param(upto)), shape
+                               ).order_by(wm).limit(1).offset(n - 1)
+            with self.engine.connect() as conn:
+                value = conn.execute(q).scalar()
+            return None if value is None else shape.watermark_value(value)
+
+        return self._asked(shape, ("nth", after, n, upto), ask, settled)
 
     def count_rows(self, shape: TableShape, after: int, upto: int, skip: list[int] | None = None, *,
                    settled: bool = False) -> int:
         """Rows in (after, upto] that the table's `where:` admits, minus those whose watermark is in `skip`.
         `settled`: see `SETTLED_ANSWERS` (a check that recounts the source now leaves it off)."""
-        key = (self._answer_scope, shape.schema, shape.name, shape.watermark, shape.where, "count", after, upto,
-               tuple(skip or ()))
-        if settled and (known := SETTLED_ANSWERS.get(key)) is not None:
-            return int(known[0])  # type: ignore[arg-type]
-        t = self._table(shape)
-        wm = t.c[shape.watermark]
-        q = self._filtered(sa.select(sa.func.count()).select_from(t)
-                           .where(wm > shape.watermark_param(after), wm <= shape.watermark_param(upto)), shape)
-        if skip:
-            q = q.where(wm.not_in([shape.watermark_param(w) for w in skip]))
-        with self.engine.connect() as conn:
-            rows = int(conn.execute(q).scalar())
-        if settled:
-            SETTLED_ANSWERS.put(key, (rows,))
-        return rows
+        def ask() -> int:
+            t = self._table(shape)
+            wm = t.c[shape.watermark]
+            q = self._filtered(sa.select(sa.func.count()).select_from(t)
+                               .where(wm > shape.watermark_param(after), wm <= shape.watermark_param(upto)), shape)
+            if skip:
+                q = q.where(wm.not_in([shape.watermark_param(w) for w in skip]))
+            with self.engine.connect() as conn:
+                return int(conn.execute(q).scalar())
+
+        return int(self._asked(shape, ("count", after, upto, tuple(skip or ())), ask, settled))  # type: ignore[arg-type]
 
     def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None
                         ) -> Iterator[int]:
