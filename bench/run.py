@@ -4,7 +4,9 @@ Measured back to back in one run, on the local stack (python -m stack up); every
 TCP (sslmode=disable) and produces lz4 to the same broker:
   raw       COPY (SELECT row_to_json(t) ...) TO STDOUT streamed into a plain producer (no transactions, lz4)
   ceiling   rowrelay's slice path (JDBC read, JSON expressions, read-ahead into Python bytes) without Kafka, from
-            process launch (bench/spark_ceiling.py), after one untimed pass that warms the Connect server's JIT
+            process launch (bench/spark_ceiling.py), after one untimed pass that warms the Connect server's JIT;
+            then the same read published as a run publishes it but without Dagster (--publish-table), timed to
+            visibility like rowrelay: what the orchestration around the read and publish costs
   rowrelay  `rowrelay backfill` of the whole backlog from the CLI, from launch until the last slice is visible
             read_committed (its progress record, polled every 50 ms); slice_max_rows 100k and 1M
   dpone     its PostgreSQL -> Kafka sink on the same table (own venv, at-least-once)
@@ -198,6 +200,25 @@ def run_spark_ceiling(stack: Stack, table: str, rows: int) -> dict[str, Any]:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return {"seconds": round(seconds, 2), "read_seconds": result["read_seconds"], "rows": result["rows"],
             "rows_per_s": round(rows / seconds)}
+
+
+def run_kafka_path(stack: Stack, table: str, rows: int, label: str) -> dict[str, Any]:
+    """The Spark ceiling's read published as a run publishes it (publish_slice) but without Dagster, timed from
+    launch to visibility like a backfill (bench/spark_ceiling.py --publish-table): what the orchestration costs."""
+    table_id = f"bench{label}.public.{table}"
+    cmd = [sys.executable, "-m", "bench.spark_ceiling", "--url", source_url(stack), "--table", f"public.{table}",
+           "--rows", str(rows), "--publish-table", table_id, "--bootstrap", stack.bootstrap] + \
+        (["--remote", stack.spark_remote] if stack.spark_remote else [])
+    with CommittedWatch(stack, table_id, rows) as watch:
+        started = time.perf_counter()
+        out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                             text=True, timeout=1800)
+    if out.returncode != 0 or watch.at is None:
+        raise RuntimeError(f"Spark ceiling + Kafka failed: {out.stderr[-2000:]}")
+    seconds = watch.at - started
+    messages = topic_count(stack, table_id)
+    return {"seconds": round(seconds, 2), "rows_per_s": round(rows / seconds), "messages": messages,
+            "exactly_once": messages == rows and watch.committed_hi == rows}
 
 
 # -- rowrelay -----------------------------------------------------------------------------------------
@@ -530,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
             c = run_spark_ceiling(stack, table, args.rows)
             samples.setdefault("spark_ceiling", []).append(c)
             log(f"spark ceiling: {c['seconds']} s ({c['read_seconds']} s reading), {c['rows_per_s']:,} rows/s")
+            log("spark ceiling + Kafka: the same read published like a run's, without Dagster")
+            k = run_kafka_path(stack, table, args.rows, f"kp{run_id}{tag}")
+            samples.setdefault("kafka_path", []).append(k)
+            log(f"spark ceiling + Kafka: {k['seconds']} s, {k['rows_per_s']:,} rows/s, exactly once: "
+                f"{k['exactly_once']}")
         if "rowrelay" in only:
             for slice_rows, label in ((100_000, "100k"), (1_000_000, "1m")):
                 log(f"rowrelay: backfill from the CLI, slice_max_rows {slice_rows:,}")
@@ -621,9 +647,14 @@ def main(argv: list[str] | None = None) -> int:
     for peer, ratio in (("raw_rows_per_s", "ratio_vs_raw"), ("dpone_rows_per_s", "ratio_vs_dpone"),
                         ("debezium_rows_per_s", "ratio_vs_debezium"),
                         ("debezium_eos_rows_per_s", "ratio_vs_debezium_eos"),
-                        ("spark_ceiling_rows_per_s", "ratio_vs_spark_ceiling")):
+                        ("spark_ceiling_rows_per_s", "ratio_vs_spark_ceiling"),
+                        ("kafka_path_rows_per_s", "ratio_vs_kafka_path")):
         if results.get(peer) and mine:
             results[ratio] = round(mine / results[peer], 2)
+    if results.get("kafka_path_rows_per_s") and results.get("spark_ceiling_rows_per_s"):
+        # How close the same read and publish get without Dagster: the part of the gap that is orchestration.
+        results["ratio_kafka_path_vs_spark_ceiling"] = round(
+            results["kafka_path_rows_per_s"] / results["spark_ceiling_rows_per_s"], 2)
     for key in ("raw_rows_per_s", "rowrelay_rows_per_s", "dpone_rows_per_s", "ratio_vs_raw", "ratio_vs_dpone",
                 "debezium_rows_per_s", "spark_ceiling_rows_per_s", "ratio_vs_debezium", "ratio_vs_spark_ceiling",
                 "rowrelay_100k_slices_rows_per_s", "idle_tick_large_history_ms", "sensor_lag_100_tables_s",
@@ -645,7 +676,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 def summarize_throughput(results: dict[str, Any], samples: dict[str, list[dict[str, Any]]], repeats: int) -> None:
     """Each tool's figure: the median of its rounds (`<tool>` is that run, `<tool>_runs` every run)."""
     results["repeats"] = repeats
-    for name in ("raw", "spark_ceiling", "dpone", "debezium", "debezium_eos"):
+    for name in ("raw", "spark_ceiling", "kafka_path", "dpone", "debezium", "debezium_eos"):
         runs = samples.get(name)
         if not runs:
             continue
@@ -668,7 +699,7 @@ def summarize_throughput(results: dict[str, Any], samples: dict[str, list[dict[s
         results["rowrelay_best_slice_max_rows"] = best["slice_max_rows"]
         # Within each round: rowrelay's better slice size against each tool measured in the same round.
         for peer, key in (("spark_ceiling", "ratio_vs_spark_ceiling_by_round"), ("dpone", "ratio_vs_dpone_by_round"),
-                          ("debezium", "ratio_vs_debezium_by_round")):
+                          ("debezium", "ratio_vs_debezium_by_round"), ("kafka_path", "ratio_vs_kafka_path_by_round")):
             pairs = zip(samples["rowrelay_100k"], samples["rowrelay_1m"], samples.get(peer, []), strict=False)
             results[key] = [round(max(a["rows_per_s"], b["rows_per_s"]) / p["rows_per_s"], 2)
                             for a, b, p in pairs if p.get("rows_per_s")]
@@ -685,6 +716,7 @@ def print_table(r: dict[str, Any]) -> None:
     for run in r.get("rowrelay", []):
         rows.append((f"rowrelay rows/s, slice_max_rows {run['slice_max_rows']:,}", run["rows_per_s"]))
     rows += [("Spark ceiling rows/s (slice path, no Kafka)", r["spark_ceiling_rows_per_s"]),
+             ("Spark ceiling + Kafka rows/s (the same publisher, no Dagster)", r.get("kafka_path_rows_per_s")),
              ("dpone rows/s", r["dpone_rows_per_s"]), ("Debezium rows/s (standalone)", r["debezium_rows_per_s"]),
              ("Debezium rows/s (exactly-once source)", r.get("debezium_eos_rows_per_s")),
              ("rowrelay / raw", r["ratio_vs_raw"]), ("rowrelay / dpone", r["ratio_vs_dpone"]),
@@ -693,6 +725,9 @@ def print_table(r: dict[str, Any]) -> None:
              ("rowrelay / Spark ceiling, each round", " ".join(map(str, r.get("ratio_vs_spark_ceiling_by_round") or
                                                                     [])) or None),
              ("rowrelay / dpone, each round", " ".join(map(str, r.get("ratio_vs_dpone_by_round") or [])) or None),
+             ("Spark ceiling + Kafka / Spark ceiling", r.get("ratio_kafka_path_vs_spark_ceiling")),
+             ("rowrelay / Spark ceiling + Kafka, each round",
+              " ".join(map(str, r.get("ratio_vs_kafka_path_by_round") or [])) or None),
              ("rowrelay exactly once in every run", r.get("rowrelay_exactly_once")),
              ("idle sensor tick, ms", r["idle_tick_ms"]),
              ("idle sensor tick with 300k slices of history, ms", r.get("idle_tick_large_history_ms")),

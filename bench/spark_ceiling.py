@@ -9,6 +9,11 @@ machine, for `make bench` to set rowrelay's end-to-end figure against.
 
 Prints one JSON line: {"rows", "seconds" (process launch -> last row in Python), "read_seconds" (the read
 alone, after imports and the Spark connection)}.
+
+With `--publish-table ID` the rows also go to Kafka exactly as a run publishes them (`SlicePublisher`: the run's
+publisher, its C produce loop and one transaction with the progress record of table ID; its topics and fencing
+made while Spark connects), without Dagster: no instance, no run, no cut. `make bench` times it to visibility
+like a backfill, to show what the orchestration around the same read and publish costs.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as orchestration/cli.py se
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 
 
-def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -> tuple[int, float]:
+def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
+             publish_table: str | None = None, bootstrap: str | None = None) -> tuple[int, float]:
     from assets.relay import build_table_slices, channel_for
     from orchestration.cli import end_of_startup
     from resources.config import TableConfig
@@ -40,6 +47,14 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
 
+    publisher, ready = None, threading.Event()
+    if publish_table:
+        from resources.exactly_once import SlicePublisher, TableChannel
+
+        # As a backfill's early read does: topics and fencing while Spark connects, not after the read starts.
+        publisher = SlicePublisher(TableChannel.for_table(publish_table, publish_table),
+                                   {"bootstrap.servers": bootstrap})
+        threading.Thread(target=lambda: (publisher.init(), ready.set()), daemon=True).start()
     spark = SparkResource(remote=remote) if remote else SparkResource(master=master)
     source = SourceDatabaseResource(url=url)
     config = TableConfig(source="bench", table=table, watermark="id", key=["id"])
@@ -56,8 +71,14 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str) -
     ahead = ReadAhead([frame], chunk_rows, prefetch)
     count = 0
     try:
-        for batch in ahead.batches(frame):
-            count += len(batch)
+        if publisher is not None:
+            if not ready.wait(60):
+                raise RuntimeError("the publisher did not initialise within 60 s")
+            count = publisher.publish(slices.pending[0], lambda: ahead.batches(frame)).progress.rows
+            publisher.close()
+        else:
+            for batch in ahead.batches(frame):
+                count += len(batch)
     finally:
         ahead.close()
         source.dispose()
@@ -71,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--remote", default=None, help="Spark Connect URL (default: a local session)")
     parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--publish-table", default=None, help="also publish the rows as table ID's slice (0, rows]")
+    parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers for --publish-table")
     args = parser.parse_args(argv)
-    count, read_seconds = read_all(args.url, args.table, args.rows, args.remote, args.master)
+    count, read_seconds = read_all(args.url, args.table, args.rows, args.remote, args.master, args.publish_table,
+                                   args.bootstrap)
     print(json.dumps({"rows": count, "seconds": round(time.monotonic() - LAUNCHED, 3),
                       "read_seconds": round(read_seconds, 3)}))
     return 0 if count == args.rows else 1

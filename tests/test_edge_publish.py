@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from sqlalchemy import text
 
 from resources import exactly_once as eo
@@ -244,3 +244,30 @@ def test_run_with_empty_progress_and_published_topic_stops_without_publishing(se
     assert f"rowrelay reset --table {table_id} --after 3" in failure_text(result), failure_text(result)
     assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "progress_missing"
     assert_exactly_once(read_topic(services.kafka_bootstrap, renamed.table().topic_name), [1, 2, 3])
+
+
+def test_topics_are_made_from_their_own_metadata_not_the_whole_clusters(services, name, monkeypatch) -> None:
+    """ensure_topics asks about the table's two topics only: an answer about every topic of the cluster costs
+    client and broker CPU in proportion to the cluster (2,500 topics on the test broker). An existing data topic
+    keeps its partitions; the missing progress topic is created compacted."""
+    conf = _conf(services)
+    channel = TableChannel.for_table(name, f"{name}.data", topic_partitions=3)
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    admin.create_topics([NewTopic(channel.topic, 2, 1)])[channel.topic].result(timeout=30)
+    asked: list[str | None] = []
+    real = eo.list_topics
+
+    def spy(client, kafka_conf, topic=None, timeout=10.0):
+        asked.append(topic)
+        return real(client, kafka_conf, topic, timeout)
+
+    monkeypatch.setattr(eo, "list_topics", spy)
+    monkeypatch.setattr(eo, "_broker_max_timeout_ms", {})  # read it again, through DescribeCluster
+    assert eo.ensure_topics(conf, channel) == 2  # the existing topic's own partition count
+    assert eo.ensure_topics(conf, channel) == 2  # both exist now: nothing to create
+    assert asked and None not in asked, f"whole-cluster metadata asked: {asked}"
+    assert set(asked) == {channel.topic, channel.progress_topic}
+    progress = ConfigResource(ConfigResource.Type.TOPIC, channel.progress_topic)
+    assert admin.describe_configs([progress])[progress].result(timeout=30)["cleanup.policy"].value == "compact"
+    assert len(admin.list_topics(channel.topic, timeout=10).topics[channel.topic].partitions) == 2
+    assert eo.broker_max_transaction_timeout_ms(conf) == 900_000  # the stack broker's (Kafka's default)
