@@ -33,7 +33,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as orchestration/cli.py se
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 
 
 def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
@@ -47,14 +47,16 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
 
-    publisher, ready = None, threading.Event()
+    publisher, init = None, None  # init: Future[None] of the publisher's topics and fencing
     if publish_table:
         from resources.exactly_once import SlicePublisher, TableChannel
 
         # As a backfill's early read does: topics and fencing while Spark connects, not after the read starts.
         publisher = SlicePublisher(TableChannel.for_table(publish_table, publish_table),
                                    {"bootstrap.servers": bootstrap})
-        threading.Thread(target=lambda: (publisher.init(), ready.set()), daemon=True).start()
+        pool = ThreadPoolExecutor(max_workers=1)
+        init = pool.submit(publisher.init)
+        pool.shutdown(wait=False)
     spark = SparkResource(remote=remote) if remote else SparkResource(master=master)
     source = SourceDatabaseResource(url=url)
     config = TableConfig(source="bench", table=table, watermark="id", key=["id"])
@@ -72,8 +74,8 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
     count = 0
     try:
         if publisher is not None:
-            if not ready.wait(60):
-                raise RuntimeError("the publisher did not initialise within 60 s")
+            assert isinstance(init, Future)
+            init.result(timeout=60)  # raises its own error, if it failed
             count = publisher.publish(slices.pending[0], lambda: ahead.batches(frame)).progress.rows
             publisher.close()
         else:
