@@ -203,7 +203,7 @@ def run_spark_ceiling(stack: Stack, table: str, rows: int) -> dict[str, Any]:
 
 
 def run_kafka_path(stack: Stack, table: str, rows: int, label: str) -> dict[str, Any]:
-    """The Spark ceiling's read published as a run publishes it (publish_slice) but without Dagster, timed from
+    """The Spark ceiling's read published as a run publishes it (SlicePublisher) but without Dagster, timed from
     launch to visibility like a backfill (bench/spark_ceiling.py --publish-table): what the orchestration costs."""
     table_id = f"bench{label}.public.{table}"
     cmd = [sys.executable, "-m", "bench.spark_ceiling", "--url", source_url(stack), "--table", f"public.{table}",
@@ -215,10 +215,7 @@ def run_kafka_path(stack: Stack, table: str, rows: int, label: str) -> dict[str,
                              text=True, timeout=1800)
     if out.returncode != 0 or watch.at is None:
         raise RuntimeError(f"Spark ceiling + Kafka failed: {out.stderr[-2000:]}")
-    seconds = watch.at - started
-    messages = topic_count(stack, table_id)
-    return {"seconds": round(seconds, 2), "rows_per_s": round(rows / seconds), "messages": messages,
-            "exactly_once": messages == rows and watch.committed_hi == rows}
+    return watch.figures(started)
 
 
 # -- rowrelay -----------------------------------------------------------------------------------------
@@ -302,6 +299,7 @@ class CommittedWatch:
 
         self.tail = ProgressTail({"bootstrap.servers": stack.bootstrap}, TableChannel.for_table(
             table_id, table_id).progress_topic)
+        self.stack, self.table_id = stack, table_id
         self.hi, self.at, self.committed_hi = hi, None, None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
@@ -329,6 +327,16 @@ class CommittedWatch:
         while self.at is None and not self.stop.wait(0.05):
             self._poll()
 
+    def figures(self, started: float) -> dict[str, Any]:
+        """Seconds from `started` (perf_counter) until the rows became visible, and the topic counted to check
+        exactly once: every row, once, under the progress record that made them visible."""
+        assert self.at is not None
+        seconds = self.at - started
+        messages = topic_count(self.stack, self.table_id)
+        return {"seconds": round(seconds, 2), "rows_per_s": round(self.hi / seconds), "messages": messages,
+                "committed_hi": self.committed_hi,
+                "exactly_once": messages == self.hi and self.committed_hi == self.hi}
+
 
 def run_rowrelay(stack: Stack, table: str, rows: int, slice_rows: int, workdir: Path, label: str) -> dict[str, Any]:
     source = f"bench{label}"
@@ -347,12 +355,8 @@ def run_rowrelay(stack: Stack, table: str, rows: int, slice_rows: int, workdir: 
         raise RuntimeError(f"rowrelay backfill failed ({code}); see {workdir / f'rowrelay-{label}.log'}")
     if watch.at is None:
         raise RuntimeError(f"rowrelay backfill of {table_id} exited without committing up to {rows}")
-    seconds = watch.at - started
-    hi = watch.committed_hi  # the progress record that made the rows visible
-    messages = topic_count(stack, table_id)
-    return {"slice_max_rows": slice_rows, "seconds": round(seconds, 2), "seconds_to_exit": round(seconds_to_exit, 2),
-            "rows_per_s": round(rows / seconds), "messages": messages, "committed_hi": hi,
-            "exactly_once": messages == rows and hi == rows, "peak_rss_mib": round(peak / 1024, 1)}
+    return {"slice_max_rows": slice_rows, **watch.figures(started), "seconds_to_exit": round(seconds_to_exit, 2),
+            "peak_rss_mib": round(peak / 1024, 1)}
 
 
 # -- idle tick and freshness --------------------------------------------------------------------------

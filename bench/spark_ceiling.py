@@ -41,22 +41,21 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
     from assets.relay import build_table_slices, channel_for
     from orchestration.cli import end_of_startup
     from resources.config import TableConfig
+    from resources.exactly_once import SlicePublisher, TableChannel
     from resources.kafka_io_manager import KafkaIOManager
     from resources.messages import ReadAhead
     from resources.slices import SliceRange
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
 
-    publisher, init = None, None  # init: Future[None] of the publisher's topics and fencing
+    starting: tuple[SlicePublisher, Future[None]] | None = None  # the publisher and its topics and fencing
     if publish_table:
-        from resources.exactly_once import SlicePublisher, TableChannel
-
         # As a backfill's early read does: topics and fencing while Spark connects, not after the read starts.
         publisher = SlicePublisher(TableChannel.for_table(publish_table, publish_table),
                                    {"bootstrap.servers": bootstrap})
         pool = ThreadPoolExecutor(max_workers=1)
-        init = pool.submit(publisher.init)
-        pool.shutdown(wait=False)
+        starting = publisher, pool.submit(publisher.init)
+        pool.shutdown(wait=False)  # not waiting: the init runs on while Spark connects
     spark = SparkResource(remote=remote) if remote else SparkResource(master=master)
     source = SourceDatabaseResource(url=url)
     config = TableConfig(source="bench", table=table, watermark="id", key=["id"])
@@ -73,17 +72,18 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
     ahead = ReadAhead([frame], chunk_rows, prefetch)
     count = 0
     try:
-        if publisher is not None:
-            assert isinstance(init, Future)
+        if starting is not None:
+            publisher, init = starting
             init.result(timeout=60)  # raises its own error, if it failed
             count = publisher.publish(slices.pending[0], lambda: ahead.batches(frame)).progress.rows
-            publisher.close()
         else:
             for batch in ahead.batches(frame):
                 count += len(batch)
     finally:
         ahead.close()
         source.dispose()
+        if starting is not None:
+            starting[0].close()
     return count, time.monotonic() - started
 
 

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import sqlalchemy as sa
 from dagster import ConfigurableResource
@@ -51,6 +51,9 @@ INNODB_TRX_READS = 14
 _log = logging.getLogger(__name__)
 
 
+_Answer = TypeVar("_Answer", int, int | None)
+
+
 class SettledAnswers:
     """Answers about settled rows, kept for the process: a bounded map, safe across threads.
 
@@ -63,11 +66,11 @@ class SettledAnswers:
     """
 
     def __init__(self, limit: int = 4096) -> None:
-        self._answers: OrderedDict[tuple[Any, ...], int | None] = OrderedDict()
+        self._answers: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._limit = limit
         self._lock = threading.Lock()
 
-    def answer(self, key: tuple[Any, ...], ask: Callable[[], int | None]) -> int | None:
+    def answer(self, key: tuple[Any, ...], ask: Callable[[], _Answer]) -> _Answer:
         """The answer kept for `key`, else `ask()`'s (asked outside the lock: it is a query), then kept."""
         with self._lock:
             if key in self._answers:
@@ -287,8 +290,8 @@ class SourceDatabaseResource(ConfigurableResource):
         """The URL with any password hidden, for messages and metadata."""
         return make_url(resolve_env(self.url)).render_as_string(hide_password=True)
 
-    def _asked(self, shape: TableShape, question: tuple[Any, ...], ask: Callable[[], int | None], settled: bool
-               ) -> int | None:
+    def _asked(self, shape: TableShape, question: tuple[Any, ...], ask: Callable[[], _Answer], settled: bool
+               ) -> _Answer:
         """`ask()`, or where `settled` the answer SETTLED_ANSWERS kept for the same question about the same rows:
         the database connected to (its URL, ${VAR}s resolved), the table, its watermark and its `where:`."""
         if not settled:
@@ -444,7 +447,7 @@ class SourceDatabaseResource(ConfigurableResource):
             with self.engine.connect() as conn:
                 return int(conn.execute(q).scalar())
 
-        return int(self._asked(shape, ("count", after, upto, tuple(skip or ())), ask, settled))  # type: ignore[arg-type]
+        return self._asked(shape, ("count", after, upto, tuple(skip or ())), ask, settled)
 
     def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None
                         ) -> Iterator[int]:
