@@ -58,25 +58,26 @@ def seed_history(instance: Any, table: TableConfig, source_url: str, kafka_conf:
     producer.init_transactions(30)
     first = now - timedelta(days=span_days, seconds=newest_age_s)
     step = timedelta(days=span_days) / max(1, slices - 1)
-    offsets: dict[int, int] = {}
-
-    def delivered(i: int, err: Any, msg: Any) -> None:
-        if err is None:
-            offsets[i] = msg.offset()
+    table_header = ("rowrelay.table", channel.table.encode())
 
     for start in range(1, slices + 1, CHUNK):
         ids = range(start, min(slices, start + CHUNK - 1) + 1)
+        values = [json.dumps({"id": i, "v": "r"}).encode() for i in ids]
+        ends: dict[int, int] = {}  # the offsets of the chunk's first and last message
         producer.begin_transaction()
-        for i in ids:
-            producer.produce(channel.topic, value=json.dumps({"id": i, "v": "r"}).encode(),
-                             on_delivery=partial(delivered, i), headers=[("rowrelay.table", channel.table.encode()),
-                                      ("rowrelay.watermark", str(i).encode())])
+        for n, (i, value) in enumerate(zip(ids, values, strict=True)):
+            report = partial(_offset_of, ends, n) if n in (0, len(values) - 1) else None
+            producer.produce(channel.topic, value=value, on_delivery=report,
+                             headers=[table_header, ("rowrelay.watermark", str(i).encode())])
         producer.flush(60)  # the offsets go into the progress records of the same transaction
-        for i in ids:
-            value = json.dumps({"id": i, "v": "r"}).encode()
+        # One producer, one partition, one open transaction: the chunk's messages hold consecutive offsets.
+        if len(ends) != min(2, len(values)) or ends[len(values) - 1] - ends[0] != len(values) - 1:
+            raise RuntimeError(f"seed: the chunk from {start} did not land at consecutive offsets: {ends}")
+        for n, (i, value) in enumerate(zip(ids, values, strict=True)):
             at = first + step * (i - 1)
+            offset = ends[0] + n
             record = ProgressRecord(channel.table, SliceRange(i - 1, i).key, i - 1, i, 1, len(value),
-                                    hashlib.sha256(value).hexdigest(), channel.topic, {"0": [offsets[i], offsets[i]]},
+                                    hashlib.sha256(value).hexdigest(), channel.topic, {"0": [offset, offset]},
                                     channel.transactional_id, at.isoformat(), 0.001)
             producer.produce(channel.progress_topic, key=record.slice.encode(), value=record.to_json(),
                              timestamp=int(at.timestamp() * 1000))
@@ -85,6 +86,11 @@ def seed_history(instance: Any, table: TableConfig, source_url: str, kafka_conf:
     for start in range(0, slices, CHUNK):
         instance.add_dynamic_partitions(name, [SliceRange(i, i + 1).key for i in range(start, min(slices,
                                                                                                start + CHUNK))])
+
+
+def _offset_of(ends: dict[int, int], n: int, err: Any, msg: Any) -> None:
+    if err is None:
+        ends[n] = msg.offset()
 
 
 def idle_tick_times(instance: Any, config: RelayConfig, table: TableConfig, ticks: int = 10) -> list[float]:

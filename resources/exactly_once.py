@@ -34,7 +34,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -243,7 +243,9 @@ class ProgressRecord:
     schema_fingerprint: str = ""
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        # A shallow dict: the fields are JSON values already, and `asdict` deep-copied each of them first (a
+        # 300k-slice history seed spent about half its time there).
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> ProgressRecord:

@@ -6,15 +6,25 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from tests.test_faults import ROOT, FaultPipeline, pipeline  # noqa: F401 - the daemon-driven pipeline fixture
+from tests.conftest import Services
+from tests.test_faults import ROOT, FaultPipeline, fault_pipeline
 
 pytestmark = pytest.mark.integration
 
 
-def test_cli_backfill_keeps_order_and_respects_the_pool(pipeline: FaultPipeline) -> None:  # noqa: F811
+@pytest.fixture(scope="module")
+def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPipeline]:
+    """The fault suite's daemon-driven pipeline with the one table this test backfills: the other three tables'
+    sensors, runs and writers only added work beside the other pytest worker."""
+    with fault_pipeline(services, tmp_path_factory, ("orders",)) as p:
+        yield p
+
+
+def test_cli_backfill_keeps_order_and_respects_the_pool(pipeline: FaultPipeline) -> None:
     """`dagster job backfill` over a table's last slices, through the daemon's queue: runs never overlap
     (pool limit 1) and re-running committed slices publishes nothing."""
     from dagster import DagsterInstance, RunsFilter

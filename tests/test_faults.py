@@ -206,8 +206,20 @@ telemetry: {{enabled: false}}
 """
 
 
+ALL_TABLES = ("orders", "clicks", "events", "stamped")
+
+
 @pytest.fixture(scope="module")
 def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPipeline]:
+    with fault_pipeline(services, tmp_path_factory, ALL_TABLES) as p:
+        yield p
+
+
+@contextlib.contextmanager
+def fault_pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory,
+                   tables: tuple[str, ...]) -> Iterator[FaultPipeline]:
+    """The daemon-driven pipeline with writers on `tables` (of ALL_TABLES: PostgreSQL `orders` and `stamped`,
+    MariaDB `clicks`, SQLite `events`); the fault suite uses all four, a test that needs one table less work."""
     if not services.spark_remote:
         pytest.skip("fault tests need the stack's Spark Connect server")
     home = tmp_path_factory.mktemp("faults_home")
@@ -239,7 +251,7 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         conn.execute(text("CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, v bigint)"))
     # Source names unique per run: a table's identity (progress topic, transactional id) must be new too.
     pg_src, maria_src, lite_src = unique("pg"), unique("maria"), unique("lite")
-    cfg = relay_config(services, {pg_src: pg_url, maria_src: maria_url, lite_src: make_url(lite_url)}, [
+    table_settings = [
         {"source": pg_src, "table": "public.orders", "watermark": "id", "slice_max_rows": 5000,
          "sensor_interval_seconds": 1, "topic": f"faults.{db_names['pgsrc']}.orders"},
         {"source": maria_src, "table": "clicks", "watermark": "id", "slice_max_rows": 3000, "settle_seconds": 1,
@@ -250,7 +262,9 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         {"source": pg_src, "table": "public.stamped", "watermark": "created_at", "tie_break": "id",
          "slice_max_rows": 3000, "sensor_interval_seconds": 3, "topic": f"faults.{db_names['pgsrc']}.stamped",
          "key": ["id"]},
-    ], spark_remote=True)
+    ]
+    cfg = relay_config(services, {pg_src: pg_url, maria_src: maria_url, lite_src: make_url(lite_url)},
+                       [t for t in table_settings if t["table"].rsplit(".", 1)[-1] in tables], spark_remote=True)
     engines[pg_src], engines[maria_src], engines[lite_src] = engines["pg"], engines["maria"], engines["lite"]
     config_file = home / "rowrelay.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
@@ -260,16 +274,18 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
     (home / "workspace.yaml").write_text(yaml.safe_dump({"load_from": [{"python_module": {
         "module_name": "orchestration.definitions", "working_directory": str(ROOT)}}]}))
     p = FaultPipeline(services, cfg, home, config_file, engines)
-    p.writers = [Writer(engines["pg"], "orders"), Writer(engines["pg"], "orders"), Writer(engines["maria"], "clicks"),
-                 Writer(engines["lite"], "events"), Writer(engines["pg"], "stamped", pause=1.0),
-                 Writer(engines["pg"], "stamped", pause=1.0)]
+    writers = [("pg", "orders", 0.25), ("pg", "orders", 0.25), ("maria", "clicks", 0.25), ("lite", "events", 0.25),
+               ("pg", "stamped", 1.0), ("pg", "stamped", 1.0)]
+    p.writers = [Writer(engines[e], t, pause=pause) for e, t, pause in writers if t in tables]
     p.start_daemon()
     for w in p.writers:
         w.resume()
-    yield p
-    for w in p.writers:
-        w.close()
-    p.stop_daemon()
+    try:
+        yield p
+    finally:
+        for w in p.writers:
+            w.close()
+        p.stop_daemon()
     print("FAULT RESULTS " + json.dumps(RESULTS))
     (ROOT / "tests" / ".fault-results.json").write_text(json.dumps(RESULTS, indent=2))
     for e in (engines["pg"], engines["maria"], engines["lite"]):
