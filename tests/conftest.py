@@ -175,13 +175,16 @@ def dagster_home(services: Services, tmp_path_factory: pytest.TempPathFactory) -
     home = tmp_path_factory.mktemp("dagster_home")
     (home / "dagster.yaml").write_text(f"""
 storage:
-  postgres:
-    postgres_db:
-      username: {services.pg_user}
-      password: {services.pg_password}
-      hostname: {services.pg_host}
-      db_name: {db}
-      port: {services.pg_port}
+  custom:
+    module: orchestration.storage
+    class: PooledPostgresStorage
+    config:
+      postgres_db:
+        username: {services.pg_user}
+        password: {services.pg_password}
+        hostname: {services.pg_host}
+        db_name: {db}
+        port: {services.pg_port}
 concurrency:
   pools:
     granularity: run

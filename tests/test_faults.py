@@ -189,8 +189,11 @@ class FaultPipeline:
 
 DAGSTER_YAML = """
 storage:
-  postgres:
-    postgres_db: {{username: {user}, password: {password}, hostname: {host}, db_name: {db}, port: {port}}}
+  custom:
+    module: orchestration.storage
+    class: PooledPostgresStorage
+    config:
+      postgres_db: {{username: {user}, password: {password}, hostname: {host}, db_name: {db}, port: {port}}}
 run_coordinator:
   module: dagster.core.run_coordinator
   class: QueuedRunCoordinator
