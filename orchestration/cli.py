@@ -334,7 +334,12 @@ def keep_storage_connections(instance: Any) -> None:
     1M-row slice. `optimize_for_webserver` is how Dagster gives its one long-lived process (the webserver) pooled
     storages (pool_size 1); it is not named for CLI use, so it is called only here. statement_timeout 0: none, as
     with NullPool. A connection the database dropped (a restart) fails one call and is replaced on the next.
+    rowrelay's own `PooledPostgresStorage` (dagster.yaml) pools already, with pre-ping: it is left as it is.
     """
+    from orchestration.storage import PooledRunStorage
+
+    if isinstance(instance.run_storage, PooledRunStorage):
+        return
     instance.optimize_for_webserver(statement_timeout=0, pool_recycle=3600, max_overflow=2)
 
 
