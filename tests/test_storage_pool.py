@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from sqlalchemy import create_engine, text
+from sqlalchemy import URL, create_engine, text
 
-from tests.conftest import Services, unique
+from tests.conftest import Services
 
 pytestmark = pytest.mark.integration
 
@@ -28,15 +27,10 @@ def _storage_yaml(services: Services, db: str, pooled: bool) -> str:
 
 
 @pytest.fixture
-def storage_db(services: Services) -> Iterator[str]:
-    db = unique("dagster")
-    admin = create_engine(services.pg_url(), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{db}"'))
-    yield db
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
-    admin.dispose()
+def storage_db(pg_database: URL) -> str:
+    """A fresh database for one instance's storage (conftest's `pg_database`, dropped afterwards)."""
+    assert pg_database.database is not None
+    return pg_database.database
 
 
 def _sessions(services: Services, db: str) -> int:
