@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
-from dagster._core.storage.config import PostgresStorageConfig
 from dagster._serdes import ConfigurableClassData
 from dagster_postgres import DagsterPostgresStorage
 from dagster_postgres.event_log import PostgresEventLogStorage
@@ -108,7 +108,7 @@ class PooledPostgresStorage(DagsterPostgresStorage):
 
     @classmethod
     def from_config_value(cls, inst_data: ConfigurableClassData | None,  # type: ignore[override]
-                          config_value: PostgresStorageConfig) -> PooledPostgresStorage:
+                          config_value: Mapping[str, Any]) -> PooledPostgresStorage:
         return cls(inst_data=inst_data, postgres_url=pg_url_from_config(config_value),
                    should_autocreate_tables=config_value.get("should_autocreate_tables", True),
                    token_provider=get_token_provider_from_config(config_value))

@@ -15,8 +15,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
 
@@ -41,6 +43,16 @@ class Services:
     def mariadb_url(self, database: str | None = None) -> URL:
         return URL.create("mysql+pymysql", self.mariadb_user, self.mariadb_password, self.mariadb_host,
                           self.mariadb_port, database)
+
+    def dagster_storage(self, database: str, pooled: bool = True) -> dict[str, Any]:
+        """dagster.yaml's `storage:` for an instance in `database`: rowrelay's pooled storage, as the product's
+        dagster.yaml has it, or (pooled=False) stock dagster-postgres."""
+        postgres_db = {"username": self.pg_user, "password": self.pg_password, "hostname": self.pg_host,
+                       "db_name": database, "port": self.pg_port}
+        if not pooled:
+            return {"postgres": {"postgres_db": postgres_db}}
+        return {"custom": {"module": "orchestration.storage", "class": "PooledPostgresStorage",
+                           "config": {"postgres_db": postgres_db}}}
 
 
 def _docker_reachable() -> bool:
@@ -173,25 +185,10 @@ def dagster_home(services: Services, tmp_path_factory: pytest.TempPathFactory) -
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{db}"'))
     home = tmp_path_factory.mktemp("dagster_home")
-    (home / "dagster.yaml").write_text(f"""
-storage:
-  custom:
-    module: orchestration.storage
-    class: PooledPostgresStorage
-    config:
-      postgres_db:
-        username: {services.pg_user}
-        password: {services.pg_password}
-        hostname: {services.pg_host}
-        db_name: {db}
-        port: {services.pg_port}
-concurrency:
-  pools:
-    granularity: run
-    default_limit: 1
-telemetry:
-  enabled: false
-""")
+    (home / "dagster.yaml").write_text(yaml.safe_dump({
+        "storage": services.dagster_storage(db),
+        "concurrency": {"pools": {"granularity": "run", "default_limit": 1}},
+        "telemetry": {"enabled": False}}))
     yield home
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))

@@ -188,12 +188,7 @@ class FaultPipeline:
 
 
 DAGSTER_YAML = """
-storage:
-  custom:
-    module: orchestration.storage
-    class: PooledPostgresStorage
-    config:
-      postgres_db: {{username: {user}, password: {password}, hostname: {host}, db_name: {db}, port: {port}}}
+{storage}
 run_coordinator:
   module: dagster.core.run_coordinator
   class: QueuedRunCoordinator
@@ -271,9 +266,8 @@ def fault_pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory,
     engines[pg_src], engines[maria_src], engines[lite_src] = engines["pg"], engines["maria"], engines["lite"]
     config_file = home / "rowrelay.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
-    (home / "dagster.yaml").write_text(DAGSTER_YAML.format(user=services.pg_user, password=services.pg_password,
-                                                          host=services.pg_host, port=services.pg_port,
-                                                          db=db_names["dagster"]))
+    (home / "dagster.yaml").write_text(DAGSTER_YAML.format(
+        storage=yaml.safe_dump({"storage": services.dagster_storage(db_names["dagster"])})))
     (home / "workspace.yaml").write_text(yaml.safe_dump({"load_from": [{"python_module": {
         "module_name": "orchestration.definitions", "working_directory": str(ROOT)}}]}))
     p = FaultPipeline(services, cfg, home, config_file, engines)

@@ -73,9 +73,7 @@ defs = Definitions(jobs=[quick, slow], executor=in_process_executor)
 
 def dagster_yaml(services: Services, db: str, launcher: dict[str, Any] | None, queued: bool = True) -> str:
     config: dict[str, Any] = {
-        "storage": {"custom": {"module": "orchestration.storage", "class": "PooledPostgresStorage", "config": {
-            "postgres_db": {"username": services.pg_user, "password": services.pg_password,
-                            "hostname": services.pg_host, "db_name": db, "port": services.pg_port}}}},
+        "storage": services.dagster_storage(db),
         "run_monitoring": {"enabled": True, "start_timeout_seconds": 30, "poll_interval_seconds": POLL_INTERVAL_S},
         "telemetry": {"enabled": False},
     }

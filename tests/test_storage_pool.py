@@ -18,12 +18,7 @@ pytestmark = pytest.mark.integration
 
 
 def _storage_yaml(services: Services, db: str, pooled: bool) -> str:
-    postgres_db = {"username": services.pg_user, "password": services.pg_password, "hostname": services.pg_host,
-                   "db_name": db, "port": services.pg_port}
-    storage = ({"custom": {"module": "orchestration.storage", "class": "PooledPostgresStorage",
-                           "config": {"postgres_db": postgres_db}}}
-               if pooled else {"postgres": {"postgres_db": postgres_db}})
-    return yaml.safe_dump({"storage": storage, "telemetry": {"enabled": False}})
+    return yaml.safe_dump({"storage": services.dagster_storage(db, pooled), "telemetry": {"enabled": False}})
 
 
 @pytest.fixture
