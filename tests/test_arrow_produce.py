@@ -131,3 +131,39 @@ def test_c_loop_attaches_to_the_locked_confluent_kafka_only_where_checked(servic
     monkeypatch.setattr(arrow_produce, "CHECKED_VERSIONS", frozenset({"0.0.0"}))
     assert RowProducer.attach(producer, "any-topic", "t") is None  # an unchecked version: confluent-kafka's path
     producer.flush(5)
+
+
+_FASTBIN_PROBE = """
+import ctypes, sys
+from resources import arrow_produce
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "off":
+    arrow_produce._without_fastbins()
+# librdkafka's shape: many small chunks allocated, then freed together (past the per-thread cache's 7 per size).
+chunks = [libc.malloc(48) for _ in range(2_000)]
+for chunk in chunks:
+    libc.free(chunk)
+print(libc.mallinfo2().fsmblks)
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="fastbins are glibc's")
+def test_publishing_process_frees_small_chunks_without_fastbins() -> None:
+    import subprocess
+    import sys
+
+    def fastbin_bytes(mode: str) -> int:
+        return int(subprocess.run([sys.executable, "-c", _FASTBIN_PROBE, mode], check=True, capture_output=True,
+                                  text=True).stdout)
+
+    assert fastbin_bytes("on") > 0, "the probe never reached glibc's fastbins: it cannot tell the setting apart"
+    assert fastbin_bytes("off") == 0
