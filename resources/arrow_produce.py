@@ -16,8 +16,10 @@ slower.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +60,6 @@ def _without_fastbins() -> None:
     large free region made glibc consolidate every fastbin again: `malloc_consolidate` and `unlink_chunk` were
     19 % of a publishing process's samples in `perf`. Without fastbins, small chunks still go through the
     per-thread cache, and Python's own objects through pymalloc, so nothing else of note changes."""
-    import contextlib
-    import platform
-
     if platform.libc_ver()[0] != "glibc":
         return
     with contextlib.suppress(AttributeError, OSError):  # not glibc after all
