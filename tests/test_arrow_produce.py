@@ -1,7 +1,7 @@
 """The publisher's C produce loop (resources/arrow_produce.py) on the real broker: the same messages as through
 confluent-kafka's produce(), byte for byte, for every shape of Arrow column a slice brings (null and empty keys,
-batches sliced at an offset, non-ASCII and NUL bytes); a full local queue; and the Python path wherever the loop
-is not attached."""
+batches sliced at an offset, non-ASCII and NUL bytes); a full local queue; the Python path wherever the loop is
+not attached; and glibc's fastbins off in a process that loads the loop."""
 
 from __future__ import annotations
 
