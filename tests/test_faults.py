@@ -146,6 +146,16 @@ class FaultPipeline:
             time.sleep(0.2)
         raise AssertionError(f"no run worker started within {timeout}s; see {self.log}")
 
+    def workers_mid_run(self, tries: int = 10) -> list[dict]:
+        """`warm_workers` a random moment (0.2-1.0 s) after a run started. Runs take about a second, so the one
+        waited for may end within the pause: then the next one, up to `tries` times ([] if none was caught)."""
+        for _ in range(tries):
+            self.wait_for_worker()
+            time.sleep(random.uniform(0.2, 1.0))
+            if running := self.warm_workers():
+                return running
+        return []
+
     def max_ids(self) -> dict[str, int]:
         """Each table's max watermark (a timestamp watermark as microseconds since 1970 UTC, as rowrelay has it)."""
         out = {}
@@ -367,13 +377,7 @@ def test_run_workers_sigkilled_in_a_loop(pipeline: FaultPipeline) -> None:
 def test_fork_server_sigkilled_mid_run(pipeline: FaultPipeline) -> None:
     """The warm launcher's fork server dies while a worker it forked publishes: the worker finishes, the next
     launch starts a new fork server, nothing is lost or sent twice."""
-    servers: set[int] = set()
-    for _ in range(10):  # a run may finish within the pause (runs take ~1 s): take the next one
-        pipeline.wait_for_worker()
-        time.sleep(random.uniform(0.2, 1.0))
-        servers = {w["server_pid"] for w in pipeline.warm_workers()}
-        if servers:
-            break
+    servers = {w["server_pid"] for w in pipeline.workers_mid_run()}
     assert servers, f"no run in flight to take the fork server from in 10 tries; see {pipeline.log}"
     for pid in servers:
         with contextlib.suppress(ProcessLookupError):
@@ -396,9 +400,7 @@ def test_run_terminated_mid_publish(pipeline: FaultPipeline) -> None:
     canceled = None
     with DagsterInstance.from_config(str(pipeline.home)) as instance:
         for _ in range(5):  # a run may finish before the terminate reaches it: take the next one
-            pipeline.wait_for_worker()
-            time.sleep(random.uniform(0.2, 1.0))
-            running = pipeline.warm_workers()
+            running = pipeline.workers_mid_run()
             if not running:
                 continue
             worker = running[0]
