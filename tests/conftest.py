@@ -109,6 +109,22 @@ def services() -> Iterator[Services]:
         yield _local_stack()
 
 
+def partition_ends(bootstrap: str, topic: str, partition: int = 0) -> tuple[int, int]:
+    """The partition's (low, high) watermarks, asked by a read_uncommitted client: a read_committed reader is done
+    at that high watermark.
+
+    Not the end a read_committed client is told (the last stable offset): right after a commit returns, the
+    transaction's markers may not be written yet, and that end still stops before the committed rows."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    ends = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ends-{uuid.uuid4().hex}",
+                     "isolation.level": "read_uncommitted"})
+    try:
+        return ends.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+    finally:
+        ends.close()
+
+
 def unique(prefix: str = "t") -> str:
     return f"{prefix}{uuid.uuid4().hex[:12]}"
 

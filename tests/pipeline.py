@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL
 from orchestration.factory import build_definitions, job_name
 from resources.config import RelayConfig, TableConfig, parse_config
 from resources.exactly_once import ProgressRecord, read_committed_progress
-from tests.conftest import Services
+from tests.conftest import Services, partition_ends
 
 
 def source_url(url: URL) -> str:
@@ -223,15 +223,13 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Consum
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
                          "auto.offset.reset": "earliest"})
-    ends = Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{uuid.uuid4().hex}",
-                     "isolation.level": "read_uncommitted"})
     out: list[Consumed] = []
     try:
         md = consumer.list_topics(topic, timeout=10)
         parts = sorted(md.topics[topic].partitions) if topic in md.topics else []
         for p in parts:
             tp = TopicPartition(topic, p)
-            low, high = ends.get_watermark_offsets(tp, timeout=10)
+            low, high = partition_ends(bootstrap, topic, p)
             if high <= low:
                 continue
             consumer.assign([TopicPartition(topic, p, low)])
@@ -246,7 +244,6 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Consum
                 f"{topic}[{p}] not read to its end ({high}) in {timeout}s: a transaction left open?")
     finally:
         consumer.close()
-        ends.close()
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from resources import arrow_produce
 from resources.arrow_produce import QUEUE_FULL, RowProducer
 from resources.exactly_once import MessageBatch, SlicePublisher, TableChannel, read_committed_progress, slice_checksum
 from resources.slices import SliceRange
+from tests.conftest import partition_ends
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +54,12 @@ def _raw(bootstrap: str, topic: str) -> list[Raw]:
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False})
     try:
-        high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1]
+        _, high = partition_ends(bootstrap, topic)
         consumer.assign([TopicPartition(topic, 0, 0)])
         out: list[Raw] = []
+        deadline = time.monotonic() + 60
         while consumer.position([TopicPartition(topic, 0)])[0].offset < high:
+            assert time.monotonic() < deadline, f"{topic} not read to its end ({high}) in 60 s: a transaction open?"
             for msg in consumer.consume(1000, 1.0):
                 if not msg.error():
                     out.append((msg.key(), msg.value(), msg.headers()))

@@ -15,7 +15,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from sqlalchemy import text
 
-from tests.conftest import Services
+from tests.conftest import Services, partition_ends
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def read_committed(bootstrap: str, topic: str, timeout: float = 10.0) -> list[by
                          "isolation.level": "read_committed", "enable.auto.commit": False})
     try:
         tp = TopicPartition(topic, 0)
-        _, high = consumer.get_watermark_offsets(tp, timeout=10)
+        _, high = partition_ends(bootstrap, topic)
         consumer.assign([TopicPartition(topic, 0, 0)])
         values: list[bytes] = []
         deadline = time.monotonic() + timeout
