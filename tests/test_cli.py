@@ -52,6 +52,40 @@ def test_verify_reports_each_kind_of_defect(services, pg_database, pg_engine, da
     assert main(["--config", str(config_file), "verify", "--json"]) == 1
 
 
+def test_verify_leaves_out_slices_committed_while_it_reads(services, pg_database, pg_engine, dagster_instance,
+                                                           spark, name, monkeypatch) -> None:
+    """On a live pipeline a slice can commit after verify read the progress and before it read the topic: its rows
+    are not extra (they came with their progress record); a message above the progress read afterwards still is."""
+    import orchestration.cli as cli
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(1, 100) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 100}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=100)
+    read_topic = cli.topic_watermarks
+
+    def commit_a_slice_first(conf: dict, topic: str, timeout: float = 60.0) -> dict[int, list[int]]:
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(101, 150) g"))
+        h.drain(table, until_hi=150)
+        return read_topic(conf, topic, timeout)
+
+    monkeypatch.setattr(cli, "topic_watermarks", commit_a_slice_first)
+    report = verify_table(cfg, table)
+    assert report.ok, report
+    assert (report.committed_hi, report.source_rows, report.messages) == (100, 100, 100)
+
+    _inject(services.kafka_bootstrap, table.topic_name, 99999)  # no progress record covers it
+    monkeypatch.setattr(cli, "topic_watermarks", read_topic)
+    report = verify_table(cfg, table)
+    assert (report.committed_hi, report.duplicates, report.missing, report.extra) == (150, 0, 0, 1)
+    assert report.examples["extra"] == [99999]
+
+
 def test_backfill_command_publishes_the_backlog_in_range_runs(services, pg_database, pg_engine, dagster_home,
                                                                dagster_instance, spark, name, tmp_path, capsys,
                                                                monkeypatch) -> None:
