@@ -21,16 +21,24 @@ def _inject(bootstrap: str, topic: str, watermark: int) -> None:
     p.flush(10)
 
 
-def test_verify_reports_each_kind_of_defect(services, pg_database, pg_engine, dagster_instance, spark, name,
-                                            tmp_path, capsys) -> None:
+def _relayed(services, pg_database, pg_engine, dagster_instance, name: str, rows: str, hi: int
+             ) -> tuple[RelayConfig, Harness, TableConfig]:
+    """Table `name` with the ids `SELECT g FROM <rows>` gives, relayed in 100-row slices up to watermark `hi`."""
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY, v text)"))
-        conn.execute(text(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(1, 300) g WHERE g <> 150"))
+        conn.execute(text(f"INSERT INTO {name} SELECT g, 'v' FROM {rows}"))
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
                                                          "slice_max_rows": 100}])
     h = Harness(cfg, dagster_instance)
     table = h.table()
-    h.drain(table, until_hi=300)
+    h.drain(table, until_hi=hi)
+    return cfg, h, table
+
+
+def test_verify_reports_each_kind_of_defect(services, pg_database, pg_engine, dagster_instance, spark, name,
+                                            tmp_path, capsys) -> None:
+    cfg, _, table = _relayed(services, pg_database, pg_engine, dagster_instance, name,
+                             "generate_series(1, 300) g WHERE g <> 150", 300)
     clean = verify_table(cfg, table)
     assert clean.ok and clean.source_rows == clean.messages == 299 and clean.committed_hi == 300
 
@@ -58,14 +66,7 @@ def test_verify_leaves_out_slices_committed_while_it_reads(services, pg_database
     are not extra (they came with their progress record); a message above the progress read afterwards still is."""
     import orchestration.cli as cli
 
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY, v text)"))
-        conn.execute(text(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(1, 100) g"))
-    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
-                                                         "slice_max_rows": 100}])
-    h = Harness(cfg, dagster_instance)
-    table = h.table()
-    h.drain(table, until_hi=100)
+    cfg, h, table = _relayed(services, pg_database, pg_engine, dagster_instance, name, "generate_series(1, 100) g", 100)
     read_topic = cli.topic_watermarks
 
     def commit_a_slice_first(conf: dict, topic: str, timeout: float = 60.0) -> dict[int, list[int]]:
