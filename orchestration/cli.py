@@ -125,7 +125,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
     later = read_committed_progress(conf, channel)
-    committed_meanwhile = range(hi + 1, max(hi, later.hi if later else hi) + 1)
+    committed_meanwhile = range(hi + 1, (later.hi if later else hi) + 1)  # empty unless progress moved on
     seen: Counter[int] = Counter()
     order: list[int] = []
     for wms in per_partition.values():
