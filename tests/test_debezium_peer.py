@@ -30,6 +30,7 @@ from bench.debezium_peer import (
     worker_props,
 )
 from bench.run import BENCH_DB, Stack, ensure_database, load_table
+from tests.conftest import partition_ends
 
 ROOT = Path(bench.__file__).resolve().parents[1]  # the checkout
 
@@ -103,14 +104,6 @@ def _values(bootstrap: str, topic: str, n: int) -> list[dict]:
             if len(out) >= n:
                 break
         return out
-    finally:
-        c.close()
-
-
-def _end_offset(bootstrap: str, topic: str) -> int:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex}"})
-    try:
-        return c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1]
     finally:
         c.close()
 
@@ -196,7 +189,7 @@ def test_exactly_once_is_transactional_and_cleans_its_internal_topics(stack: Sta
     assert figures["messages"] == rows, figures
     assert figures["exactly_once"] is True and "ConnectDistributed" in figures["mode"]
     # Commit markers take offsets: a transactional topic's end offset is past its record count.
-    assert _end_offset(stack.bootstrap, figures["topic"]) > rows
+    assert partition_ends(stack.bootstrap, figures["topic"])[1] > rows
     assert sorted(v["id"] for v in _values(stack.bootstrap, figures["topic"], rows)) == list(range(1, rows + 1))
     assert internal_topics() <= before  # the worker's config/offset/status topics were deleted
     assert _connect_jvms_in(tmp_path) == []

@@ -305,8 +305,9 @@ def fault_pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory,
 
 
 def _during_a_run(p: FaultPipeline, inject: Callable[[], None]) -> None:
-    p.wait_for_worker()
-    time.sleep(random.uniform(0.5, 2.0))
+    """Inject the fault at a random moment of a run that is still in flight: a fault that lands between runs would
+    let the scenario pass without testing what its name says."""
+    assert p.workers_mid_run(), f"no run in flight to inject the fault into in 10 tries; see {p.log}"
     inject()
 
 
