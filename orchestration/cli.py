@@ -35,7 +35,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
-from resources.exactly_once import read_committed_progress  # noqa: E402
+from resources.exactly_once import read_committed_progress, read_progress_history  # noqa: E402
 from resources.slices import micros_text, parse_watermark  # noqa: E402
 
 
@@ -50,6 +50,16 @@ class VerifyReport:
     missing: int = 0
     extra: int = 0
     order_violations: int = 0
+    # Left out of the comparison: copies `rowrelay replay` made into this topic, and messages of other tables (or
+    # other producers) sharing it.
+    replayed: int = 0
+    other_messages: int = 0
+    # Where the comparison starts: `start_after`, or the newest baseline (start_after: latest) or `rowrelay reset`
+    # in the table's progress (rows at or below it are never sent); messages at or below a reset were sent before
+    # it and are left out too (`before_start`), while one at or below a baseline is still extra.
+    compared_from: int = 0
+    compared_from_record: str | None = None
+    before_start: int = 0
     examples: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -63,14 +73,31 @@ def kafka_conf(config: RelayConfig) -> dict[str, Any]:
     return conf
 
 
-def topic_watermarks(conf: dict[str, Any], topic: str, timeout: float = 60.0) -> dict[int, list[int]]:
-    """Watermark header of every committed message, per partition, in offset order."""
-    from resources.exactly_once import base_conf
+@dataclass
+class TopicWatermarks:
+    """The watermark header of each committed message of one table in its topic, per partition in offset order;
+    and how many messages were not the table's own: replay copies, other tables' or other producers'."""
+
+    partitions: dict[int, list[int]] = field(default_factory=dict)
+    replayed: int = 0
+    other_messages: int = 0
+    # Where the comparison starts: `start_after`, or the newest baseline (start_after: latest) or `rowrelay reset`
+    # in the table's progress (rows at or below it are never sent); messages at or below a reset were sent before
+    # it and are left out too (`before_start`), while one at or below a baseline is still extra.
+    compared_from: int = 0
+    compared_from_record: str | None = None
+    before_start: int = 0
+
+
+def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0) -> TopicWatermarks:
+    """Read the topic to its end: the table's own messages' watermarks (`TopicWatermarks`)."""
+    from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER, base_conf
 
     consumer = Consumer({**base_conf(conf), "group.id": f"rowrelay-verify-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
                          "auto.offset.reset": "earliest"})
-    out: dict[int, list[int]] = {}
+    out = TopicWatermarks()
+    own = table.encode()
     try:
         md = consumer.list_topics(topic, timeout=timeout)
         meta = md.topics.get(topic)
@@ -79,7 +106,7 @@ def topic_watermarks(conf: dict[str, Any], topic: str, timeout: float = 60.0) ->
         for p in sorted(meta.partitions):
             tp = TopicPartition(topic, p)
             low, high = consumer.get_watermark_offsets(tp, timeout=timeout)
-            wms = out.setdefault(p, [])
+            wms = out.partitions.setdefault(p, [])
             if high <= low:
                 continue
             consumer.assign([TopicPartition(topic, p, low)])
@@ -92,19 +119,24 @@ def topic_watermarks(conf: dict[str, Any], topic: str, timeout: float = 60.0) ->
                     continue
                 deadline = time.monotonic() + timeout
                 headers = dict(msg.headers() or [])
-                wms.append(int(headers["rowrelay.watermark"]))
+                if headers.get(TABLE_HEADER) != own or WATERMARK_HEADER not in headers:
+                    out.other_messages += 1
+                elif REPLAY_HEADER in headers:
+                    out.replayed += 1
+                else:
+                    wms.append(int(headers[WATERMARK_HEADER]))
     finally:
         consumer.close()
     return out
 
 
-def source_watermarks(config: RelayConfig, table: TableConfig, upto: int) -> Counter[int]:
+def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None, upto: int) -> Counter[int]:
     from assets.relay import table_shape
     from resources.source_database import SourceDatabaseResource
 
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
-        return Counter(source.iter_watermarks(table_shape(source, table), table.start_after_watermark, upto,
+        return Counter(source.iter_watermarks(table_shape(source, table), start, upto,
                                               skip=table.skip_watermark_values))
     finally:
         source.dispose()
@@ -117,10 +149,16 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     conf = kafka_conf(config)
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     progress = read_committed_progress(conf, channel)
-    hi = progress.hi if progress else (table.start_after_watermark or 0)
-    report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None)
-    source = source_watermarks(config, table, hi)
-    per_partition = topic_watermarks(conf, table.topic_name)
+    start, start_record = table.start_after_watermark, None
+    for record in read_progress_history(conf, channel) if progress else []:  # oldest first: the newest one counts
+        if record.slice.startswith(("baseline-", "reset-")):
+            start, start_record = record.hi, record.slice
+    hi = progress.hi if progress else (start or 0)
+    report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None,
+                          compared_from=start or 0, compared_from_record=start_record)
+    source = source_watermarks(config, table, start, hi)
+    reading = topic_watermarks(conf, table.topic_name, channel.table)
+    report.replayed, report.other_messages = reading.replayed, reading.other_messages
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
@@ -128,7 +166,10 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     committed_meanwhile = range(hi + 1, (later.hi if later else hi) + 1)  # empty unless progress moved on
     seen: Counter[int] = Counter()
     order: list[int] = []
-    for wms in per_partition.values():
+    for wms in reading.partitions.values():
+        if start_record is not None and start_record.startswith("reset-"):  # sent before the reset, not extra
+            report.before_start += sum(w <= start for w in wms)
+            wms = [w for w in wms if w > start]
         seen.update(w for w in wms if w not in committed_meanwhile)
         order += [b for a, b in zip(wms, wms[1:], strict=False) if b < a]
     report.source_rows = sum(source.values())
@@ -161,6 +202,12 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
             print(f"{r.table} -> {r.topic}: committed up to {r.committed_hi}, {r.source_rows} source rows, "
                   f"{r.messages} messages; duplicates {r.duplicates}, missing {r.missing}, extra {r.extra}, "
                   f"order violations {r.order_violations} [{'OK' if r.ok else 'FAIL'}]")
+            if r.compared_from_record:
+                print(f"  compared from {r.compared_from} ({r.compared_from_record}); {r.before_start} messages at or "
+                      "below it left out")
+            if r.replayed or r.other_messages:
+                print(f"  left out: {r.replayed} replayed copies, {r.other_messages} messages of other tables or "
+                      "producers")
             for kind, values in r.examples.items():
                 print(f"  {kind}: e.g. watermarks {values}")
     return 0 if all(r.ok for r in reports) else 1
@@ -589,7 +636,7 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
     from confluent_kafka.admin import AdminClient
 
     from assets.relay import channel_for
-    from resources.exactly_once import base_conf, read_progress_history, read_published_messages
+    from resources.exactly_once import REPLAY_HEADER, base_conf, read_progress_history, read_published_messages
 
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     conf = kafka_conf(config)
@@ -608,7 +655,7 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
     replay_id = f"replay-{uuid.uuid4().hex[:12]}"
     producer = Producer({**conf, "transactional.id": f"{config.kafka.transactional_id_prefix}.replay.{table.table_id}",
                          "enable.idempotence": True})
-    marker = ("rowrelay.replay", replay_id.encode())
+    marker = (REPLAY_HEADER, replay_id.encode())
     rows = 0
     try:
         producer.init_transactions(60)  # fences an earlier replay of this table that is still open

@@ -235,10 +235,11 @@ def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transact
 
 
 def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, channel: TableChannel,
-                    kafka_conf: dict[str, Any], state: SensorState) -> tuple[int | None, SensorState]:
+                    kafka_conf: dict[str, Any], state: SensorState) -> tuple[ProgressRecord | None, SensorState]:
     """`start_after: latest` on a table with no progress: record a baseline in Kafka at the table's *safe*
     watermark (every row at or below it committed), so a row committed after the baseline is never skipped.
-    None while transactions that may hold lower watermarks are still open (the candidate stays pending)."""
+    Returns the table's progress after it: the baseline, or what another cutter committed meanwhile. None while
+    transactions that may hold lower watermarks are still open (the candidate stays pending)."""
     safe_hi, state = settled_watermark(source, shape, table, None, state)
     if safe_hi is None and state.pending:
         return None, state
@@ -246,11 +247,9 @@ def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: Ta
     publisher = SlicePublisher(channel, kafka_conf)
     try:
         # Recorded in Kafka like any progress, so a lost orchestrator database cannot re-send old rows.
-        publisher.publish_progress_only(ProgressRecord(channel.table, f"baseline-{hi}", hi, hi, 0, 0, "",
-                                                       channel.topic, transactional_id=channel.transactional_id))
+        return publisher.publish_baseline(hi), SensorState()
     finally:
         publisher.close()
-    return hi, SensorState()
 
 
 def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, start: int) -> None:
@@ -287,11 +286,10 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     shape = cached_table_shape(source, table)
     slices = [SliceRange.from_key(k) for k in keys]
     if progress is None and table.start_after == "latest" and not slices:
-        baseline, state = latest_baseline(source, shape, table, channel, conf, state)
-        if baseline is None:
+        progress, state = latest_baseline(source, shape, table, channel, conf, state)
+        if progress is None:
             return CutPlan(channel.start_after, [], [], [], state,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
-        progress = ProgressRecord(channel.table, f"baseline-{baseline}", baseline, baseline, 0, 0, "", channel.topic)
     committed_hi = progress.hi if progress else channel.start_after
     if progress is None and not slices:
         check_start_after(source, shape, table, committed_hi)

@@ -275,6 +275,9 @@ class PublishResult:
         return self.progress.bytes / self.duration_s if self.duration_s > 0 and not self.already_committed else 0.0
 
 
+# The message contract's headers (README "Messages"), and the mark `rowrelay replay` adds to its copies.
+TABLE_HEADER, WATERMARK_HEADER, REPLAY_HEADER = "rowrelay.table", "rowrelay.watermark", "rowrelay.replay"
+
 # A stage hook lets tests pause or crash the publisher at exact points of the protocol.
 StageHook = Callable[[str], None]
 STAGES = ("initialized", "progress_read", "begun", "rows_produced", "flushed", "before_commit", "committed")
@@ -458,8 +461,10 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
     if channel.topic not in existing:
         wanted.append(NewTopic(channel.topic, channel.topic_partitions, channel.replication_factor))
     if channel.progress_topic not in existing:
+        # The cluster's min.insync.replicas, as for the data topic: the progress record is the authority, so it
+        # gets no weaker durability than the rows it covers.
         wanted.append(NewTopic(channel.progress_topic, 1, channel.replication_factor,
-                               config={"cleanup.policy": "compact", "min.insync.replicas": "1"}))
+                               config={"cleanup.policy": "compact"}))
     if not wanted:
         return partitions
     for topic, fut in admin.create_topics(wanted, request_timeout=timeout).items():
@@ -771,14 +776,28 @@ def find_slice_progress(kafka_conf: dict[str, Any], channel: TableChannel, slice
     return tiles[0] if len(tiles) == 1 and (tiles[0].lo, tiles[0].hi) == (slice_range.lo, slice_range.hi) else None
 
 
+def is_table_message(headers: list[tuple[str, bytes]] | None, table: bytes) -> bool:
+    """A message the table's publisher sent: its `rowrelay.table` header, and not a `rowrelay replay` copy."""
+    found = False
+    for key, value in headers or ():
+        if key == REPLAY_HEADER:
+            return False
+        found = found or (key == TABLE_HEADER and value == table)
+    return found
+
+
 def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float = 30.0
                             ) -> Iterator[Any]:
-    """The messages one committed slice published, bounded by its recorded offsets, read_committed."""
+    """The messages one committed slice published, read_committed, by its recorded offsets. Within those offsets a
+    shared partition may also hold other tables' messages, and a replay into the table's own topic its copies:
+    only the slice's own messages are yielded."""
+    table = record.table.encode()
     consumer = _consumer(kafka_conf)
     try:
         for partition, (first, last) in sorted(record.offsets.items(), key=lambda kv: int(kv[0])):
             tp = TopicPartition(record.topic, int(partition))
-            yield from _read_range(consumer, tp, first, last + 1, timeout)
+            yield from (m for m in _read_range(consumer, tp, first, last + 1, timeout)
+                        if is_table_message(m.headers(), table))
     finally:
         consumer.close()
 
@@ -952,14 +971,30 @@ class SlicePublisher:
                 self._abort_quietly()
                 raise
 
-    def publish_progress_only(self, record: ProgressRecord, *, reset: bool = False) -> None:
-        """Commit a progress record with no rows (a baseline, e.g. start_after=latest). With empty progress
+    def publish_baseline(self, hi: int) -> ProgressRecord:
+        """The table's first progress, "committed up to `hi`" (start_after: latest), recorded only if the progress
+        is still empty once this publisher has fenced every other: another cutter (the sensor, a CLI backfill)
+        may have recorded its own baseline or committed slices since it was read. Then that progress stands and is
+        returned, and nothing is written: a baseline over it would skip rows (a higher one) or send them again (a
+        lower one)."""
+        ch = self.channel
+        record = ProgressRecord(ch.table, f"baseline-{hi}", hi, hi, 0, 0, "", ch.topic,
+                                transactional_id=ch.transactional_id)
+        return self.publish_progress_only(record, only_if_empty=True)
+
+    def publish_progress_only(self, record: ProgressRecord, *, reset: bool = False,
+                              only_if_empty: bool = False) -> ProgressRecord:
+        """Commit a progress record with no rows; returns the table's progress after it. With empty progress
         while the data topic holds the table's messages this refuses (ProgressMissing) unless `reset`: a
-        deliberate new baseline."""
+        deliberate new baseline. `only_if_empty`: with progress already committed, commit nothing and return it."""
         if not self._initialized:
             self.init()
-        if not reset and self._own_progress is None and self.committed_progress() is None:
-            self._refuse_if_progress_missing()
+        if not reset:
+            standing = self._own_progress or self.committed_progress()  # read after fencing: final
+            if standing is None:
+                self._refuse_if_progress_missing()
+            elif only_if_empty:
+                return standing
         try:
             self._call(self.producer.begin_transaction)
             self._txn_began, self._txn_rows = time.monotonic(), 0
@@ -970,6 +1005,7 @@ class SlicePublisher:
             self._abort_quietly()
             raise
         self._own_progress = record
+        return record
 
     def publish_reset(self, after: int, reason: str) -> ProgressRecord:
         """A deliberate new baseline: the table's progress says "committed up to `after`". One transaction with

@@ -15,9 +15,13 @@ from tests.pipeline import Harness, relay_config
 pytestmark = pytest.mark.integration
 
 
-def _inject(bootstrap: str, topic: str, watermark: int) -> None:
+def _inject(bootstrap: str, table: TableConfig, watermark: int | None) -> None:
+    """A message in the table's topic as the table's publisher would send it (its two headers), or, with
+    `watermark` None, a message with no rowrelay headers at all."""
+    headers = [] if watermark is None else [("rowrelay.table", table.table_id.encode()),
+                                            ("rowrelay.watermark", str(watermark).encode())]
     p = Producer({"bootstrap.servers": bootstrap})
-    p.produce(topic, value=b'{"id": %d}' % watermark, headers=[("rowrelay.watermark", str(watermark).encode())])
+    p.produce(table.topic_name, value=b'{"id": %d}' % (watermark or 0), headers=headers)
     p.flush(10)
 
 
@@ -51,8 +55,8 @@ def test_verify_reports_each_kind_of_defect(services, pg_database, pg_engine, da
 
     with pg_engine.begin() as conn:  # a row appearing below committed progress: a gap in the topic
         conn.execute(text(f"INSERT INTO {name} VALUES (150, 'late')"))
-    _inject(services.kafka_bootstrap, table.topic_name, 42)     # a duplicate, and out of order
-    _inject(services.kafka_bootstrap, table.topic_name, 99999)  # a message no source row explains
+    _inject(services.kafka_bootstrap, table, 42)     # a duplicate, and out of order
+    _inject(services.kafka_bootstrap, table, 99999)  # a message no source row explains
     report = verify_table(cfg, table)
     assert (report.duplicates, report.missing, report.extra) == (1, 1, 1)
     assert report.order_violations == 1
@@ -69,22 +73,84 @@ def test_verify_leaves_out_slices_committed_while_it_reads(services, pg_database
     cfg, h, table = _relayed(services, pg_database, pg_engine, dagster_instance, name, "generate_series(1, 100) g", 100)
     read_topic = cli.topic_watermarks
 
-    def commit_a_slice_first(conf: dict, topic: str, timeout: float = 60.0) -> dict[int, list[int]]:
+    def commit_a_slice_first(conf: dict, topic: str, table_id: str, timeout: float = 60.0) -> cli.TopicWatermarks:
         with pg_engine.begin() as conn:
             conn.execute(text(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(101, 150) g"))
         h.drain(table, until_hi=150)
-        return read_topic(conf, topic, timeout)
+        return read_topic(conf, topic, table_id, timeout)
 
     monkeypatch.setattr(cli, "topic_watermarks", commit_a_slice_first)
     report = verify_table(cfg, table)
     assert report.ok, report
     assert (report.committed_hi, report.source_rows, report.messages) == (100, 100, 100)
 
-    _inject(services.kafka_bootstrap, table.topic_name, 99999)  # no progress record covers it
+    _inject(services.kafka_bootstrap, table, 99999)  # no progress record covers it
     monkeypatch.setattr(cli, "topic_watermarks", read_topic)
     report = verify_table(cfg, table)
     assert (report.committed_hi, report.duplicates, report.missing, report.extra) == (150, 0, 0, 1)
     assert report.examples["extra"] == [99999]
+
+
+def test_verify_keeps_to_the_tables_own_messages_in_a_shared_topic(services, pg_database, pg_engine,
+                                                                   dagster_instance, spark, name) -> None:
+    """Two tables with the same ids share one topic (`topic:`): verify compared the whole topic with each table and
+    found every row twice, and a message without rowrelay headers crashed it. Now each table is compared with its
+    own messages; the others are counted, and a message of this table that no row explains is still extra."""
+    with pg_engine.begin() as conn:
+        for suffix in ("a", "b"):
+            conn.execute(text(f"CREATE TABLE {name}_{suffix} (id bigint PRIMARY KEY, v text)"))
+            conn.execute(text(f"INSERT INTO {name}_{suffix} SELECT g, 'v' FROM generate_series(1, 100) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}_{suffix}", "watermark": "id", "topic": name, "slice_max_rows": 50}
+        for suffix in ("a", "b")])
+    h = Harness(cfg, dagster_instance)
+    for table in cfg.tables:
+        h.drain(table, until_hi=100)
+    first, second = cfg.tables
+    _inject(services.kafka_bootstrap, first, None)  # another producer's message, no rowrelay headers
+    for table in (first, second):
+        report = verify_table(cfg, table)
+        assert report.ok, report
+        assert (report.source_rows, report.messages, report.other_messages) == (100, 100, 101)
+    _inject(services.kafka_bootstrap, first, 99999)
+    assert (verify_table(cfg, first).extra, verify_table(cfg, second).extra) == (1, 0)
+
+
+def test_verify_compares_from_the_tables_baseline_or_reset(services, pg_database, pg_engine, dagster_instance,
+                                                           spark, name) -> None:
+    """`start_after: latest` and `rowrelay reset` leave rows at or below their baseline unsent on purpose: verify
+    reported each of them missing. It now compares from the newest baseline or reset in the table's progress."""
+    from assets.relay import channel_for
+    from resources.exactly_once import SlicePublisher
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'old' FROM generate_series(1, 50) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "start_after": "latest"}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    assert h.tick(table) == [] and h.progress(table).hi == 50  # the baseline
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'new' FROM generate_series(1, 30) g"))  # 51..80
+    h.drain(table, until_hi=80)
+    report = verify_table(cfg, table)
+    assert report.ok, report
+    assert (report.compared_from, report.compared_from_record) == (50, "baseline-50")
+    assert (report.source_rows, report.messages, report.missing) == (30, 30, 0)
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'skipped' FROM generate_series(1, 20) g"))  # 81..100
+    publisher = SlicePublisher(channel_for(table), {"bootstrap.servers": services.kafka_bootstrap})
+    try:
+        publisher.publish_reset(90, "test: skip 81..90")
+    finally:
+        publisher.close()
+    h.drain(table, until_hi=100)
+    report = verify_table(cfg, table)
+    assert report.ok, report
+    assert (report.compared_from, report.compared_from_record, report.before_start) == (90, "reset-90", 30)
+    assert (report.source_rows, report.messages) == (10, 10)
 
 
 def test_backfill_command_publishes_the_backlog_in_range_runs(services, pg_database, pg_engine, dagster_home,

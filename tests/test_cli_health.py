@@ -10,7 +10,7 @@ import pytest
 import yaml
 from sqlalchemy import text
 
-from orchestration.cli import main
+from orchestration.cli import main, verify_table
 from resources.config import RelayConfig
 from tests.pipeline import ROOT, Harness, read_topic, relay_config
 
@@ -131,6 +131,8 @@ def test_replay_republishes_a_committed_range_once_and_refuses_bad_input(
         assert {k: v for k, v in m.headers.items() if k != "rowrelay.replay"} == o.headers
     assert [m.offset for m in after[:300]] == [m.offset for m in before]  # the originals are untouched
     assert h.progress(table) == progress  # progress unchanged
+    report = verify_table(cfg, table)  # the copies are counted apart, not as duplicates
+    assert report.ok and (report.messages, report.replayed) == (300, 200), report
 
     # To another existing topic, and recorded on the asset.
     other = f"{name}_replay"

@@ -5,12 +5,15 @@ Each test drives the real pipeline (sensor ticks, runs, the `rowrelay` CLI) on t
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
 from sqlalchemy import event, text
 
 from assets.relay import asset_key, channel_for
 from orchestration.cli import main
+from orchestration.sensors import SensorState, cached_table_shape, latest_baseline
 from resources.exactly_once import ProgressRecord, read_committed_progress, read_progress_history
 from resources.slices import SliceRange
 from resources.source_database import SETTLED_ANSWERS, SourceDatabaseResource
@@ -90,6 +93,44 @@ def test_latest_baseline_waits_for_open_transactions(services, pg_database, pg_e
     history = read_progress_history({"bootstrap.servers": services.kafka_bootstrap}, channel_for(table))
     assert history[0].slice == "baseline-3"
     assert _ids(services, table) == [4]
+
+
+def test_a_baseline_never_overwrites_progress_committed_meanwhile(services, pg_database, pg_engine, dagster_instance,
+                                                                 spark, name) -> None:
+    """`start_after: latest`, two cutters (the sensor and a `rowrelay backfill`) that both read empty progress: one
+    records its baseline and publishes past it, then the other records its own, higher, baseline. That baseline
+    replaced the progress, and the rows between were never sent. A baseline is now recorded only if the progress
+    is still empty once its publisher has fenced every other; otherwise the progress that stands is kept."""
+    _pg_table(pg_engine, name, 3)
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after="latest")]),
+                dagster_instance)
+    table = h.table()
+    assert h.tick(table) == []
+    assert h.progress(table).hi == 3  # the first cutter's baseline
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b')"))  # ids 4, 5: published
+    h.drain(table, until_hi=5, timeout=60)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('c'), ('d')"))  # ids 6, 7: not cut yet
+    # The second cutter read the empty progress before all that, and records its baseline now (at 7, the safe
+    # watermark of this moment).
+    source = SourceDatabaseResource(url=h.config.sources["src"].url)
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    standing, state = None, SensorState()
+    try:
+        for _ in range(20):
+            standing, state = latest_baseline(source, cached_table_shape(source, table), table, channel_for(table),
+                                              conf, state)
+            if standing is not None:
+                break
+            time.sleep(0.2)
+    finally:
+        source.dispose()
+    assert h.progress(table).hi == 5, "a baseline recorded over committed progress"
+    assert [r.slice for r in read_progress_history(conf, channel_for(table))].count("baseline-7") == 0
+    assert standing is not None and (standing.lo, standing.hi) == (3, 5), standing
+    h.drain(table, until_hi=7, timeout=60)
+    assert _ids(services, table) == [4, 5, 6, 7]
 
 
 def test_rows_at_or_below_zero_are_refused_unless_start_after_says(services, pg_database, pg_engine,

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, ConfigSource, NewTopic
 from sqlalchemy import text
 
 from resources import exactly_once as eo
@@ -172,6 +172,28 @@ def test_transaction_timeout_setting_wins_and_is_checked(services, name) -> None
 # --------------------------------------------------------------------------- item 3: progress missing
 
 
+def test_a_slice_read_back_is_its_own_messages_in_a_shared_partition(services, name) -> None:
+    """Two tables share a topic, and the second commits a slice while the first one's transaction is open: the
+    first slice's recorded offsets then span the second's messages. Reading that slice back (`load_input`,
+    `rowrelay replay`) gave both tables' rows; now only its own."""
+    conf = _conf(services)
+    first = TableChannel.for_table(f"edge.public.{name}", name)
+    second = TableChannel.for_table(f"edge.public.{name}_other", name)
+
+    def interleaved() -> Iterator[list[OutgoingMessage]]:
+        yield _messages(0, 3)
+        time.sleep(0.5)  # librdkafka sends the first rows (linger) before the other table's slice
+        eo.publish_slice(second, conf, SliceRange(0, 2), _rows(0, 2, id_offset=100))
+        yield _messages(3, 6)
+
+    record = eo.publish_slice(first, conf, SliceRange(0, 6), interleaved).progress
+    [(first_offset, last_offset)] = record.offsets.values()
+    assert last_offset - first_offset + 1 > 6, f"the other table's slice did not land inside this one: {record}"
+    read = list(eo.read_published_messages(conf, record))
+    assert [dict(m.headers())["rowrelay.watermark"] for m in read] == [b"1", b"2", b"3", b"4", b"5", b"6"]
+    assert {dict(m.headers())["rowrelay.table"] for m in read} == {first.table.encode()}
+
+
 def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, name) -> None:
     conf = _conf(services)
     table = f"edge.public.{name}"
@@ -268,6 +290,9 @@ def test_topics_are_made_from_their_own_metadata_not_the_whole_clusters(services
     assert asked and None not in asked, f"whole-cluster metadata asked: {asked}"
     assert set(asked) == {channel.topic, channel.progress_topic}
     progress = ConfigResource(ConfigResource.Type.TOPIC, channel.progress_topic)
-    assert admin.describe_configs([progress])[progress].result(timeout=30)["cleanup.policy"].value == "compact"
+    progress_config = admin.describe_configs([progress])[progress].result(timeout=30)
+    assert progress_config["cleanup.policy"].value == "compact"
+    # No durability weaker than the cluster's for the authority: min.insync.replicas is not overridden per topic.
+    assert progress_config["min.insync.replicas"].source != ConfigSource.DYNAMIC_TOPIC_CONFIG.value
     assert len(admin.list_topics(channel.topic, timeout=10).topics[channel.topic].partitions) == 2
     assert eo.broker_max_transaction_timeout_ms(conf) == 900_000  # the stack broker's (Kafka's default)
