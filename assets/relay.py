@@ -155,8 +155,7 @@ def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed
     expected = committed_hi
     for s in todo:
         if s.lo != expected:
-            raise SliceOutOfOrder(f"{channel.table}: slice {s} cannot commit yet: the slice ({expected}, {s.lo}] "
-                                  "must commit first; the run retries")
+            raise SliceOutOfOrder.at(channel.table, s, expected, then="; the run retries")
         expected = s.hi
     return todo
 

@@ -580,13 +580,21 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         for key in dropped:
             instance.delete_dynamic_partition(partitions.name, key)
             cut = SliceRange.from_key(key)
-            if cut.lo < args.after:  # without it (lo, W] would have no partition, though it was published
+            if cut.lo < args.after:  # without it (lo, W] would have no partition: settled, sent or skipped
                 below = cut.span(cut.lo, args.after)
                 instance.add_dynamic_partitions(partitions.name, [below.key])
+                # Its rows up to the old progress were published; above it a reset forward skipped them.
+                sent_to = min(max(before.hi if before else channel.start_after, cut.lo), args.after)
+                if sent_to == args.after:
+                    what = f"published before rowrelay reset after {args.after}"
+                elif sent_to == cut.lo:
+                    what = f"never sent: skipped by rowrelay reset after {args.after}"
+                else:
+                    what = f"published up to {sent_to} before rowrelay reset after {args.after}, the rest skipped"
                 instance.report_runless_asset_event(AssetMaterialization(
-                    asset_key=asset_key(table), partition=below.key,
-                    description=f"rows {below} of {cut.key}, published before rowrelay reset after {args.after}",
-                    metadata={"rowrelay/before_reset_of": key, "reason": args.reason}))
+                    asset_key=asset_key(table), partition=below.key, description=f"rows {below} of {cut.key}, {what}",
+                    metadata={"rowrelay/before_reset_of": key, "rowrelay/published_up_to": sent_to,
+                              "reason": args.reason}))
         instance.report_runless_asset_event(AssetObservation(
             asset_key=asset_key(table), description=f"rowrelay reset: new baseline after watermark {args.after}",
             metadata={"rowrelay/reset_after": args.after, "reason": args.reason,

@@ -56,6 +56,16 @@ class RelayError(Exception):
 class SliceOutOfOrder(RelayError):
     """The slice does not start where the table's committed progress ends."""
 
+    @classmethod
+    def at(cls, table: str, slice_range: SliceRange, committed_hi: int, then: str = "") -> SliceOutOfOrder:
+        """Why the slice cannot commit where the progress ends: a gap before it, or progress inside it."""
+        if committed_hi < slice_range.lo:
+            return cls(f"{table}: slice {slice_range} cannot commit yet: committed progress ends at {committed_hi}, "
+                       f"so the slice ({committed_hi}, {slice_range.lo}] must commit first{then}")
+        return cls(f"{table}: slice {slice_range} can never commit as cut: committed progress ends at {committed_hi}, "
+                   "inside it (a reset, or a racing cut); the sensor or the next `rowrelay backfill` deletes it and "
+                   f"cuts the range again from {committed_hi} once no run of the table is active")
+
 
 class PublisherFenced(RelayError):
     """A newer publisher took over this table's transactional id; this one must stop."""
@@ -939,9 +949,7 @@ class SlicePublisher:
                                         "", self.channel.topic)
             return PublishResult(record, already_committed=True, duration_s=time.monotonic() - started)
         if committed_hi != slice_range.lo:
-            raise SliceOutOfOrder(
-                f"{self.channel.table}: slice {slice_range} cannot commit yet: committed progress ends at "
-                f"{committed_hi}, so the slice ({committed_hi}, {slice_range.lo}] must commit first")
+            raise SliceOutOfOrder.at(self.channel.table, slice_range, committed_hi)
         attempt = 0
         while True:
             attempt += 1

@@ -213,9 +213,21 @@ def test_reset_inside_a_slice_keeps_the_part_below_as_a_partition(services, pg_d
     (record,) = dagster_instance.fetch_materializations(asset_key(table), limit=10).records[:1]
     assert record.asset_materialization.partition == SliceRange(0, 2).key
     assert record.asset_materialization.metadata["rowrelay/before_reset_of"].value == SliceRange(0, 5).key
+    assert record.asset_materialization.metadata["rowrelay/published_up_to"].value == 2
+    assert "published before rowrelay reset" in record.asset_materialization.description
     assert main(["--config", str(path), "backfill", "--table", table_id]) == 0  # rows 3-5 again, as asked
     assert _ids(services, table) == [1, 2, 3, 3, 4, 4, 5, 5]
     assert dagster_instance.get_dynamic_partitions(partitions) == [SliceRange(0, 2).key, SliceRange(2, 5).key]
+
+    # Forward, inside a partition cut but never published: its part below W is recorded as skipped, not published.
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(6, 10) g"))  # ids 6-10
+    assert Harness(cfg, dagster_instance).cut(table) == [SliceRange(5, 10).key]
+    assert main(["--config", str(path), "reset", "--table", table_id, "--after", "8", "--reason", "skip 6-8"]) == 0
+    (record,) = dagster_instance.fetch_materializations(asset_key(table), limit=10).records[:1]
+    assert record.asset_materialization.partition == SliceRange(5, 8).key
+    assert record.asset_materialization.metadata["rowrelay/published_up_to"].value == 5
+    assert "never sent: skipped by rowrelay reset" in record.asset_materialization.description
 
 
 def test_transaction_timeout_bounds_slice_size() -> None:

@@ -11,7 +11,14 @@ import pyarrow as pa
 import pytest
 
 from resources.config import ConfigError, parse_config, resolve_env
-from resources.exactly_once import MessageBatch, OutgoingMessage, ProgressRecord, SliceDigest, slice_checksum
+from resources.exactly_once import (
+    MessageBatch,
+    OutgoingMessage,
+    ProgressRecord,
+    SliceDigest,
+    SliceOutOfOrder,
+    slice_checksum,
+)
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
 
 
@@ -207,3 +214,12 @@ def test_message_batch_sizes_count_key_and_value_bytes() -> None:
     assert batch.sizes().tolist() == [5, 2, 0]
     assert batch.watermark_bounds() == (1, 3)
     assert list(batch.rows(1, 3)) == [(None, b"de", 2, b"2"), (b"", b"", 3, b"3")]
+
+
+def test_out_of_order_says_whether_a_slice_waits_or_can_never_commit() -> None:
+    """Progress inside a slice (after a reset) was reported as "the slice (250, 200] must commit first"."""
+    waits = str(SliceOutOfOrder.at("t", SliceRange(200, 400), 100))
+    assert "cannot commit yet" in waits and "(100, 200] must commit first" in waits
+    never = str(SliceOutOfOrder.at("t", SliceRange(200, 400), 250))
+    assert "can never commit as cut" in never and "again from 250" in never
+    assert "(250, 200]" not in never and "must commit first" not in never
