@@ -81,12 +81,6 @@ class TopicWatermarks:
     partitions: dict[int, list[int]] = field(default_factory=dict)
     replayed: int = 0
     other_messages: int = 0
-    # Where the comparison starts: `start_after`, or the newest baseline (start_after: latest) or `rowrelay reset`
-    # in the table's progress (rows at or below it are never sent); messages at or below a reset were sent before
-    # it and are left out too (`before_start`), while one at or below a baseline is still extra.
-    compared_from: int = 0
-    compared_from_record: str | None = None
-    before_start: int = 0
 
 
 def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0) -> TopicWatermarks:
