@@ -544,7 +544,8 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     record with the reason) and on the Dagster instance (an observation of the table's asset). Rows at or below W
     are then never sent again; rows above W are sent once, whatever the topic already holds. Partitions above W
     are deleted (they are cut again from W); one that straddles W (a slice or roll-up (lo, hi] with lo < W) keeps its
-    part below W as the partition (lo, W], materialized: those rows were published before the reset."""
+    part below W as the partition (lo, W], materialized: those rows were published before the reset, or, above the
+    old progress (a reset forward), skipped by it. Partitions at or below W are left as they are."""
     from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue, RunsFilter
 
     from assets.relay import asset_key, channel_for, partitions_for

@@ -815,8 +815,9 @@ def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, 
 def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
                                   ) -> int | None:
     """The highest `rowrelay.watermark` header among the table's committed messages in its data topic (other
-    tables may share the topic); None if it holds none. Reads headers only, each partition from its end
-    backwards in growing windows (per partition a table's watermarks only grow), up to the end at call time."""
+    tables may share the topic; `rowrelay replay` copies are not the table's publishing); None if it holds none.
+    Reads headers only, each partition from its end backwards in growing windows (per partition the watermarks
+    of a table's own messages only grow), up to the end at call time."""
     table = channel.table.encode()
     consumer = _consumer(kafka_conf)
     try:
@@ -834,9 +835,9 @@ def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChan
             window = 64
             while end > low:
                 start = max(low, end - window)
-                found = [int(dict(headers)["rowrelay.watermark"])
+                found = [int(dict(headers)[WATERMARK_HEADER])
                          for headers in (m.headers() or [] for m in _read_range(consumer, tp, start, end, timeout))
-                         if ("rowrelay.table", table) in headers and dict(headers).get("rowrelay.watermark")]
+                         if is_table_message(headers, table) and dict(headers).get(WATERMARK_HEADER)]
                 if found:
                     highest = max(found) if highest is None else max(highest, *found)
                     break

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, ConfigSource, NewTopic
 from sqlalchemy import text
 
@@ -218,6 +218,13 @@ def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, n
     message = str(caught.value)
     assert f"rowrelay reset --table {table} --after 3" in message, message
     assert "transactional_id_prefix" in message, message
+    # `rowrelay replay` copies of the table's first row at the end of the topic (more than the first window read
+    # backwards): still 3, the copies are not the table's publishing.
+    copies = Producer({"bootstrap.servers": services.kafka_bootstrap})
+    for _ in range(100):
+        copies.produce(name, b'{"id":1}', b"1", headers=[("rowrelay.table", table.encode()),
+                                                         ("rowrelay.watermark", b"1"), ("rowrelay.replay", b"r1")])
+    copies.flush(10)
     assert eo.table_messages_high_watermark(conf, renamed) == 3
     assert read_committed_progress(conf, renamed) is None
 

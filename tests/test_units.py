@@ -223,3 +223,16 @@ def test_out_of_order_says_whether_a_slice_waits_or_can_never_commit() -> None:
     never = str(SliceOutOfOrder.at("t", SliceRange(200, 400), 250))
     assert "can never commit as cut" in never and "again from 250" in never
     assert "(250, 200]" not in never and "must commit first" not in never
+
+
+def test_a_run_whose_slices_do_not_follow_each_other_says_so() -> None:
+    """Within a run, the slice before is the run's previous slice, not the committed progress the message named."""
+    from assets.relay import slices_to_publish
+    from resources.exactly_once import TableChannel
+
+    channel = TableChannel.for_table("s.p.t", "t")
+    assert slices_to_publish(channel, [SliceRange(5, 8), SliceRange(0, 5)], 0) == [SliceRange(0, 5), SliceRange(5, 8)]
+    with pytest.raises(SliceOutOfOrder, match=r"slices \(0, 5\] and \(3, 8\] do not follow each other"):
+        slices_to_publish(channel, [SliceRange(0, 5), SliceRange(3, 8)], 0)
+    with pytest.raises(SliceOutOfOrder, match=r"\(2, 3\] must commit first; the run retries"):
+        slices_to_publish(channel, [SliceRange(3, 8)], 2)
