@@ -5,7 +5,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dagster import ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
+from dagster import AssetMaterialization, ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
 from pydantic import Field
 
 from resources.config import resolve_env
@@ -76,7 +76,8 @@ class KafkaIOManager(ConfigurableIOManager):
         """Publish each pending slice in its own transaction, in watermark order, with one producer epoch.
 
         Each slice's materialization carries its own progress record (partition-scoped metadata). If slice k
-        fails, slices before it stay committed in Kafka and the retry starts at k.
+        fails, slices before it stay committed in Kafka (and are reported as materializations of their partitions)
+        and the retry starts at k.
         """
         if not isinstance(obj, TableSlices):
             raise TypeError(f"KafkaIOManager stores TableSlices outputs, got {type(obj).__name__}")
@@ -105,6 +106,7 @@ class KafkaIOManager(ConfigurableIOManager):
                     yield frame
 
             ahead = ReadAhead(frames_in_order(), self.chunk_rows, self.prefetch_chunks)
+            completed = False
             try:
                 publisher = self.publisher(obj.channel)
                 for slice_range in obj.pending:
@@ -143,6 +145,7 @@ class KafkaIOManager(ConfigurableIOManager):
                     records[slice_range.key] = (result, frame.expected_rows)
                     context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
                                      f"rows in {result.duration_s:.1f} s")
+                completed = True
             except BadRowError as exc:
                 # Retrying cannot help: the slice stays unpublished and later slices wait behind it.
                 self._mark_stopped(context, "bad_row")
@@ -161,6 +164,8 @@ class KafkaIOManager(ConfigurableIOManager):
                 ahead.close()
                 if publisher is not None:
                     publisher.close()
+                if not completed:
+                    self._record_committed_before_failure(context, obj, records)
         for key, (result, _) in records.items():
             metadata = self.slice_metadata(obj, result)
             if key in timings:
@@ -192,6 +197,24 @@ class KafkaIOManager(ConfigurableIOManager):
         return ProgressRecord(channel.table, rng.key, rng.lo, rng.hi, summary["rows"], summary["bytes"],
                               summary["checksum"], summary["topic"], offsets=summary["offsets"],
                               transactional_id=channel.transactional_id, committed_at=summary["last_committed_at"])
+
+    def _record_committed_before_failure(self, context: OutputContext, obj: TableSlices,
+                                         records: dict[str, tuple[PublishResult, int]]) -> None:
+        """A run that fails at slice k records no output, so slices it committed before k (in Kafka for good) would
+        have no materialization: their rows, offsets and checksum would not show until a roll-up. Reported here, as
+        materializations of their partitions outside the failing step (Dagster drops the events an IO manager logs
+        when `handle_output` raises)."""
+        step = context.step_context
+        for key, (result, _) in records.items():
+            if result.already_committed:
+                continue  # committed before this run: its own materialization exists
+            metadata = {**self.slice_metadata(obj, result), "rowrelay/run_failed_later": step.run_id}
+            try:
+                step.instance.report_runless_asset_event(AssetMaterialization(
+                    asset_key=context.asset_key, partition=key, metadata=metadata,
+                    description=f"slice {key} committed by run {step.run_id}, which failed at a later slice"))
+            except Exception as exc:  # noqa: BLE001 - the run's own failure is what must surface (storage down?)
+                context.log.warning(f"{obj.channel.table}: could not record committed slice {key}: {exc}")
 
     @staticmethod
     def _mark_stopped(context: OutputContext, reason: str) -> None:

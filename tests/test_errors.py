@@ -76,6 +76,36 @@ def test_null_watermarks_are_refused(services, pg_database, pg_engine, dagster_i
     _assert_nothing_published(h, services)
 
 
+def test_slices_a_failed_run_committed_before_its_failure_are_materialized(services, pg_database, pg_engine,
+                                                                           dagster_instance, spark, name) -> None:
+    """A run of two slices whose second holds a row the broker refuses: the first slice is committed in Kafka for
+    good, but the failed run recorded no materialization for it (rows, offsets, checksum), and the next run starts
+    at the second. It is now reported as a materialization of its partition, naming the run."""
+    from assets.relay import asset_key
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT CASE WHEN g = 15 THEN (SELECT string_agg(md5(random()::text),"
+                          " '') FROM generate_series(1, 60000)) ELSE 'ok' END FROM generate_series(1, 20) g"))
+    cfg = relay_config(services, {"src": pg_database},
+                       [{"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 10}],
+                       producer={"message.max.bytes": 5_000_000})
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    (both,) = h.cut(table)
+    assert both == f"{SliceRange(0, 10).key}...{SliceRange(10, 20).key}"
+    result = h.run(table, both, raise_on_error=False)
+    assert not result.success and "watermark 15" in failure_text(result)
+    assert h.progress(table).hi == 10
+    assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 10
+    records = dagster_instance.fetch_materializations(asset_key(table), limit=10).records
+    recorded = {r.asset_materialization.partition: r.asset_materialization.metadata for r in records}
+    assert set(recorded) == {SliceRange(0, 10).key}, recorded
+    metadata = recorded[SliceRange(0, 10).key]
+    assert metadata["rows"].value == 10 and metadata["rowrelay/run_failed_later"].value == result.run_id
+    assert metadata["checksum"].value == h.progress(table).checksum
+
+
 def test_row_larger_than_broker_limit_stops_slice_and_later_slices(services, pg_database, pg_engine,
                                                                   dagster_instance, spark, name) -> None:
     with pg_engine.begin() as conn:
