@@ -142,9 +142,10 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
 
     conf = kafka_conf(config)
     channel = channel_for(table, config.kafka.transactional_id_prefix)
-    progress = read_committed_progress(conf, channel)
+    history = read_progress_history(conf, channel)  # oldest first: the last record is the committed progress
+    progress = history[-1] if history else None
     start, start_record = table.start_after_watermark, None
-    for record in read_progress_history(conf, channel) if progress else []:  # oldest first: the newest one counts
+    for record in history:  # the newest baseline or reset counts
         if record.slice.startswith(("baseline-", "reset-")):
             start, start_record = record.hi, record.slice
     hi = progress.hi if progress else (start or 0)

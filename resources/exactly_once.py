@@ -285,7 +285,8 @@ class PublishResult:
         return self.progress.bytes / self.duration_s if self.duration_s > 0 and not self.already_committed else 0.0
 
 
-# The message contract's headers (README "Messages"), and the mark `rowrelay replay` adds to its copies.
+# The message contract's headers (README "Messages"; resources/native/produce_rows.c writes the same two, which
+# tests/test_arrow_produce.py checks byte for byte), and the mark `rowrelay replay` adds to its copies.
 TABLE_HEADER, WATERMARK_HEADER, REPLAY_HEADER = "rowrelay.table", "rowrelay.watermark", "rowrelay.replay"
 
 # A stage hook lets tests pause or crash the publisher at exact points of the protocol.
@@ -1114,7 +1115,7 @@ class SlicePublisher:
         # Per row only what is per row (each header costs about as much as the produce call itself): the table,
         # for topics that several tables share, and the row's watermark. Which slice a message belongs to is in
         # the progress record (its offsets); the slice's checksum is over the values themselves (SliceDigest).
-        table_pair = ("rowrelay.table", ch.table.encode())
+        table_pair = (TABLE_HEADER, ch.table.encode())
 
         # Set when librdkafka refuses to produce because the transaction already failed (_STATE): a message sent
         # earlier was refused (too large, say); the flush below asks the producer why (_transaction_failure).
@@ -1124,7 +1125,7 @@ class SlicePublisher:
             if refused:
                 return
             for key, value, wm, wm_text in rows:
-                headers = [table_pair, ("rowrelay.watermark", wm_text)]
+                headers = [table_pair, (WATERMARK_HEADER, wm_text)]
                 try:  # one C call per row, positional (keyword parsing cost 20 % of the loop):
                     # topic, value, key, partition (-1: the partitioner), on_delivery, callback, timestamp, headers
                     produce(topic, value, key, -1, report, None, 0, headers)

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from resources.config import resolve_env
 from resources.exactly_once import (
+    WATERMARK_HEADER,
     BadRowError,
     MessageBatch,
     ProducerSettingsError,
@@ -272,6 +273,6 @@ class KafkaIOManager(ConfigurableIOManager):
                     rows.append({"slice": key, "partition": msg.partition(), "offset": msg.offset(),
                                  "key": msg.key().decode() if msg.key() is not None else None,
                                  "value": msg.value().decode(),
-                                 "watermark": int(headers["rowrelay.watermark"])})
+                                 "watermark": int(headers[WATERMARK_HEADER])})
         frame = pd.DataFrame(rows, columns=["slice", "partition", "offset", "key", "value", "watermark"])
         return self.spark.get_session().createDataFrame(frame)

@@ -76,6 +76,25 @@ def test_null_watermarks_are_refused(services, pg_database, pg_engine, dagster_i
     _assert_nothing_published(h, services)
 
 
+def _two_slices_with_an_oversized_row(services, pg_database, pg_engine, dagster_instance, name: str, at: int
+                                     ) -> tuple[Harness, str]:
+    """Ids 1-20 in two 10-row slices cut as one run (the backlog), id `at` a ~2 MB row: the producer would accept
+    5 MB, the broker's default message.max.bytes (1 MB) refuses it."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        # Random hex: lz4 cannot shrink it below the broker's limit (the limit applies to compressed batches).
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT CASE WHEN g = {at} THEN (SELECT string_agg("
+                          "md5(random()::text), '') FROM generate_series(1, 60000)) ELSE 'ok' END "
+                          "FROM generate_series(1, 20) g"))
+    cfg = relay_config(services, {"src": pg_database},
+                       [{"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 10}],
+                       producer={"message.max.bytes": 5_000_000})
+    h = Harness(cfg, dagster_instance)
+    (both,) = h.cut(h.table())
+    assert both == f"{SliceRange(0, 10).key}...{SliceRange(10, 20).key}"
+    return h, both
+
+
 def test_slices_a_failed_run_committed_before_its_failure_are_materialized(services, pg_database, pg_engine,
                                                                            dagster_instance, spark, name) -> None:
     """A run of two slices whose second holds a row the broker refuses: the first slice is committed in Kafka for
@@ -83,17 +102,8 @@ def test_slices_a_failed_run_committed_before_its_failure_are_materialized(servi
     at the second. It is now reported as a materialization of its partition, naming the run."""
     from assets.relay import asset_key
 
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
-        conn.execute(text(f"INSERT INTO {name} (v) SELECT CASE WHEN g = 15 THEN (SELECT string_agg(md5(random()::text),"
-                          " '') FROM generate_series(1, 60000)) ELSE 'ok' END FROM generate_series(1, 20) g"))
-    cfg = relay_config(services, {"src": pg_database},
-                       [{"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 10}],
-                       producer={"message.max.bytes": 5_000_000})
-    h = Harness(cfg, dagster_instance)
+    h, both = _two_slices_with_an_oversized_row(services, pg_database, pg_engine, dagster_instance, name, at=15)
     table = h.table()
-    (both,) = h.cut(table)
-    assert both == f"{SliceRange(0, 10).key}...{SliceRange(10, 20).key}"
     result = h.run(table, both, raise_on_error=False)
     assert not result.success and "watermark 15" in failure_text(result)
     assert h.progress(table).hi == 10
@@ -108,18 +118,7 @@ def test_slices_a_failed_run_committed_before_its_failure_are_materialized(servi
 
 def test_row_larger_than_broker_limit_stops_slice_and_later_slices(services, pg_database, pg_engine,
                                                                   dagster_instance, spark, name) -> None:
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
-        # Random hex: lz4 cannot shrink it below the broker's limit (the limit applies to compressed batches).
-        conn.execute(text(f"INSERT INTO {name} (v) SELECT CASE WHEN g = 7 THEN (SELECT string_agg(md5(random()::text),"
-                          " '') FROM generate_series(1, 60000)) ELSE 'ok' END FROM generate_series(1, 20) g"))
-    # The producer would accept 5 MB; the broker's default message.max.bytes (1 MB) refuses the row.
-    cfg = relay_config(services, {"src": pg_database},
-                       [{"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 10}],
-                       producer={"message.max.bytes": 5_000_000})
-    h = Harness(cfg, dagster_instance)
-    (both,) = h.cut(h.table())  # the backlog: one run for both slices
-    assert both == f"{SliceRange(0, 10).key}...{SliceRange(10, 20).key}"
+    h, both = _two_slices_with_an_oversized_row(services, pg_database, pg_engine, dagster_instance, name, at=7)
     first = h.run(h.table(), both, raise_on_error=False)
     assert not first.success
     text_ = failure_text(first)
