@@ -194,6 +194,25 @@ def test_a_slice_read_back_is_its_own_messages_in_a_shared_partition(services, n
     assert {dict(m.headers())["rowrelay.table"] for m in read} == {first.table.encode()}
 
 
+def test_progress_is_found_behind_a_tail_of_aborted_transactions(services, name) -> None:
+    """The last progress record is read back from the topic's end in growing windows through one consumer. Behind
+    a tail of aborted transactions (no committed record in the first window) the next, lower window came back
+    empty: re-assigned at once, librdkafka still reported the end of the last read as the consumer's position.
+    The table's progress then read as empty (and the table's highest watermark as None, likewise)."""
+    conf = _conf(services)
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    record = eo.publish_slice(channel, conf, SliceRange(0, 3), _rows(0, 3)).progress
+    aborting = Producer({"bootstrap.servers": services.kafka_bootstrap, "transactional.id": f"abort-{name}"})
+    aborting.init_transactions(30)
+    for _ in range(6):  # each: an aborted record and its marker, 12 offsets in all
+        aborting.begin_transaction()
+        aborting.produce(channel.progress_topic, record.to_json(), b"aborted")
+        aborting.flush(10)
+        aborting.abort_transaction(30)
+    for _ in range(5):  # a new consumer each time: the stale position showed 8 times in 10
+        assert read_committed_progress(conf, channel) == record
+
+
 def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, name) -> None:
     conf = _conf(services)
     table = f"edge.public.{name}"
