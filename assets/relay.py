@@ -36,7 +36,7 @@ from resources.exactly_once import (
 )
 from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
-from resources.slices import SliceRange
+from resources.slices import SliceRange, watermark_text
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape, schema_change
 from resources.spark import SparkResource
 
@@ -284,7 +284,8 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         timings["table_check_s"] = time.monotonic() - step
         result.timings = timings
         if not result.pending:
-            context.log.info(f"{len(slices)} slice(s) already committed (progress at {committed_hi}); nothing to read")
+            at = watermark_text(committed_hi, slices[0].timestamps)
+            context.log.info(f"{len(slices)} slice(s) already committed (progress at {at}); nothing to read")
         return result
 
     return relay_table

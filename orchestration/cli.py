@@ -36,7 +36,7 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import read_committed_progress, read_progress_history  # noqa: E402
-from resources.slices import micros_text, parse_watermark  # noqa: E402
+from resources.slices import is_timestamp_key, micros_text, parse_watermark, watermark_text  # noqa: E402
 
 
 @dataclass
@@ -61,6 +61,12 @@ class VerifyReport:
     compared_from_record: str | None = None
     before_start: int = 0
     examples: dict[str, list[int]] = field(default_factory=dict)
+    # integer, or timestamp / timestamptz: the watermarks above are then microseconds since 1970 UTC, and the text
+    # report shows them as UTC times (as keys, `rowrelay status` and the CLI's arguments do).
+    watermark_kind: str = "integer"
+
+    def text(self, value: int | None) -> str:
+        return "nothing" if value is None else watermark_text(value, self.watermark_kind != "integer")
 
     @property
     def ok(self) -> bool:
@@ -124,14 +130,17 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
     return out
 
 
-def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None, upto: int) -> Counter[int]:
+def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None,
+                      upto: int) -> tuple[Counter[int], str]:
+    """The source's rows in (start, upto] counted per watermark, and the watermark's kind."""
     from assets.relay import table_shape
     from resources.source_database import SourceDatabaseResource
 
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
-        return Counter(source.iter_watermarks(table_shape(source, table), start, upto,
-                                              skip=table.skip_watermark_values))
+        shape = table_shape(source, table)
+        return Counter(source.iter_watermarks(shape, start, upto, skip=table.skip_watermark_values)), \
+            shape.watermark_kind
     finally:
         source.dispose()
 
@@ -151,7 +160,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     hi = progress.hi if progress else (start or 0)
     report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None,
                           compared_from=start or 0, compared_from_record=start_record)
-    source = source_watermarks(config, table, start, hi)
+    source, report.watermark_kind = source_watermarks(config, table, start, hi)
     reading = topic_watermarks(conf, table.topic_name, channel.table)
     report.replayed, report.other_messages = reading.replayed, reading.other_messages
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
@@ -194,17 +203,18 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
         print(json.dumps([{**asdict(r), "ok": r.ok} for r in reports], indent=2))
     else:
         for r in reports:
-            print(f"{r.table} -> {r.topic}: committed up to {r.committed_hi}, {r.source_rows} source rows, "
+            print(f"{r.table} -> {r.topic}: committed up to {r.text(r.committed_hi)}, {r.source_rows} source rows, "
                   f"{r.messages} messages; duplicates {r.duplicates}, missing {r.missing}, extra {r.extra}, "
                   f"order violations {r.order_violations} [{'OK' if r.ok else 'FAIL'}]")
             if r.compared_from_record:
-                print(f"  compared from {r.compared_from} ({r.compared_from_record}); {r.before_start} messages at or "
-                      "below it left out")
+                print(f"  compared from {r.text(r.compared_from)} ({r.compared_from_record}); {r.before_start} "
+                      "messages at or below it left out")
             if r.replayed or r.other_messages:
                 print(f"  left out: {r.replayed} replayed copies, {r.other_messages} messages of other tables or "
                       "producers")
             for kind, values in r.examples.items():
-                print(f"  {kind}: e.g. watermarks {values}")
+                shown = values if r.watermark_kind == "integer" else ", ".join(map(r.text, values))
+                print(f"  {kind}: e.g. watermarks {shown}")
     return 0 if all(r.ok for r in reports) else 1
 
 
@@ -370,7 +380,8 @@ class BackfillProgress:
         elapsed = time.monotonic() - self.started
         rate = self.rows / max(elapsed, 1e-3)
         eta = (self.total_rows - self.rows) / rate if rate > 0 else float("nan")
-        print(f"{self.table_id}: committed up to {self.seen_hi}: {fields['slices']} slices, {fields['rows']} rows "
+        upto = watermark_text(self.seen_hi, bool(self.slices) and self.slices[0].timestamps)
+        print(f"{self.table_id}: committed up to {upto}: {fields['slices']} slices, {fields['rows']} rows "
               f"({100 * self.rows / self.total_rows:.0f}%), {fields['rate']} rows/s, ETA {eta:.0f} s", flush=True)
 
 
@@ -505,11 +516,11 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             instance.delete_dynamic_partition(partitions.name, orphan.key)
         if plan.delete:
             print(f"{table.table_id}: deleted partitions {[s.key for s in plan.delete]}: they do not continue Kafka's "
-                  f"progress ({plan.committed_hi}) and could never commit", flush=True)
+                  f"progress ({plan.text(plan.committed_hi)}) and could never commit", flush=True)
         if plan.add:
             instance.add_dynamic_partitions(partitions.name, [s.key for s in plan.add])
         todo = plan.chain
-        print(f"{table.table_id}: committed up to {plan.committed_hi}; {len(plan.add)} new slice(s) cut; "
+        print(f"{table.table_id}: committed up to {plan.text(plan.committed_hi)}; {len(plan.add)} new slice(s) cut; "
               f"{len(todo)} slice(s) to publish" + (f" ({plan.waiting})" if plan.waiting else ""), flush=True)
         if args.dry_run or not todo:
             return 0
@@ -572,6 +583,12 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
             publisher.close()
         partitions = partitions_for(table)
         keys = instance.get_dynamic_partitions(partitions.name)
+        # A timestamp watermark's slices have times as keys: the texts below then name times, as --after takes them.
+        timestamps = any(map(is_timestamp_key, keys)) or (before is not None and is_timestamp_key(before.slice))
+
+        def text(value: int) -> str:
+            return watermark_text(value, timestamps)
+
         dropped = [k for k in keys if SliceRange.from_key(k).hi > args.after]
         for key in dropped:
             instance.delete_dynamic_partition(partitions.name, key)
@@ -582,22 +599,23 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
                 # Its rows up to the old progress were published; above it a reset forward skipped them.
                 sent_to = min(max(before.hi if before else channel.start_after, cut.lo), args.after)
                 if sent_to == args.after:
-                    what = f"published before rowrelay reset after {args.after}"
+                    what = f"published before rowrelay reset after {text(args.after)}"
                 elif sent_to == cut.lo:
-                    what = f"never sent: skipped by rowrelay reset after {args.after}"
+                    what = f"never sent: skipped by rowrelay reset after {text(args.after)}"
                 else:
-                    what = f"published up to {sent_to} before rowrelay reset after {args.after}, the rest skipped"
+                    what = (f"published up to {text(sent_to)} before rowrelay reset after {text(args.after)}, the rest "
+                            "skipped")
                 instance.report_runless_asset_event(AssetMaterialization(
                     asset_key=asset_key(table), partition=below.key, description=f"rows {below} of {cut.key}, {what}",
                     metadata={"rowrelay/before_reset_of": key, "rowrelay/published_up_to": sent_to,
                               "reason": args.reason}))
         instance.report_runless_asset_event(AssetObservation(
-            asset_key=asset_key(table), description=f"rowrelay reset: new baseline after watermark {args.after}",
+            asset_key=asset_key(table), description=f"rowrelay reset: new baseline after watermark {text(args.after)}",
             metadata={"rowrelay/reset_after": args.after, "reason": args.reason,
                       "previous_progress": before.hi if before else MetadataValue.null(),
                       "partitions_deleted": len(dropped), "committed_at": record.committed_at}))
-    print(f"{table.table_id}: progress reset to {args.after} (was {before.hi if before else 'empty'}); "
-          f"{len(dropped)} partition(s) above it deleted; rows after {args.after} will be sent", flush=True)
+    print(f"{table.table_id}: progress reset to {text(args.after)} (was {text(before.hi) if before else 'empty'}); "
+          f"{len(dropped)} partition(s) above it deleted; rows after {text(args.after)} will be sent", flush=True)
     return 0
 
 
@@ -606,26 +624,33 @@ class ReplayError(ValueError):
 
 
 def replay_records(history: list[Any], committed_hi: int | None, table_id: str, lo: int, hi: int) -> list[Any]:
-    """The committed slices' progress records that exactly cover (lo, hi], in order, or a ReplayError."""
+    """The committed slices' progress records that exactly cover (lo, hi], in order, or a ReplayError. For a
+    timestamp watermark (the slices' keys are times) the errors name UTC times, as --from and --to take them."""
     slices = {(r.lo, r.hi): r for r in history if r.hi > r.lo}  # resets (lo == hi) carry no messages
+    timestamps = any(is_timestamp_key(r.slice) for r in slices.values())
+
+    def text(value: int) -> str:
+        return watermark_text(value, timestamps)
+
     if hi <= lo:
-        raise ReplayError(f"--to ({hi}) must be greater than --from ({lo})")
+        raise ReplayError(f"--to ({text(hi)}) must be greater than --from ({text(lo)})")
     if committed_hi is None or hi > committed_hi:
-        raise ReplayError(f"{table_id}: range ({lo}, {hi}] is not fully committed: committed progress ends at "
-                          f"{committed_hi if committed_hi is not None else 'nothing yet'}")
+        raise ReplayError(f"{table_id}: range ({text(lo)}, {text(hi)}] is not fully committed: committed progress "
+                          f"ends at {text(committed_hi) if committed_hi is not None else 'nothing yet'}")
     los, his = sorted({a for a, _ in slices}), sorted({b for _, b in slices})
-    bad = ([f"--from {lo} is"] if lo not in los else []) + ([f"--to {hi} is"] if hi not in his else [])
+    bad = ([f"--from {text(lo)} is"] if lo not in los else []) + ([f"--to {text(hi)} is"] if hi not in his else [])
     if bad:
-        def near(values: list[int], v: int) -> list[int]:
-            return sorted(values, key=lambda x: abs(x - v))[:5]
+        def near(values: list[int], v: int) -> str:
+            return ", ".join(map(text, sorted(sorted(values, key=lambda x: abs(x - v))[:5])))
         raise ReplayError(f"{table_id}: {' and '.join(bad)} not a slice bound; slice lower bounds near it: "
-                          f"{sorted(near(los, lo))}, upper bounds near it: {sorted(near(his, hi))}")
+                          f"[{near(los, lo)}], upper bounds near it: [{near(his, hi)}]")
     chain, at = [], lo
     while at < hi:
         nxt = [r for (a, b), r in slices.items() if a == at and b <= hi]
         if not nxt:
-            raise ReplayError(f"{table_id}: no committed slice starts at {at} within ({lo}, {hi}] (progress records "
-                              "compacted away or a reset in between); pick bounds inside one run of slices")
+            raise ReplayError(f"{table_id}: no committed slice starts at {text(at)} within ({text(lo)}, {text(hi)}] "
+                              "(progress records compacted away or a reset in between); pick bounds inside one run "
+                              "of slices")
         record = max(nxt, key=lambda r: r.hi)
         chain.append(record)
         at = record.hi
@@ -707,16 +732,17 @@ def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
         except (ReplayError, RelayError) as exc:
             print(f"rowrelay: {exc}", file=sys.stderr)
             return 1
+        timestamps = any(map(is_timestamp_key, done["slices"]))
+        span = f"({watermark_text(args.from_, timestamps)}, {watermark_text(args.to, timestamps)}]"
         instance.report_runless_asset_event(AssetObservation(
             asset_key=asset_key(table),
-            description=f"rowrelay replay {done['replay_id']}: ({args.from_}, {args.to}] republished to "
-                        f"{done['topic']}",
+            description=f"rowrelay replay {done['replay_id']}: {span} republished to {done['topic']}",
             metadata={"rowrelay/replay_id": done["replay_id"], "from": args.from_, "to": args.to,
                       "rows": done["rows"], "topic": done["topic"], "slices": len(done["slices"])}))
     if args.json:
         print(json.dumps(done, indent=2))
     else:
-        print(f"{table.table_id}: replayed ({args.from_}, {args.to}] = {len(done['slices'])} slice(s), "
+        print(f"{table.table_id}: replayed {span} = {len(done['slices'])} slice(s), "
               f"{done['rows']} messages to {done['topic']} with header rowrelay.replay={done['replay_id']}; "
               "progress unchanged", flush=True)
     return 0
@@ -772,7 +798,7 @@ def cmd_schema(config: RelayConfig, args: argparse.Namespace) -> int:
         publisher.close()
     change = schema_change(before, shape.schema_columns).describe() or "no change"
     print(f"{table.table_id}: columns accepted ({change}); fingerprint {record.schema_fingerprint}; progress stays "
-          f"at {record.hi}", flush=True)
+          f"at {shape.watermark_text(record.hi)}", flush=True)
     return 0
 
 

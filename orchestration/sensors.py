@@ -48,7 +48,7 @@ from resources.exactly_once import (
     transaction_timeout_ms,
 )
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
-from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle
+from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle, watermark_text
 from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, TableShape
 
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
@@ -221,6 +221,10 @@ class CutPlan:
     chain: list[SliceRange]
     state: SensorState
     waiting: str | None = None  # why nothing could be cut yet (e.g. a baseline waits for open transactions)
+    timestamps: bool = False  # a timestamp watermark: messages name its values as UTC times
+
+    def text(self, value: int) -> str:
+        return watermark_text(value, self.timestamps)
 
 
 def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transaction_timeout_ms: int) -> int:
@@ -288,7 +292,7 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     if progress is None and table.start_after == "latest" and not slices:
         progress, state = latest_baseline(source, shape, table, channel, conf, state)
         if progress is None:
-            return CutPlan(channel.start_after, [], [], [], state,
+            return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
     committed_hi = progress.hi if progress else channel.start_after
     if progress is None and not slices:
@@ -306,9 +310,9 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
                             state.waiting_since)
         delete, chain, frontier = delete + chain, [], committed_hi
     if chain and not cut_while_pending:
-        return CutPlan(committed_hi, delete, [], chain, state)
+        return CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps)
     tick = plan_tick(source, table, frontier, state, limit=limit, max_rows=max_rows)
-    return CutPlan(committed_hi, delete, tick.slices, chain + tick.slices, tick.state)
+    return CutPlan(committed_hi, delete, tick.slices, chain + tick.slices, tick.state, timestamps=shape.timestamps)
 
 
 def run_slices(tags: dict[str, str]) -> tuple[SliceRange, SliceRange] | None:
@@ -390,7 +394,8 @@ def cancel_committed_runs(context: SensorEvaluationContext, job_name: str, commi
         if span is None or "dagster/sensor_name" not in run.tags or "dagster/backfill" in run.tags:
             continue
         if span[1].hi <= committed_hi:
-            context.instance.report_run_canceled(run, f"slices up to {committed_hi} are already committed in Kafka; "
+            upto = watermark_text(committed_hi, span[1].timestamps)
+            context.instance.report_run_canceled(run, f"slices up to {upto} are already committed in Kafka; "
                                                       "canceled by the table's sensor (nothing to publish)")
             canceled.append(run.run_id)
     return canceled
@@ -539,7 +544,8 @@ def tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: s
     if chain and not resplit:
         # Slices cut earlier are not committed yet (a retry about to be queued, a slice stopped by bad
         # input): new slices would only fail "out of order" behind them.
-        return skip(f"{table.table_id}: slices after {committed_hi} are not committed yet; waiting for "
+        return skip(f"{table.table_id}: slices after {watermark_text(committed_hi, chain[0].timestamps)} are not "
+                    "committed yet; waiting for "
                     "their runs (or a resume)")
     keys = stored if stored is not None else [s.key for s in chain]
     try:
@@ -558,7 +564,7 @@ def tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: s
         return skip(str(exc))
     if plan.delete:
         context.log.warning(f"{table.table_id}: partitions {[s.key for s in plan.delete]} do not continue Kafka's "
-                            f"progress ({plan.committed_hi}) and can never commit: deleted, range cut again")
+                            f"progress ({plan.text(plan.committed_hi)}) and can never commit: deleted, range cut again")
     requests = batched_requests(plan.add, table.max_slices_per_run, job_label=job_label)
     partition_requests: list[Any] = []
     if plan.delete:

@@ -44,7 +44,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from resources.arrow_produce import RowProducer
-from resources.slices import SliceRange, is_timestamp_key
+from resources.slices import SliceRange, is_timestamp_key, watermark_text
 
 _log = logging.getLogger(__name__)
 
@@ -59,12 +59,14 @@ class SliceOutOfOrder(RelayError):
     @classmethod
     def at(cls, table: str, slice_range: SliceRange, committed_hi: int, then: str = "") -> SliceOutOfOrder:
         """Why the slice cannot commit where the progress ends: a gap before it, or progress inside it."""
+        at = watermark_text(committed_hi, slice_range.timestamps)
         if committed_hi < slice_range.lo:
-            return cls(f"{table}: slice {slice_range} cannot commit yet: committed progress ends at {committed_hi}, "
-                       f"so the slice ({committed_hi}, {slice_range.lo}] must commit first{then}")
-        return cls(f"{table}: slice {slice_range} can never commit as cut: committed progress ends at {committed_hi}, "
+            return cls(f"{table}: slice {slice_range} cannot commit yet: committed progress ends at {at}, "
+                       f"so the slice ({at}, {watermark_text(slice_range.lo, slice_range.timestamps)}] must commit "
+                       f"first{then}")
+        return cls(f"{table}: slice {slice_range} can never commit as cut: committed progress ends at {at}, "
                    "inside it (a reset, or a racing cut); the sensor or the next `rowrelay backfill` deletes it and "
-                   f"cuts the range again from {committed_hi} once no run of the table is active")
+                   f"cuts the range again from {at} once no run of the table is active")
 
 
 class PublisherFenced(RelayError):

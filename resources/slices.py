@@ -33,6 +33,11 @@ def micros_text(micros: int) -> str:
     return micros_to_datetime(micros).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def watermark_text(value: int, timestamps: bool) -> str:
+    """A watermark as a user reads and writes it: the integer, or the UTC time a timestamp watermark stands for."""
+    return micros_text(value) if timestamps else str(value)
+
+
 def parse_watermark(text: str) -> int:
     """A watermark as a user writes it (CLI, runbook): an integer, or for a timestamp watermark an ISO-8601 time
     (2026-11-23T07:00:00Z; a time without an offset is read as UTC)."""

@@ -21,7 +21,7 @@ from sqlalchemy.exc import NoSuchTableError
 
 from resources.config import resolve_env
 from resources.jdbc import UrlParameterError, jdbc_options
-from resources.slices import WatermarkCandidate, datetime_to_micros, micros_text, micros_to_datetime
+from resources.slices import WatermarkCandidate, datetime_to_micros, micros_to_datetime, watermark_text
 
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
 SUPPORTED_TYPES: tuple[type, ...] = (
@@ -171,7 +171,7 @@ class TableShape:
 
     def watermark_text(self, value: int) -> str:
         """For error messages: the value, or the time a timestamp watermark stands for (as in keys and the CLI)."""
-        return micros_text(value) if self.timestamps else str(value)
+        return watermark_text(value, self.timestamps)
 
     @property
     def column_names(self) -> list[str]:

@@ -3,6 +3,7 @@ equal timestamps and commits out of timestamp order, on PostgreSQL and MariaDB."
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -102,6 +103,38 @@ def test_rollups_of_time_keys_are_time_keys() -> None:
     assert rollup.range.key == f"{micros_text(day)}_{micros_text(day + 3)}" and TIME_KEY.match(rollup.range.key)
 
 
+def test_messages_about_a_timestamp_watermark_name_times() -> None:
+    """Errors and reports name a timestamp watermark's values as the UTC times users pass to the CLI, not as the
+    microseconds rowrelay carries."""
+    from orchestration.cli import ReplayError, replay_records
+    from resources.exactly_once import SliceOutOfOrder
+
+    day = datetime_to_micros(datetime(2026, 11, 20, tzinfo=UTC))
+    late = SliceRange(day + 10, day + 20, timestamps=True)
+    gap = str(SliceOutOfOrder.at("t", late, day))
+    assert f"committed progress ends at {micros_text(day)}" in gap and str(day) not in gap
+    assert f"({micros_text(day)}, {micros_text(day + 10)}] must commit first" in gap
+    inside = str(SliceOutOfOrder.at("t", late, day + 15))
+    assert f"cuts the range again from {micros_text(day + 15)}" in inside and str(day + 15) not in inside
+
+    ranges = [SliceRange(day + i * 10, day + (i + 1) * 10, timestamps=True) for i in range(3)]
+    history = [ProgressRecord("t", r.key, r.lo, r.hi, 1, 1, "c", "topic", {"0": [i, i]}) for i, r in enumerate(ranges)]
+    assert [r.slice for r in replay_records(history, day + 30, "t", day + 10, day + 30)] == [r.key for r in ranges[1:]]
+    for lo, hi, expected in [
+        (day + 5, day + 30, f"--from {micros_text(day + 5)} is not a slice bound; slice lower bounds near it: "
+                            f"[{micros_text(day)}, {micros_text(day + 10)}, {micros_text(day + 20)}]"),
+        (day, day + 40, f"range ({micros_text(day)}, {micros_text(day + 40)}] is not fully committed: committed "
+                        f"progress ends at {micros_text(day + 30)}"),
+    ]:
+        with pytest.raises(ReplayError) as caught:
+            replay_records(history, day + 30, "t", lo, hi)
+        assert expected in str(caught.value) and str(day) not in str(caught.value), str(caught.value)
+    # An integer watermark's values stay integers.
+    numbers = [ProgressRecord("t", SliceRange(0, 10).key, 0, 10, 1, 1, "c", "topic", {"0": [0, 0]})]
+    with pytest.raises(ReplayError, match=r"--from 5 is not a slice bound; slice lower bounds near it: \[0\]"):
+        replay_records(numbers, 10, "t", 5, 10)
+
+
 # -- on the real stack -----------------------------------------------------------------------------------------------
 
 def _ordered(messages, ts_field: str = "created_at") -> list[tuple[str, int]]:
@@ -199,6 +232,39 @@ def test_postgres_open_transaction_holds_the_cut(services, pg_database, pg_engin
     monkeypatch.setenv("DAGSTER_HOME", dagster_instance.root_directory)
     assert main(["--config", str(h.config_file()), "status"]) == 0
     assert micros_text(h.progress(table).hi) in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_cli_reports_a_timestamp_watermark_as_times(services, pg_database, pg_engine, dagster_instance, spark, name,
+                                                    monkeypatch, capsys) -> None:
+    """`rowrelay backfill`, `verify` and `reset` on a timestamp watermark print its values as UTC times."""
+    from orchestration.cli import main
+
+    h, _ = _relayed_time_table(services, pg_database, pg_engine, dagster_instance, name, "NOT NULL", rows=3)
+    table = h.table()
+    hi = h.progress(table).hi
+    config_file = str(h.config_file())
+    monkeypatch.setenv("DAGSTER_HOME", dagster_instance.root_directory)
+    capsys.readouterr()
+    assert main(["--config", config_file, "backfill", "--table", table.table_id, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"committed up to {micros_text(hi)}; 0 new slice(s) cut" in out and str(hi) not in out, out
+    assert main(["--config", config_file, "verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"committed up to {micros_text(hi)}, 3 source rows, 3 messages" in out and str(hi) not in out, out
+    # A reset back by a microsecond: the three rows (one time, one transaction's now()) are above it again.
+    back = micros_text(hi - 1)
+    assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", back]) == 0
+    out = capsys.readouterr().out
+    assert f"progress reset to {back} (was {micros_text(hi)})" in out and f"rows after {back} will be sent" in out
+    assert str(hi - 1) not in out and str(hi) not in out, out
+    # Before they are sent again, verify compares from the reset and reports the three as extra, by their time.
+    assert main(["--config", config_file, "verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"compared from {back} (reset-" in out and f"extra: e.g. watermarks {micros_text(hi)}" in out, out
+    assert main(["--config", config_file, "verify", "--json"]) == 1  # scripts keep the integers, and the kind
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["committed_hi"] == hi - 1 and report["watermark_kind"] == "timestamptz", report
 
 
 @pytest.mark.integration
