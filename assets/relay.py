@@ -5,12 +5,14 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from dagster import (
+    AssetCheckEvaluation,
     AssetCheckExecutionContext,
     AssetCheckResult,
     AssetChecksDefinition,
@@ -22,8 +24,11 @@ from dagster import (
     BackfillPolicy,
     DynamicPartitionsDefinition,
     Failure,
+    HookContext,
+    HookDefinition,
     asset,
     asset_check,
+    failure_hook,
 )
 
 from resources.config import TableConfig
@@ -34,7 +39,7 @@ from resources.exactly_once import (
     read_committed_progress,
     tiles_by_range,
 )
-from resources.kafka_io_manager import STOPPED_TAG, channel_metadata
+from resources.kafka_io_manager import COMMITTED_BEFORE_FAILURE_TAG, STOPPED_TAG, channel_metadata
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange, watermark_text
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape, schema_change
@@ -288,7 +293,8 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
             context.log.info(f"{len(slices)} slice(s) already committed (progress at {at}); nothing to read")
         return result
 
-    return relay_table
+    # A run that fails at a later slice skips its checks: the hook checks the slices it committed before.
+    return relay_table.with_hooks({build_parity_after_failure_hook(table, transactional_id_prefix)})
 
 
 # -- asset checks: slice parity and lag ---------------------------------------------------------------------------
@@ -376,6 +382,46 @@ def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_co
             if mat is not None and mat.partition and value is not None and value.value:
                 checksums[mat.partition] = str(value.value)
     return parity_result(table, source, records, checksums)
+
+
+def committed_before_failure(tags: Mapping[str, str], partition_keys: list[str]) -> list[str]:
+    """The slices a failed run committed before its failure (its COMMITTED_BEFORE_FAILURE_TAG, `first...last`),
+    among the table's partition keys, in watermark order; none when it committed nothing."""
+    span = tags.get(COMMITTED_BEFORE_FAILURE_TAG)
+    if not span:
+        return []
+    first, last = (SliceRange.from_key(k) for k in span.split("..."))
+    within = [r for r in map(SliceRange.from_key, partition_keys) if first.lo <= r.lo and r.hi <= last.hi]
+    return [r.key for r in sorted(within)]
+
+
+def build_parity_after_failure_hook(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> HookDefinition:
+    """slice_parity of the slices a failed run committed before the slice it failed at (Dagster skips the checks
+    of a failed step), reported as a runless evaluation naming the run."""
+    source_key = source_resource_key(table.source)
+
+    @failure_hook(name=f"{table.dagster_name}_parity_after_failure",
+                  required_resource_keys={source_key, "kafka_io_manager"})
+    def parity_after_failure(context: HookContext) -> None:
+        run = context.instance.get_run_by_id(context.run_id)
+        keys = committed_before_failure(run.tags if run else {},
+                                        context.instance.get_dynamic_partitions(partitions_for(table).name))
+        if not keys:
+            return
+        try:
+            result = evaluate_parity(table, getattr(context.resources, source_key),
+                                     context.resources.kafka_io_manager.kafka_conf(), context.instance, keys,
+                                     transactional_id_prefix)
+        except Exception as exc:  # noqa: BLE001 - reported as the check's outcome
+            result = _unevaluated(PARITY_CHECK, exc)
+        context.instance.report_runless_asset_event(AssetCheckEvaluation(
+            asset_key=asset_key(table), check_name=PARITY_CHECK, passed=result.passed,
+            severity=result.severity or AssetCheckSeverity.ERROR,
+            description=result.description or f"{table.table_id}: {len(keys)} slice(s) committed by run "
+                                              f"{context.run_id} before it failed at a later slice",
+            metadata={**result.metadata, "rowrelay/run_failed_later": context.run_id}))
+
+    return parity_after_failure
 
 
 def _unevaluated(check_name: str, exc: Exception) -> AssetCheckResult:

@@ -114,6 +114,17 @@ def test_slices_a_failed_run_committed_before_its_failure_are_materialized(servi
     metadata = recorded[SliceRange(0, 10).key]
     assert metadata["rows"].value == 10 and metadata["rowrelay/run_failed_later"].value == result.run_id
     assert metadata["checksum"].value == h.progress(table).checksum
+    # Dagster skipped the run's checks (its step failed); the asset's failure hook checked the committed slice.
+    from dagster import AssetCheckKey
+
+    from assets.relay import PARITY_CHECK
+
+    assert dagster_instance.get_run_by_id(result.run_id).tags["rowrelay/committed_before_failure"] == \
+        f"{SliceRange(0, 10).key}...{SliceRange(0, 10).key}"
+    check = dagster_instance.get_latest_asset_check_evaluation_record(AssetCheckKey(asset_key(table), PARITY_CHECK))
+    assert check is not None and check.evaluation.passed, check
+    assert check.evaluation.metadata["slices"].value == SliceRange(0, 10).key
+    assert check.evaluation.metadata["rowrelay/run_failed_later"].value == result.run_id
 
 
 def test_row_larger_than_broker_limit_stops_slice_and_later_slices(services, pg_database, pg_engine,

@@ -236,3 +236,17 @@ def test_a_run_whose_slices_do_not_follow_each_other_says_so() -> None:
         slices_to_publish(channel, [SliceRange(0, 5), SliceRange(3, 8)], 0)
     with pytest.raises(SliceOutOfOrder, match=r"\(2, 3\] must commit first; the run retries"):
         slices_to_publish(channel, [SliceRange(3, 8)], 2)
+
+
+def test_slices_committed_before_a_failure_are_found_by_their_ranges() -> None:
+    """The failure hook's slices: those inside the run's tag `first...last`, in watermark order, negative
+    watermarks (whose keys do not sort as text) included; none without the tag."""
+    from assets.relay import committed_before_failure
+    from resources.kafka_io_manager import COMMITTED_BEFORE_FAILURE_TAG
+    from resources.slices import SliceRange
+
+    keys = [SliceRange(lo, hi).key for lo, hi in [(20, 30), (-10, -5), (-5, 0), (0, 10), (10, 20), (-20, -10)]]
+    tag = {COMMITTED_BEFORE_FAILURE_TAG: f"{SliceRange(-10, -5).key}...{SliceRange(0, 10).key}"}
+    assert committed_before_failure(tag, keys) == [SliceRange(-10, -5).key, SliceRange(-5, 0).key,
+                                                   SliceRange(0, 10).key]
+    assert committed_before_failure({}, keys) == []
