@@ -575,10 +575,11 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
             print(f"rowrelay: {active} run(s) of {table.table_id} are queued or running; stop the table's sensor and "
                   "let them finish (or pass --force: the reset fences a running publisher)", file=sys.stderr)
             return 1
-        before = read_committed_progress(conf, channel)
         publisher = SlicePublisher(channel, conf)
         try:
-            record = publisher.publish_reset(args.after, args.reason)
+            # `before`: the progress the reset replaced, read by the publisher after it fenced every other (read
+            # here first, a run's slice could commit between the read and the fence, and go unreported).
+            record, before = publisher.publish_reset(args.after, args.reason)
         finally:
             publisher.close()
         partitions = partitions_for(table)

@@ -36,7 +36,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -268,6 +268,11 @@ class ProgressRecord:
     @property
     def slice_range(self) -> SliceRange:
         return SliceRange(self.lo, self.hi, timestamps=is_timestamp_key(self.slice))
+
+
+class ResetOutcome(NamedTuple):
+    record: ProgressRecord  # the reset's own progress record, committed
+    replaced: ProgressRecord | None  # the table's progress just before it (None: it had none)
 
 
 @dataclass
@@ -1022,17 +1027,21 @@ class SlicePublisher:
         self._own_progress = record
         return record
 
-    def publish_reset(self, after: int, reason: str) -> ProgressRecord:
+    def publish_reset(self, after: int, reason: str) -> ResetOutcome:
         """A deliberate new baseline: the table's progress says "committed up to `after`". One transaction with
-        only a progress record; taking the table's transactional id, it fences any running publisher of it."""
+        only a progress record; taking the table's transactional id, it fences any running publisher of it.
+        Returns the record and the progress it replaced, read after the fence: no slice can commit between them."""
         if not reason.strip():
             raise RelayError(f"{self.channel.table}: a reset needs a reason (it is kept in the progress record)")
         ch = self.channel
+        if not self._initialized:
+            self.init()
+        replaced = self._own_progress or self.committed_progress()
         record = ProgressRecord(table=ch.table, slice=f"reset-{after}", lo=after, hi=after, rows=0, bytes=0,
                                 checksum="", topic=ch.topic, transactional_id=ch.transactional_id,
                                 committed_at=datetime.now(UTC).isoformat(), reset_reason=reason)
         self.publish_progress_only(record, reset=True)
-        return record
+        return ResetOutcome(record, replaced)
 
     def accept_schema(self, columns: list[list[str]], schema_fingerprint: str, reason: str) -> ProgressRecord:
         """Record that a human accepted the table's current columns: the committed progress record again (same

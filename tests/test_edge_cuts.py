@@ -230,6 +230,56 @@ def test_reset_inside_a_slice_keeps_the_part_below_as_a_partition(services, pg_d
     assert "never sent: skipped by rowrelay reset" in record.asset_materialization.description
 
 
+def test_reset_reports_the_progress_it_replaced_while_a_publisher_keeps_committing(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, name, tmp_path, monkeypatch, capsys) -> None:
+    """`rowrelay reset --force` read the progress it replaced before fencing the running publisher, so a slice
+    committed in between was missing from what it reported (and from how it recorded a straddled partition). It is
+    now read after the fence: exactly the record just before the reset's own in the progress topic."""
+    import threading
+
+    from resources.exactly_once import RelayError, SlicePublisher
+
+    _pg_table(pg_engine, name, 0)
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    cfg = relay_config(services, {"src": pg_database}, [_table_cfg(name)])
+    path = tmp_path / "rowrelay.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    table = cfg.tables[0]
+    channel = channel_for(table)
+    running = SlicePublisher(channel, {"bootstrap.servers": services.kafka_bootstrap})
+    committed: list[int] = []
+    fenced: list[Exception] = []
+
+    def keep_committing() -> None:  # a run's publisher, one small slice after another, until it is fenced
+        try:
+            for hi in range(1, 100_000):
+                running.publish_progress_only(ProgressRecord(channel.table, SliceRange(hi - 1, hi).key, hi - 1, hi,
+                                                             0, 0, "", channel.topic))
+                committed.append(hi)
+        except RelayError as exc:
+            fenced.append(exc)
+
+    worker = threading.Thread(target=keep_committing, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while len(committed) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(committed) >= 5, "the running publisher committed nothing"
+    assert main(["--config", str(path), "reset", "--table", table.table_id, "--after", "0", "--force",
+                 "--reason", "while a publisher runs"]) == 0
+    worker.join(30)
+    assert fenced and not worker.is_alive(), "the reset did not fence the running publisher"
+    history = read_progress_history({"bootstrap.servers": services.kafka_bootstrap}, channel)
+    at = next(i for i, r in enumerate(history) if r.slice == "reset-0")
+    replaced = history[at - 1].hi
+    assert replaced == committed[-1], (replaced, committed[-1])
+    out = capsys.readouterr().out
+    assert f"progress reset to 0 (was {replaced})" in out, out
+    (record,) = dagster_instance.fetch_observations(asset_key(table), limit=5).records
+    observation = record.asset_observation
+    assert observation.metadata["previous_progress"].value == replaced
+
+
 def test_transaction_timeout_bounds_slice_size() -> None:
     """Slices are cut no larger than the table's recent rate can publish in half the transaction timeout."""
     from orchestration.sensors import slice_rows_limit

@@ -257,7 +257,7 @@ def test_reset_sets_a_deliberate_baseline_and_fences(services, name) -> None:
     running.init()  # a publisher of the table already holding the current epoch
     resetter = SlicePublisher(renamed, conf)
     try:
-        record = resetter.publish_reset(3, "moved to transactional_id_prefix 'other'")
+        record, _ = resetter.publish_reset(3, "moved to transactional_id_prefix 'other'")
         assert (record.lo, record.hi, record.slice, record.rows) == (3, 3, "reset-3", 0)
         with pytest.raises(PublisherFenced):
             running.publish(SliceRange(3, 5), _rows(3, 5))
