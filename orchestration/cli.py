@@ -85,6 +85,7 @@ class TopicWatermarks:
     and how many messages were not the table's own: replay copies, other tables' or other producers'."""
 
     partitions: dict[int, list[int]] = field(default_factory=dict)
+    offsets: dict[int, list[int]] = field(default_factory=dict)  # each of those messages' offset, alike
     replayed: int = 0
     other_messages: int = 0
 
@@ -106,7 +107,7 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
         for p in sorted(meta.partitions):
             tp = TopicPartition(topic, p)
             low, high = consumer.get_watermark_offsets(tp, timeout=timeout)
-            wms = out.partitions.setdefault(p, [])
+            wms, offsets = out.partitions.setdefault(p, []), out.offsets.setdefault(p, [])
             if high <= low:
                 continue
             consumer.assign([TopicPartition(topic, p, low)])
@@ -125,6 +126,7 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
                     out.replayed += 1
                 else:
                     wms.append(int(headers[WATERMARK_HEADER]))
+                    offsets.append(msg.offset())
     finally:
         consumer.close()
     return out
@@ -153,10 +155,10 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     history = read_progress_history(conf, channel)  # oldest first: the last record is the committed progress
     progress = history[-1] if history else None
-    start, start_record = table.start_after_watermark, None
+    start, start_record, start_at = table.start_after_watermark, None, None
     for record in history:  # the newest baseline or reset counts
         if record.slice.startswith(("baseline-", "reset-")):
-            start, start_record = record.hi, record.slice
+            start, start_record, start_at = record.hi, record.slice, record
     hi = progress.hi if progress else (start or 0)
     report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None,
                           compared_from=start or 0, compared_from_record=start_record)
@@ -170,10 +172,14 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     committed_meanwhile = range(hi + 1, (later.hi if later else hi) + 1)  # empty unless progress moved on
     seen: Counter[int] = Counter()
     order: list[int] = []
-    for wms in reading.partitions.values():
-        if start_record is not None and start_record.startswith("reset-"):  # sent before the reset, not extra
-            report.before_start += sum(w <= start for w in wms)
-            wms = [w for w in wms if w > start]
+    for p, wms in reading.partitions.items():
+        if start_at is not None and start_record is not None and start_record.startswith("reset-"):
+            # Sent before the reset, at or below it: not extra. Where the reset recorded the topic's end (its
+            # position), only messages before it; one at or below the reset sent after it is extra.
+            end = start_at.topic_ends.get(str(p)) if start_at.topic_ends else None
+            before = [w <= start and (end is None or o < end) for w, o in zip(wms, reading.offsets[p], strict=True)]
+            report.before_start += sum(before)
+            wms = [w for w, b in zip(wms, before, strict=True) if not b]
         seen.update(w for w in wms if w not in committed_meanwhile)
         order += [b for a, b in zip(wms, wms[1:], strict=False) if b < a]
     report.source_rows = sum(source.values())

@@ -253,6 +253,9 @@ class ProgressRecord:
     # column added, dropped or retyped since (on_schema_change). Empty on records of older versions.
     columns: list[list[str]] = field(default_factory=list)
     schema_fingerprint: str = ""
+    # On a reset: the data topic's end offset per partition once the reset had fenced every publisher. Messages
+    # below them were sent before the reset (`rowrelay verify` leaves those at or below the reset out).
+    topic_ends: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         # A shallow dict: the fields are JSON values already, and `asdict` deep-copied each of them first (a
@@ -823,6 +826,23 @@ def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, 
         consumer.close()
 
 
+def topic_end_offsets(kafka_conf: dict[str, Any], topic: str, timeout: float = 30.0) -> dict[str, int]:
+    """Each partition's end offset (high watermark) now, by partition number as text; {} if no such topic."""
+    consumer = _consumer(kafka_conf)
+    try:
+        try:
+            meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+        except KafkaException as exc:
+            raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')}: "
+                                   f"{exc.args[0].str()}") from exc
+        if meta is None or meta.error is not None:
+            return {}
+        return {str(p): _watermarks(consumer, TopicPartition(topic, p), timeout, kafka_conf)[1]
+                for p in sorted(meta.partitions)}
+    finally:
+        consumer.close()
+
+
 def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
                                   ) -> int | None:
     """The highest `rowrelay.watermark` header among the table's committed messages in its data topic (other
@@ -1039,7 +1059,8 @@ class SlicePublisher:
         replaced = self._own_progress or self.committed_progress()
         record = ProgressRecord(table=ch.table, slice=f"reset-{after}", lo=after, hi=after, rows=0, bytes=0,
                                 checksum="", topic=ch.topic, transactional_id=ch.transactional_id,
-                                committed_at=datetime.now(UTC).isoformat(), reset_reason=reason)
+                                committed_at=datetime.now(UTC).isoformat(), reset_reason=reason,
+                                topic_ends=topic_end_offsets(self.kafka_conf, ch.topic))
         self.publish_progress_only(record, reset=True)
         return ResetOutcome(record, replaced)
 

@@ -152,6 +152,20 @@ def test_verify_compares_from_the_tables_baseline_or_reset(services, pg_database
     assert (report.compared_from, report.compared_from_record, report.before_start) == (90, "reset-90", 30)
     assert (report.source_rows, report.messages) == (10, 10)
 
+    # The reset recorded where the topic ended: a row at or below it sent *after* it (which rowrelay never does)
+    # is extra, not left out as sent before the reset.
+    from confluent_kafka import Producer
+
+    from resources.exactly_once import TABLE_HEADER, WATERMARK_HEADER
+
+    stray = Producer({"bootstrap.servers": services.kafka_bootstrap})
+    stray.produce(table.topic_name, b'{"id": 85}', b"85",
+                  headers=[(TABLE_HEADER, channel_for(table).table.encode()), (WATERMARK_HEADER, b"85")])
+    assert stray.flush(10) == 0
+    report = verify_table(cfg, table)
+    assert not report.ok and (report.extra, report.before_start) == (1, 30), report
+    assert report.examples["extra"] == [85]
+
 
 def test_backfill_command_publishes_the_backlog_in_range_runs(services, pg_database, pg_engine, dagster_home,
                                                                dagster_instance, spark, name, tmp_path, capsys,
