@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from math import ceil
 from typing import Any
@@ -147,6 +148,23 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
         source.dispose()
 
 
+def progress_after_reading(read: Callable[[], Any], highest_seen: int | None, floor: int, tries: int = 5,
+                           pause_s: float = 0.3) -> int:
+    """The table's committed progress once its topic was read (`floor` if none). A commit's markers reach the data
+    topic and the progress topic one after the other, so for a moment a slice's rows can be visible before its
+    progress record: while the topic shows a message above the progress, read it again a few times before that
+    message counts as extra."""
+    hi = floor
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(pause_s)
+        record = read()
+        hi = record.hi if record is not None else floor
+        if highest_seen is None or highest_seen <= hi:
+            break
+    return hi
+
+
 def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     """Compare the topic with the source rows up to the table's committed progress."""
     from assets.relay import channel_for
@@ -168,8 +186,9 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
-    later = read_committed_progress(conf, channel)
-    committed_meanwhile = range(hi + 1, (later.hi if later else hi) + 1)  # empty unless progress moved on
+    highest = max((max(wms) for wms in reading.partitions.values() if wms), default=None)
+    later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel), highest, hi)
+    committed_meanwhile = range(hi + 1, later_hi + 1)  # empty unless progress moved on
     seen: Counter[int] = Counter()
     order: list[int] = []
     for p, wms in reading.partitions.items():

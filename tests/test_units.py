@@ -250,3 +250,30 @@ def test_slices_committed_before_a_failure_are_found_by_their_ranges() -> None:
     assert committed_before_failure(tag, keys) == [SliceRange(-10, -5).key, SliceRange(-5, 0).key,
                                                    SliceRange(0, 10).key]
     assert committed_before_failure({}, keys) == []
+
+
+def test_verify_reads_progress_again_while_the_topic_shows_more() -> None:
+    """A slice's rows can be visible a moment before its progress record (the two topics' commit markers are
+    written one after the other): verify reads the progress again before calling such rows extra, and stops as
+    soon as it covers them, or after its tries (then they are extra)."""
+    from types import SimpleNamespace
+
+    from orchestration.cli import progress_after_reading
+
+    def reader(his: list[int | None]):
+        reads: list[int | None] = []
+
+        def read():
+            hi = his[min(len(reads), len(his) - 1)]
+            reads.append(hi)
+            return None if hi is None else SimpleNamespace(hi=hi)
+        return read, reads
+
+    read, reads = reader([10, 10, 20])
+    assert progress_after_reading(read, 20, 5, pause_s=0) == 20 and len(reads) == 3
+    read, reads = reader([10, 20])
+    assert progress_after_reading(read, 30, 5, tries=4, pause_s=0) == 20 and len(reads) == 4  # 30 stays extra
+    read, reads = reader([10])
+    assert progress_after_reading(read, None, 5, pause_s=0) == 10 and len(reads) == 1  # nothing above: one read
+    read, reads = reader([None])
+    assert progress_after_reading(read, 7, 5, tries=2, pause_s=0) == 5 and len(reads) == 2  # no progress: floor
