@@ -384,11 +384,12 @@ def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_co
     return parity_result(table, source, records, checksums)
 
 
-def committed_before_failure(tags: Mapping[str, str], partition_keys: list[str]) -> list[str]:
-    """The slices a failed run committed before its failure (its COMMITTED_BEFORE_FAILURE_TAG, `first...last`),
-    among the table's partition keys, in watermark order; none when it committed nothing."""
-    span = tags.get(COMMITTED_BEFORE_FAILURE_TAG)
-    if not span:
+def committed_before_failure(tags: Mapping[str, str], partition_keys: list[str], run_id: str) -> list[str]:
+    """The slices run `run_id` committed before its failure (its COMMITTED_BEFORE_FAILURE_TAG,
+    `<run id>/<first>...<last>`), among the table's partition keys, in watermark order; none when it committed
+    nothing (a tag a retry copied from the run it retries names that run, not this one)."""
+    owner, _, span = tags.get(COMMITTED_BEFORE_FAILURE_TAG, "").partition("/")
+    if owner != run_id or not span:
         return []
     first, last = (SliceRange.from_key(k) for k in span.split("..."))
     within = [r for r in map(SliceRange.from_key, partition_keys) if first.lo <= r.lo and r.hi <= last.hi]
@@ -405,7 +406,8 @@ def build_parity_after_failure_hook(table: TableConfig, transactional_id_prefix:
     def parity_after_failure(context: HookContext) -> None:
         run = context.instance.get_run_by_id(context.run_id)
         keys = committed_before_failure(run.tags if run else {},
-                                        context.instance.get_dynamic_partitions(partitions_for(table).name))
+                                        context.instance.get_dynamic_partitions(partitions_for(table).name),
+                                        context.run_id)
         if not keys:
             return
         try:

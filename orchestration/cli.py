@@ -148,6 +148,21 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
         source.dispose()
 
 
+def reset_position(reset: Any, partition: int) -> int | None:
+    """Where a reset found the data topic's partition ending once it had fenced the table's publisher (messages
+    below it were written before the reset); None for a reset recorded before rowrelay kept it (`topic_ends`). A
+    partition missing from a recorded `topic_ends` was added since: all of it came after."""
+    if reset is None or not reset.topic_ends:
+        return None
+    return int(reset.topic_ends.get(str(partition), 0))
+
+
+def sent_before_reset(watermarks: list[int], offsets: list[int], reset_hi: int, end: int | None) -> list[bool]:
+    """Which of a partition's messages `rowrelay verify` leaves out as sent before a reset at `reset_hi`: those at
+    or below it, written before the reset's position (`end`; None: unknown, by watermark alone)."""
+    return [w <= reset_hi and (end is None or o < end) for w, o in zip(watermarks, offsets, strict=True)]
+
+
 def progress_after_reading(read: Callable[[], Any], highest_seen: int | None, floor: int, tries: int = 5,
                            pause_s: float = 0.3) -> int:
     """The table's committed progress once its topic was read (`floor` if none). A commit's markers reach the data
@@ -186,19 +201,24 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
-    highest = max((max(wms) for wms in reading.partitions.values() if wms), default=None)
-    later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel), highest, hi)
+    reset = start_at if start_record is not None and start_record.startswith("reset-") else None
+    kept: dict[int, list[int]] = {}
+    after_reset: list[int] = []  # messages written after the reset's position (all of them without one)
+    for p, wms in reading.partitions.items():
+        offsets, end = reading.offsets[p], reset_position(reset, p)
+        if reset is not None:  # sent before the reset, at or below it: not extra
+            before = sent_before_reset(wms, offsets, reset.hi, end)
+            report.before_start += sum(before)
+            wms, offsets = ([x for x, b in zip(xs, before, strict=True) if not b] for xs in (wms, offsets))
+        kept[p] = wms
+        after_reset += [w for w, o in zip(wms, offsets, strict=True) if end is None or o >= end]
+    # Only a message written after the newest reset can belong to a slice committed since the progress was read.
+    later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel), max(after_reset, default=None),
+                                      hi)
     committed_meanwhile = range(hi + 1, later_hi + 1)  # empty unless progress moved on
     seen: Counter[int] = Counter()
     order: list[int] = []
-    for p, wms in reading.partitions.items():
-        if start_at is not None and start_record is not None and start_record.startswith("reset-"):
-            # Sent before the reset, at or below it: not extra. Where the reset recorded the topic's end (its
-            # position), only messages before it; one at or below the reset sent after it is extra.
-            end = start_at.topic_ends.get(str(p)) if start_at.topic_ends else None
-            before = [w <= start and (end is None or o < end) for w, o in zip(wms, reading.offsets[p], strict=True)]
-            report.before_start += sum(before)
-            wms = [w for w, b in zip(wms, before, strict=True) if not b]
+    for wms in kept.values():
         seen.update(w for w in wms if w not in committed_meanwhile)
         order += [b for a, b in zip(wms, wms[1:], strict=False) if b < a]
     report.source_rows = sum(source.values())
@@ -576,6 +596,21 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def watermark_is_timestamp(config: RelayConfig, table: TableConfig) -> bool:
+    """Whether the table's watermark is a timestamp, from the source's columns; False if the source cannot say
+    (it only changes how values are shown)."""
+    from assets.relay import table_shape
+    from resources.source_database import SourceDatabaseResource
+
+    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    try:
+        return table_shape(source, table).timestamps
+    except Exception:  # noqa: BLE001 - a source that is down must not stop a reset; integers are shown instead
+        return False
+    finally:
+        source.dispose()
+
+
 def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     """A deliberate new baseline: the table's progress says "committed up to W", recorded in Kafka (a progress
     record with the reason) and on the Dagster instance (an observation of the table's asset). Rows at or below W
@@ -611,6 +646,8 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         keys = instance.get_dynamic_partitions(partitions.name)
         # A timestamp watermark's slices have times as keys: the texts below then name times, as --after takes them.
         timestamps = any(map(is_timestamp_key, keys)) or (before is not None and is_timestamp_key(before.slice))
+        if not keys and (before is None or before.hi == before.lo):  # no slice to tell: the source's column does
+            timestamps = watermark_is_timestamp(config, table)
 
         def text(value: int) -> str:
             return watermark_text(value, timestamps)

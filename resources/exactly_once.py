@@ -253,8 +253,8 @@ class ProgressRecord:
     # column added, dropped or retyped since (on_schema_change). Empty on records of older versions.
     columns: list[list[str]] = field(default_factory=list)
     schema_fingerprint: str = ""
-    # On a reset: the data topic's end offset per partition once the reset had fenced every publisher. Messages
-    # below them were sent before the reset (`rowrelay verify` leaves those at or below the reset out).
+    # On a reset: the data topic's end offset per partition once the reset had fenced the table's publisher.
+    # Messages below them were sent before the reset (`rowrelay verify` leaves those at or below the reset out).
     topic_ends: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
@@ -827,16 +827,27 @@ def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, 
 
 
 def topic_end_offsets(kafka_conf: dict[str, Any], topic: str, timeout: float = 30.0) -> dict[str, int]:
-    """Each partition's end offset (high watermark) now, by partition number as text; {} if no such topic."""
-    consumer = _consumer(kafka_conf)
+    """Each partition's log end offset (high watermark) now, by partition number as text; {} if no such topic.
+    Read uncommitted: read committed, an open transaction of another producer (another table sharing the topic, a
+    replay) would hold the answer back at its first message."""
+    consumer = Consumer({**base_conf(kafka_conf), "group.id": f"rowrelay-reader-{uuid.uuid4().hex}",
+                         "isolation.level": "read_uncommitted", "enable.auto.commit": False})
+    deadline = time.monotonic() + timeout
     try:
-        try:
-            meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
-        except KafkaException as exc:
-            raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')}: "
-                                   f"{exc.args[0].str()}") from exc
-        if meta is None or meta.error is not None:
-            return {}
+        while True:
+            try:
+                meta = consumer.list_topics(topic, timeout=max(1.0, deadline - time.monotonic())).topics.get(topic)
+            except KafkaException as exc:
+                raise KafkaUnavailable(f"cannot reach Kafka at {kafka_conf.get('bootstrap.servers')}: "
+                                       f"{exc.args[0].str()}") from exc
+            if meta is None or (meta.error is not None and meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+                return {}
+            if meta.error is None and meta.partitions:
+                break
+            if time.monotonic() > deadline:  # a new topic's partitions take a moment to be known
+                raise KafkaUnavailable(f"{topic}: no partition metadata on {kafka_conf.get('bootstrap.servers')} "
+                                       f"({meta.error})")
+            time.sleep(0.2)
         return {str(p): _watermarks(consumer, TopicPartition(topic, p), timeout, kafka_conf)[1]
                 for p in sorted(meta.partitions)}
     finally:

@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 # Set on a run that failed for a reason a retry cannot fix (bad row, source error, fenced): the sensor backs off.
 STOPPED_TAG = "rowrelay/stopped"
-# On a run that failed at slice k: the first and last of the slices it committed before k (`first...last`, keys in
-# chain order), for the asset's failure hook, which checks their parity (assets/relay.py).
+# On a run that failed at slice k: the first and last of the slices it committed before k, as
+# `<run id>/<first>...<last>` (keys in chain order), for the asset's failure hook, which checks their parity
+# (assets/relay.py). The run id: Dagster's retry of the run copies its tags, but not what it committed.
 COMMITTED_BEFORE_FAILURE_TAG = "rowrelay/committed_before_failure"
 # Publish errors a retry of the run cannot fix, and the STOPPED_TAG value each sets.
 STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
@@ -213,7 +214,8 @@ class KafkaIOManager(ConfigurableIOManager):
         if committed:
             try:
                 step.instance.add_run_tags(step.run_id,
-                                           {COMMITTED_BEFORE_FAILURE_TAG: f"{committed[0]}...{committed[-1]}"})
+                                           {COMMITTED_BEFORE_FAILURE_TAG:
+                                            f"{step.run_id}/{committed[0]}...{committed[-1]}"})
             except Exception as exc:  # noqa: BLE001 - as below: the run's own failure is what must surface
                 context.log.warning(f"{obj.channel.table}: could not tag the run with its committed slices: {exc}")
         for key, (result, _) in records.items():

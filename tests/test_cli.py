@@ -167,6 +167,49 @@ def test_verify_compares_from_the_tables_baseline_or_reset(services, pg_database
     assert report.examples["extra"] == [85]
 
 
+def test_verify_after_a_reset_taken_while_another_producer_holds_the_topic_open(services, pg_database, pg_engine,
+                                                                               dagster_instance, spark,
+                                                                               name) -> None:
+    """A reset records where the topic ended. Read `read_committed`, that end stopped at the first message of
+    another producer's open transaction (another table sharing the topic, a replay), so the table's rows sent before
+    the reset but stored after that message were reported extra. The log end is recorded now."""
+    from confluent_kafka import Producer
+
+    from assets.relay import channel_for
+    from resources.exactly_once import SlicePublisher
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(1, 10) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "slice_max_rows": 10}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=10)
+    other = Producer({"bootstrap.servers": services.kafka_bootstrap, "transactional.id": f"other-{name}"})
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(table.topic_name, b"{}", b"x", headers=[("rowrelay.table", b"another.table")])
+    assert other.flush(10) == 0
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(11, 30) g"))
+    h.drain(table, until_hi=30)  # rows 11..30 stored after the open transaction's message
+    publisher = SlicePublisher(channel_for(table), {"bootstrap.servers": services.kafka_bootstrap})
+    try:
+        record, replaced = publisher.publish_reset(40, "test: skip 31..40")
+    finally:
+        publisher.close()
+    assert replaced is not None and replaced.hi == 30
+    other.commit_transaction(30)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(31, 50) g"))
+    h.drain(table, until_hi=50)
+    report = verify_table(cfg, table)
+    assert report.ok, report
+    assert (report.compared_from_record, report.before_start, report.other_messages) == ("reset-40", 30, 1)
+    assert (report.source_rows, report.messages) == (10, 10)
+
+
 def test_backfill_command_publishes_the_backlog_in_range_runs(services, pg_database, pg_engine, dagster_home,
                                                                dagster_instance, spark, name, tmp_path, capsys,
                                                                monkeypatch) -> None:

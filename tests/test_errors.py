@@ -120,7 +120,7 @@ def test_slices_a_failed_run_committed_before_its_failure_are_materialized(servi
     from assets.relay import PARITY_CHECK
 
     assert dagster_instance.get_run_by_id(result.run_id).tags["rowrelay/committed_before_failure"] == \
-        f"{SliceRange(0, 10).key}...{SliceRange(0, 10).key}"
+        f"{result.run_id}/{SliceRange(0, 10).key}...{SliceRange(0, 10).key}"
     check = dagster_instance.get_latest_asset_check_evaluation_record(AssetCheckKey(asset_key(table), PARITY_CHECK))
     assert check is not None and check.evaluation.passed, check
     assert check.evaluation.metadata["slices"].value == SliceRange(0, 10).key

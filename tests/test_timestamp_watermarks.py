@@ -111,11 +111,12 @@ def test_messages_about_a_timestamp_watermark_name_times() -> None:
 
     day = datetime_to_micros(datetime(2026, 11, 20, tzinfo=UTC))
     late = SliceRange(day + 10, day + 20, timestamps=True)
+    raw = re.compile(r"\d{16}")  # microseconds since 1970, as carried
     gap = str(SliceOutOfOrder.at("t", late, day))
-    assert f"committed progress ends at {micros_text(day)}" in gap and str(day) not in gap
+    assert f"committed progress ends at {micros_text(day)}" in gap and not raw.search(gap), gap
     assert f"({micros_text(day)}, {micros_text(day + 10)}] must commit first" in gap
     inside = str(SliceOutOfOrder.at("t", late, day + 15))
-    assert f"cuts the range again from {micros_text(day + 15)}" in inside and str(day + 15) not in inside
+    assert f"cuts the range again from {micros_text(day + 15)}" in inside and not raw.search(inside), inside
 
     ranges = [SliceRange(day + i * 10, day + (i + 1) * 10, timestamps=True) for i in range(3)]
     history = [ProgressRecord("t", r.key, r.lo, r.hi, 1, 1, "c", "topic", {"0": [i, i]}) for i, r in enumerate(ranges)]
@@ -128,7 +129,7 @@ def test_messages_about_a_timestamp_watermark_name_times() -> None:
     ]:
         with pytest.raises(ReplayError) as caught:
             replay_records(history, day + 30, "t", lo, hi)
-        assert expected in str(caught.value) and str(day) not in str(caught.value), str(caught.value)
+        assert expected in str(caught.value) and not raw.search(str(caught.value)), str(caught.value)
     # An integer watermark's values stay integers.
     numbers = [ProgressRecord("t", SliceRange(0, 10).key, 0, 10, 1, 1, "c", "topic", {"0": [0, 0]})]
     with pytest.raises(ReplayError, match=r"--from 5 is not a slice bound; slice lower bounds near it: \[0\]"):
