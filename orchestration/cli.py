@@ -56,8 +56,9 @@ class VerifyReport:
     replayed: int = 0
     other_messages: int = 0
     # Where the comparison starts: `start_after`, or the newest baseline (start_after: latest) or `rowrelay reset`
-    # in the table's progress (rows at or below it are never sent); messages at or below a reset were sent before
-    # it and are left out too (`before_start`), while one at or below a baseline is still extra.
+    # in the table's progress (rows at or below it are never sent); messages at or below a reset written before
+    # the reset's recorded position are left out too (`before_start`), while one at or below a baseline, or at or
+    # below a reset but written after it, is still extra.
     compared_from: int = 0
     compared_from_record: str | None = None
     before_start: int = 0
@@ -150,9 +151,10 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
 
 def reset_position(reset: Any, partition: int) -> int | None:
     """Where a reset found the data topic's partition ending once it had fenced the table's publisher (messages
-    below it were written before the reset); None for a reset recorded before rowrelay kept it (`topic_ends`). A
-    partition missing from a recorded `topic_ends` was added since: all of it came after."""
-    if reset is None or not reset.topic_ends:
+    below it were written before the reset); None for a reset recorded before rowrelay kept it (`topic_ends`
+    None). A partition missing from a recorded `topic_ends` (or a topic that did not exist yet: {}) was added
+    since: all of it came after."""
+    if reset is None or reset.topic_ends is None:
         return None
     return int(reset.topic_ends.get(str(partition), 0))
 
@@ -161,6 +163,33 @@ def sent_before_reset(watermarks: list[int], offsets: list[int], reset_hi: int, 
     """Which of a partition's messages `rowrelay verify` leaves out as sent before a reset at `reset_hi`: those at
     or below it, written before the reset's position (`end`; None: unknown, by watermark alone)."""
     return [w <= reset_hi and (end is None or o < end) for w, o in zip(watermarks, offsets, strict=True)]
+
+
+@dataclass
+class ResetSplit:
+    """A topic's messages around the newest reset, per partition in offset order."""
+
+    kept: dict[int, list[int]]  # the watermarks compared with the source: all but those sent before the reset
+    segments: list[list[int]]  # the same, cut at the reset's position: watermarks only grow within each
+    after_reset: list[int]  # kept watermarks written after the reset's position (all of them without one)
+    before_start: int  # messages left out as sent before the reset
+
+
+def split_at_reset(reading: TopicWatermarks, reset: Any) -> ResetSplit:
+    """What verify compares when the table's newest start is `reset` (a reset's progress record; None: none).
+    After a reset back, the re-sent rows follow higher ones sent before it: that seam is not an order violation."""
+    split = ResetSplit({}, [], [], 0)
+    for p, wms in reading.partitions.items():
+        offsets, end = reading.offsets[p], reset_position(reset, p)
+        if reset is not None:  # sent before the reset, at or below it: not extra
+            before = sent_before_reset(wms, offsets, reset.hi, end)
+            split.before_start += sum(before)
+            wms, offsets = ([x for x, b in zip(xs, before, strict=True) if not b] for xs in (wms, offsets))
+        split.kept[p] = wms
+        later = [w for w, o in zip(wms, offsets, strict=True) if end is None or o >= end]
+        split.after_reset += later
+        split.segments += [wms] if end is None else [wms[:len(wms) - len(later)], later]
+    return split
 
 
 def progress_after_reading(read: Callable[[], Any], highest_seen: int | None, floor: int, tries: int = 5,
@@ -201,25 +230,18 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
-    reset = start_at if start_record is not None and start_record.startswith("reset-") else None
-    kept: dict[int, list[int]] = {}
-    after_reset: list[int] = []  # messages written after the reset's position (all of them without one)
-    for p, wms in reading.partitions.items():
-        offsets, end = reading.offsets[p], reset_position(reset, p)
-        if reset is not None:  # sent before the reset, at or below it: not extra
-            before = sent_before_reset(wms, offsets, reset.hi, end)
-            report.before_start += sum(before)
-            wms, offsets = ([x for x, b in zip(xs, before, strict=True) if not b] for xs in (wms, offsets))
-        kept[p] = wms
-        after_reset += [w for w, o in zip(wms, offsets, strict=True) if end is None or o >= end]
+    split = split_at_reset(reading, start_at if start_record is not None and start_record.startswith("reset-")
+                           else None)
+    report.before_start = split.before_start
     # Only a message written after the newest reset can belong to a slice committed since the progress was read.
-    later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel), max(after_reset, default=None),
-                                      hi)
+    later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel),
+                                      max(split.after_reset, default=None), hi)
     committed_meanwhile = range(hi + 1, later_hi + 1)  # empty unless progress moved on
     seen: Counter[int] = Counter()
     order: list[int] = []
-    for wms in kept.values():
+    for wms in split.kept.values():
         seen.update(w for w in wms if w not in committed_meanwhile)
+    for wms in split.segments:
         order += [b for a, b in zip(wms, wms[1:], strict=False) if b < a]
     report.source_rows = sum(source.values())
     report.messages = sum(seen.values())

@@ -253,9 +253,10 @@ class ProgressRecord:
     # column added, dropped or retyped since (on_schema_change). Empty on records of older versions.
     columns: list[list[str]] = field(default_factory=list)
     schema_fingerprint: str = ""
-    # On a reset: the data topic's end offset per partition once the reset had fenced the table's publisher.
-    # Messages below them were sent before the reset (`rowrelay verify` leaves those at or below the reset out).
-    topic_ends: dict[str, int] = field(default_factory=dict)
+    # On a reset: the data topic's end offset per partition once the reset had fenced the table's publisher ({}:
+    # no topic yet). Messages below them were sent before the reset (`rowrelay verify` leaves those at or below the
+    # reset out). None on other records, and on resets recorded by versions before it.
+    topic_ends: dict[str, int] | None = None
 
     def to_json(self) -> bytes:
         # A shallow dict: the fields are JSON values already, and `asdict` deep-copied each of them first (a

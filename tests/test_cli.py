@@ -173,10 +173,10 @@ def test_verify_after_a_reset_taken_while_another_producer_holds_the_topic_open(
     """A reset records where the topic ended. Read `read_committed`, that end stopped at the first message of
     another producer's open transaction (another table sharing the topic, a replay), so the table's rows sent before
     the reset but stored after that message were reported extra. The log end is recorded now."""
-    from confluent_kafka import Producer
+    from confluent_kafka import Consumer, Producer, TopicPartition
 
     from assets.relay import channel_for
-    from resources.exactly_once import SlicePublisher
+    from resources.exactly_once import SlicePublisher, topic_end_offsets
 
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
@@ -186,7 +186,8 @@ def test_verify_after_a_reset_taken_while_another_producer_holds_the_topic_open(
     h = Harness(cfg, dagster_instance)
     table = h.table()
     h.drain(table, until_hi=10)
-    other = Producer({"bootstrap.servers": services.kafka_bootstrap, "transactional.id": f"other-{name}"})
+    other = Producer({"bootstrap.servers": services.kafka_bootstrap, "transactional.id": f"other-{name}",
+                      "transaction.timeout.ms": 600_000})  # stays open however long the drains take
     other.init_transactions(30)
     other.begin_transaction()
     other.produce(table.topic_name, b"{}", b"x", headers=[("rowrelay.table", b"another.table")])
@@ -194,6 +195,14 @@ def test_verify_after_a_reset_taken_while_another_producer_holds_the_topic_open(
     with pg_engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(11, 30) g"))
     h.drain(table, until_hi=30)  # rows 11..30 stored after the open transaction's message
+    # The scenario holds: read committed, the topic still ends at the open transaction's message.
+    committed_end = Consumer({"bootstrap.servers": services.kafka_bootstrap, "group.id": f"lso-{name}",
+                              "isolation.level": "read_committed"})
+    try:
+        _, lso = committed_end.get_watermark_offsets(TopicPartition(table.topic_name, 0), timeout=10)
+    finally:
+        committed_end.close()
+    assert lso < topic_end_offsets({"bootstrap.servers": services.kafka_bootstrap}, table.topic_name)["0"]
     publisher = SlicePublisher(channel_for(table), {"bootstrap.servers": services.kafka_bootstrap})
     try:
         record, replaced = publisher.publish_reset(40, "test: skip 31..40")
