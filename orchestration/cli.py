@@ -37,7 +37,7 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import read_committed_progress, read_progress_history  # noqa: E402
-from resources.slices import is_timestamp_key, micros_text, parse_watermark, watermark_text  # noqa: E402
+from resources.slices import is_timestamp_key, parse_watermark, watermark_text  # noqa: E402
 
 
 @dataclass
@@ -217,21 +217,19 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     history = read_progress_history(conf, channel)  # oldest first: the last record is the committed progress
     progress = history[-1] if history else None
-    start, start_record, start_at = table.start_after_watermark, None, None
-    for record in history:  # the newest baseline or reset counts
-        if record.slice.startswith(("baseline-", "reset-")):
-            start, start_record, start_at = record.hi, record.slice, record
+    # The newest baseline or reset in progress, if any, is where the table starts.
+    start_at = next((r for r in reversed(history) if r.slice.startswith(("baseline-", "reset-"))), None)
+    start = start_at.hi if start_at else table.start_after_watermark
     hi = progress.hi if progress else (start or 0)
     report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None,
-                          compared_from=start or 0, compared_from_record=start_record)
+                          compared_from=start or 0, compared_from_record=start_at.slice if start_at else None)
     source, report.watermark_kind = source_watermarks(config, table, start, hi)
     reading = topic_watermarks(conf, table.topic_name, channel.table)
     report.replayed, report.other_messages = reading.replayed, reading.other_messages
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
-    split = split_at_reset(reading, start_at if start_record is not None and start_record.startswith("reset-")
-                           else None)
+    split = split_at_reset(reading, start_at if start_at and start_at.slice.startswith("reset-") else None)
     report.before_start = split.before_start
     # Only a message written after the newest reset can belong to a slice committed since the progress was read.
     later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel),
@@ -346,8 +344,8 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
         return "-" if value is None else str(value)
 
     def mark(row: dict[str, Any], value: int | None) -> str:  # a timestamp watermark as its UTC time
-        return micros_text(value) if value is not None and row.get("watermark_kind", "integer") != "integer" \
-            else cell(value)
+        timestamps = row.get("watermark_kind", "integer") != "integer"
+        return cell(value) if value is None else watermark_text(value, timestamps)
 
     for row in rows:
         view.add_row(row["table"], mark(row, row["committed_hi"]), mark(row, row["source_max"]), cell(row["lag_rows"]),
@@ -618,19 +616,25 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def watermark_is_timestamp(config: RelayConfig, table: TableConfig) -> bool:
-    """Whether the table's watermark is a timestamp, from the source's columns; False if the source cannot say
-    (it only changes how values are shown)."""
+def reflect_table(config: RelayConfig, table: TableConfig) -> Any:
+    """The table's shape (TableShape), reflected on a source connection of its own; a SourceError says why not."""
     from assets.relay import table_shape
     from resources.source_database import SourceDatabaseResource
 
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
-        return table_shape(source, table).timestamps
-    except Exception:  # noqa: BLE001 - a source that is down must not stop a reset; integers are shown instead
-        return False
+        return table_shape(source, table)
     finally:
         source.dispose()
+
+
+def watermark_is_timestamp(config: RelayConfig, table: TableConfig) -> bool:
+    """Whether the table's watermark is a timestamp, from the source's columns; False if the source cannot say
+    (it only changes how values are shown)."""
+    try:
+        return reflect_table(config, table).timestamps
+    except Exception:  # noqa: BLE001 - a source that is down must not stop a reset; integers are shown instead
+        return False
 
 
 def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
@@ -857,19 +861,16 @@ def cmd_schema(config: RelayConfig, args: argparse.Namespace) -> int:
     """`schema accept`: a human accepts the table's current columns after a change stopped it (on_schema_change:
     fail). Recorded in Kafka's progress (the same committed range, the new columns, the reason); progress does not
     move, and the sensor's next retry of the waiting slice publishes with the new columns."""
-    from assets.relay import channel_for, table_shape
+    from assets.relay import channel_for
     from resources.exactly_once import RelayError, SlicePublisher
-    from resources.source_database import SourceDatabaseResource, SourceError, schema_change
+    from resources.source_database import SourceError, schema_change
 
     (table,) = _tables(config, args.table)
-    source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
-        shape = table_shape(source, table)
+        shape = reflect_table(config, table)
     except SourceError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)
         return 1
-    finally:
-        source.dispose()
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     publisher = SlicePublisher(channel, kafka_conf(config))
     try:

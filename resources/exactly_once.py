@@ -507,9 +507,9 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
     return partitions
 
 
-def _consumer(kafka_conf: dict[str, Any]) -> Consumer:
+def _consumer(kafka_conf: dict[str, Any], isolation_level: str = "read_committed") -> Consumer:
     return Consumer({**base_conf(kafka_conf), "group.id": f"rowrelay-reader-{uuid.uuid4().hex}",
-                     "isolation.level": "read_committed", "enable.auto.commit": False,
+                     "isolation.level": isolation_level, "enable.auto.commit": False,
                      "enable.partition.eof": False, "auto.offset.reset": "earliest",
                      # Short fetch waits: a read ends at a transaction marker, which only a further fetch skips.
                      "fetch.wait.max.ms": 10})
@@ -831,8 +831,7 @@ def topic_end_offsets(kafka_conf: dict[str, Any], topic: str, timeout: float = 3
     """Each partition's log end offset (high watermark) now, by partition number as text; {} if no such topic.
     Read uncommitted: read committed, an open transaction of another producer (another table sharing the topic, a
     replay) would hold the answer back at its first message."""
-    consumer = Consumer({**base_conf(kafka_conf), "group.id": f"rowrelay-reader-{uuid.uuid4().hex}",
-                         "isolation.level": "read_uncommitted", "enable.auto.commit": False})
+    consumer = _consumer(kafka_conf, "read_uncommitted")
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -970,16 +969,20 @@ class SlicePublisher:
     def committed_progress(self) -> ProgressRecord | None:
         return read_committed_progress(self.kafka_conf, self.channel)
 
+    def _progress_after_fence(self) -> ProgressRecord | None:
+        """The table's committed progress once this publisher has fenced every other (init): final, since no other
+        can commit any more. After its own commit it knows it without reading: a newer one would fence it first."""
+        if not self._initialized:
+            self.init()
+        return self._own_progress if self._own_progress is not None else self.committed_progress()
+
     def publish(self, slice_range: SliceRange,
                 batches: Callable[[], Iterable[MessageBatch | Sequence[OutgoingMessage]]], *,
                 columns: list[list[str]] | None = None, schema_fingerprint: str = "") -> PublishResult:
         """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them. `columns` and
         `schema_fingerprint` (the columns the rows were read with) go into the slice's progress record."""
         started = time.monotonic()
-        if not self._initialized:
-            self.init()
-        # After our own commit we know the progress without reading it: any newer publisher fences us first.
-        committed = self._own_progress if self._own_progress is not None else self.committed_progress()
+        committed = self._progress_after_fence()
         self.on_stage("progress_read")
         if committed is None:
             self._refuse_if_progress_missing()
@@ -1042,7 +1045,7 @@ class SlicePublisher:
         if not self._initialized:
             self.init()
         if not reset:
-            standing = self._own_progress or self.committed_progress()  # read after fencing: final
+            standing = self._progress_after_fence()
             if standing is None:
                 self._refuse_if_progress_missing()
             elif only_if_empty:
@@ -1066,9 +1069,7 @@ class SlicePublisher:
         if not reason.strip():
             raise RelayError(f"{self.channel.table}: a reset needs a reason (it is kept in the progress record)")
         ch = self.channel
-        if not self._initialized:
-            self.init()
-        replaced = self._own_progress or self.committed_progress()
+        replaced = self._progress_after_fence()
         record = ProgressRecord(table=ch.table, slice=f"reset-{after}", lo=after, hi=after, rows=0, bytes=0,
                                 checksum="", topic=ch.topic, transactional_id=ch.transactional_id,
                                 committed_at=datetime.now(UTC).isoformat(), reset_reason=reason,
@@ -1081,9 +1082,7 @@ class SlicePublisher:
         range, rows and checksum), with the new columns and the reason. Progress does not move."""
         if not reason.strip():
             raise RelayError(f"{self.channel.table}: accepting a schema change needs a reason (kept in progress)")
-        if not self._initialized:
-            self.init()
-        committed = self._own_progress or self.committed_progress()
+        committed = self._progress_after_fence()
         if committed is None:
             raise RelayError(f"{self.channel.table}: nothing committed yet: there is no schema to accept a change to")
         record = replace(committed, columns=columns, schema_fingerprint=schema_fingerprint,

@@ -218,10 +218,8 @@ class KafkaIOManager(ConfigurableIOManager):
                                             f"{step.run_id}/{committed[0]}...{committed[-1]}"})
             except Exception as exc:  # noqa: BLE001 - as below: the run's own failure is what must surface
                 context.log.warning(f"{obj.channel.table}: could not tag the run with its committed slices: {exc}")
-        for key, (result, _) in records.items():
-            if result.already_committed:
-                continue  # committed before this run: its own materialization exists
-            metadata = {**self.slice_metadata(obj, result), "rowrelay/run_failed_later": step.run_id}
+        for key in committed:  # not those committed before this run: their own materializations exist
+            metadata = {**self.slice_metadata(obj, records[key][0]), "rowrelay/run_failed_later": step.run_id}
             try:
                 step.instance.report_runless_asset_event(AssetMaterialization(
                     asset_key=context.asset_key, partition=key, metadata=metadata,
