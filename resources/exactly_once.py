@@ -1167,6 +1167,13 @@ class SlicePublisher:
         # earlier was refused (too large, say); the flush below asks the producer why (_transaction_failure).
         refused: list[KafkaError] = []
 
+        # Offsets per partition need a report per row (several partitions, or the redo naming a failed row).
+        every_row_reports = self._report_every_row or self._data_partitions != 1
+        # Otherwise the topic has one partition, named on every row: no partitioner hashing each key to find it,
+        # and the offsets of a batch's first and last row span the rows between them even if partitions were
+        # added to the topic since init.
+        partition = -1 if every_row_reports else 0
+
         def send(rows: Iterable[tuple[bytes | None, bytes, int, bytes]], report: Callable[..., None] | None) -> None:
             if refused:
                 return
@@ -1174,9 +1181,9 @@ class SlicePublisher:
                 headers = [table_pair, (WATERMARK_HEADER, wm_text)]
                 try:  # one C call per row, positional (keyword parsing cost 20 % of the loop):
                     # topic, value, key, partition (-1: the partitioner), on_delivery, callback, timestamp, headers
-                    produce(topic, value, key, -1, report, None, 0, headers)
+                    produce(topic, value, key, partition, report, None, 0, headers)
                 except (BufferError, KafkaException):
-                    self._produce(topic, key, value, headers, report, wm, refused)
+                    self._produce(topic, key, value, headers, report, wm, refused, partition)
                     if refused:
                         return
 
@@ -1193,9 +1200,7 @@ class SlicePublisher:
                     send(batch.rows(start, start + 1), None)
                     start += 1
 
-        # Offsets per partition need a report per row (several partitions, or the redo naming a failed row).
-        every_row_reports = self._report_every_row or self._data_partitions != 1
-        native = None if every_row_reports else RowProducer.attach(self.producer, topic, ch.table)
+        native = None if every_row_reports else RowProducer.attach(self.producer, topic, ch.table, partition)
         try:
             self._call(self.producer.begin_transaction)
             self._txn_began, self._txn_rows = time.monotonic(), 0
@@ -1316,12 +1321,13 @@ class SlicePublisher:
 
     def _produce(self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]] | None,
                  callback: Callable[..., None] | None, watermark: int | None,
-                 refused: list[KafkaError] | None = None) -> None:
-        """Produce one message, waiting while the local queue is full. With `refused`, a produce refused because
-        the transaction already failed (_STATE) is appended to it instead of raised: the caller finds out why."""
+                 refused: list[KafkaError] | None = None, partition: int = -1) -> None:
+        """Produce one message (partition -1: the partitioner's choice), waiting while the local queue is full. With
+        `refused`, a produce refused because the transaction already failed (_STATE) is appended to it instead of
+        raised: the caller finds out why."""
         while True:
             try:
-                self.producer.produce(topic, value, key, headers=headers, on_delivery=callback)
+                self.producer.produce(topic, value, key, partition, headers=headers, on_delivery=callback)
                 return
             except BufferError:
                 self.producer.poll(0.05)  # local queue full: let deliveries drain

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import TIMESTAMP_CREATE_TIME, Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewPartitions
 
 from resources import arrow_produce
 from resources.arrow_produce import QUEUE_FULL, RowProducer
@@ -50,7 +51,8 @@ def _batches(lo: int, hi: int) -> Callable[[], Iterator[MessageBatch]]:
     return batches
 
 
-def _raw(bootstrap: str, topic: str) -> list[Raw]:
+def _raw(bootstrap: str, topic: str, timestamps: list[tuple[int, int]] | None = None) -> list[Raw]:
+    """The topic's committed messages; each one's (timestamp type, timestamp) appended to `timestamps` if given."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False})
     try:
@@ -63,6 +65,8 @@ def _raw(bootstrap: str, topic: str) -> list[Raw]:
             for msg in consumer.consume(1000, 1.0):
                 if not msg.error():
                     out.append((msg.key(), msg.value(), msg.headers()))
+                    if timestamps is not None:
+                        timestamps.append(msg.timestamp())
         return out
     finally:
         consumer.close()
@@ -97,7 +101,9 @@ def _record_c_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
 def test_c_loop_produces_the_messages_confluent_kafka_would(services, name, monkeypatch) -> None:
     rows, calls = 3000, _record_c_calls(monkeypatch)
+    before_ms = time.time_ns() // 1_000_000
     native, native_checksum = _publish(services, name, name, rows)
+    after_ms = time.time_ns() // 1_000_000
     # Every batch's first and last row report their offsets through confluent-kafka; the rest came from C.
     sizes = [len(b) for b in _batches(0, rows)()]
     assert sizes == [2, 2, 127, 1869, 1000]
@@ -117,6 +123,14 @@ def test_c_loop_produces_the_messages_confluent_kafka_would(services, name, monk
                                           ("rowrelay.watermark", r["watermark_text"])] for r in expected]
     assert native[6][0] is None and native[10][0] == b""  # no key, and an empty one: not the same in Kafka
 
+    # The C loop names the CreateTime (the clock read once per 1,024 rows): the time the rows were produced, in
+    # the order they were, like librdkafka's own per message.
+    timestamps: list[tuple[int, int]] = []
+    _raw(services.kafka_bootstrap, name, timestamps)
+    assert {kind for kind, _ in timestamps} == {TIMESTAMP_CREATE_TIME}
+    times = [t for _, t in timestamps]
+    assert before_ms <= times[0] and times[-1] <= after_ms and times == sorted(times), (before_ms, after_ms)
+
 
 def test_full_local_queue_waits_and_loses_nothing(services, name, monkeypatch) -> None:
     rows, calls = 20_000, _record_c_calls(monkeypatch)
@@ -129,15 +143,15 @@ def test_full_local_queue_waits_and_loses_nothing(services, name, monkeypatch) -
 
 def test_c_loop_attaches_to_the_locked_confluent_kafka_only_where_checked(services, monkeypatch) -> None:
     producer = Producer({"bootstrap.servers": services.kafka_bootstrap})
-    row_producer = RowProducer.attach(producer, "any-topic", "t")
+    row_producer = RowProducer.attach(producer, "any-topic", "t", 0)
     assert row_producer is not None, "the locked confluent-kafka must take the C loop (CHECKED_VERSIONS)"
     row_producer.close()
-    assert RowProducer.attach(object(), "any-topic", "t") is None  # not a Producer: its memory is never read
+    assert RowProducer.attach(object(), "any-topic", "t", 0) is None  # not a Producer: its memory is never read
     # Restored after the test (the loaded library, not failed): later tests in this process keep the C loop.
     monkeypatch.setattr(arrow_produce._Native, "_loaded", None)
     monkeypatch.setattr(arrow_produce._Native, "_failed", False)
     monkeypatch.setattr(arrow_produce, "CHECKED_VERSIONS", frozenset({"0.0.0"}))
-    assert RowProducer.attach(producer, "any-topic", "t") is None  # an unchecked version: confluent-kafka's path
+    assert RowProducer.attach(producer, "any-topic", "t", 0) is None  # an unchecked version: confluent-kafka's path
     producer.flush(5)
 
 
@@ -172,3 +186,29 @@ def test_publishing_process_frees_small_chunks_without_fastbins() -> None:
 
     assert fastbin_bytes("plain") > 0, "the probe never reached glibc's fastbins: it cannot tell the setting apart"
     assert fastbin_bytes("publisher") == 0
+
+
+def test_partitions_added_after_init_leave_every_row_in_the_one_the_offsets_name(services, name) -> None:
+    """A publisher made for a one-partition topic names partition 0 on every row, from C and from Python: when
+    partitions are added while it lives (a warm worker), its rows do not spread over partitions that its offsets,
+    taken from each batch's first and last row, would not cover."""
+    conf = {"bootstrap.servers": services.kafka_bootstrap, "topic.metadata.refresh.interval.ms": "100"}
+    channel = TableChannel.for_table(f"arrow.public.{name}", name, prefix=f"rowrelay-{name}")
+    publisher = SlicePublisher(channel, conf)
+    try:
+        publisher.publish(SliceRange(0, 2500), _batches(0, 2500))
+        admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+        admin.create_partitions([NewPartitions(name, 4)])[name].result(timeout=30)
+        deadline = time.monotonic() + 30
+        while len(publisher.producer.list_topics(name, timeout=5).topics[name].partitions) < 4:
+            assert time.monotonic() < deadline, "the producer never saw the new partitions"
+            time.sleep(0.1)
+        time.sleep(0.5)  # a few of its own metadata refreshes (100 ms)
+        publisher.publish(SliceRange(2500, 5000), _batches(2500, 5000))
+    finally:
+        publisher.close()
+    assert [partition_ends(services.kafka_bootstrap, name, p)[1] for p in (1, 2, 3)] == [0, 0, 0]
+    messages = _raw(services.kafka_bootstrap, name)
+    assert [int(dict(h)["rowrelay.watermark"]) for _, _, h in messages] == list(range(1, 5001))
+    progress = read_committed_progress(conf, channel)  # offset 2500 is the first slice's commit marker
+    assert progress.hi == 5000 and progress.offsets == {"0": [2501, 5000]}, progress.offsets
