@@ -55,9 +55,10 @@ static int is_valid(const binary_column *c, int64_t i) {
 }
 
 /*
- * Produces rows [start, stop) to partition `partition` of rkt. Returns how many were produced; when fewer than stop - start, *error is
- * librdkafka's error for the next row (that row was not produced; RD_KAFKA_RESP_ERR__QUEUE_FULL: wait and
- * produce it again), else 0. A null key is produced without a key; values and watermark texts have no nulls.
+ * Produces rows [start, stop) to partition `partition` of rkt. Returns how many were produced; when fewer than
+ * stop - start, *error is librdkafka's error for the next row (that row was not produced;
+ * RD_KAFKA_RESP_ERR__QUEUE_FULL: wait and produce it again), else 0. A null key is produced without a key; values
+ * and watermark texts have no nulls.
  */
 int64_t produce_rows(producev_fn producev, void *rk, void *rkt, int32_t partition, const binary_column *keys,
                      const binary_column *values, const binary_column *watermarks, const char *table,
