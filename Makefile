@@ -30,7 +30,7 @@ help:
 # produces every row through confluent-kafka (slower) and says so in its log.
 NATIVE := resources/native/produce_rows.so
 $(NATIVE): resources/native/produce_rows.c
-	cc -O2 -Wall -Werror -shared -fPIC -o $@ $< || echo "rowrelay: no C compiler: rows are produced through confluent-kafka"
+	cc -O2 -Wall -Werror -shared -fPIC -o $@ $< || { rm -f $@; echo "rowrelay: no C compiler: rows are produced through confluent-kafka"; }
 
 install: .venv/.synced $(NATIVE)
 

@@ -33,6 +33,8 @@ LIBRARY = Path(__file__).resolve().parent / "native" / "produce_rows.so"
 # confluent-kafka versions whose Producer object was checked to hold its rd_kafka_t right after the object header.
 CHECKED_VERSIONS = frozenset({"2.16.1"})
 QUEUE_FULL = -184  # RD_KAFKA_RESP_ERR__QUEUE_FULL
+# produce_rows_abi() of the produce_rows.c this module calls: 2 added the partition argument.
+ABI = 2
 
 
 class _BinaryColumn(ctypes.Structure):
@@ -92,6 +94,11 @@ class _Native:
         self.producev = ctypes.cast(rdkafka.rd_kafka_producev, ctypes.c_void_p).value
         _without_fastbins()
         self.lib = lib = ctypes.CDLL(str(LIBRARY))  # CDLL: the call releases the GIL
+        # A library built from an older produce_rows.c (make install keeps none when cc fails, but a copy made
+        # another way might) takes other arguments: calling it would crash the process, not fail the call.
+        abi = getattr(lib, "produce_rows_abi", None)
+        if abi is None or abi() != ABI:
+            raise OSError(f"{LIBRARY} was built from another version of produce_rows.c (make install rebuilds it)")
         column = ctypes.POINTER(_BinaryColumn)
         lib.produce_rows.restype = ctypes.c_int64
         lib.produce_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, column,

@@ -1180,7 +1180,8 @@ class SlicePublisher:
             for key, value, wm, wm_text in rows:
                 headers = [table_pair, (WATERMARK_HEADER, wm_text)]
                 try:  # one C call per row, positional (keyword parsing cost 20 % of the loop):
-                    # topic, value, key, partition (-1: the partitioner), on_delivery, callback, timestamp, headers
+                    # topic, value, key, partition (-1: the partitioner), callback, on_delivery (its alias),
+                    # timestamp, headers
                     produce(topic, value, key, partition, report, None, 0, headers)
                 except (BufferError, KafkaException):
                     self._produce(topic, key, value, headers, report, wm, refused, partition)

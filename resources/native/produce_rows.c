@@ -40,6 +40,10 @@ static int64_t now_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* The calling convention of produce_rows below; resources/arrow_produce.py refuses a library built from another
+ * version of this file (a stale build left by a failed compile), whose arguments would not line up. */
+int produce_rows_abi(void) { return 2; }
+
 /* One Arrow binary column: its 32-bit offsets from the array's first row, its data, and its validity bitmap
  * (NULL: no nulls) with the bit of the array's first row. */
 typedef struct {
