@@ -1,7 +1,8 @@
 """The publisher's C produce loop (resources/arrow_produce.py) on the real broker: the same messages as through
 confluent-kafka's produce(), byte for byte, for every shape of Arrow column a slice brings (null and empty keys,
-batches sliced at an offset, non-ASCII and NUL bytes); a full local queue; the Python path wherever the loop is
-not attached; and glibc's fastbins off in a process that loads the loop."""
+batches sliced at an offset, non-ASCII and NUL bytes), with the CreateTime it names; a full local queue; the Python
+path wherever the loop is not attached, a stale build of it included; partitions added while a publisher lives;
+and glibc's fastbins off in a process that loads the loop."""
 
 from __future__ import annotations
 
@@ -73,6 +74,11 @@ def _raw(bootstrap: str, topic: str, timestamps: list[tuple[int, int]] | None = 
         consumer.close()
 
 
+def _watermarks(messages: list[Raw]) -> list[int]:
+    """Each message's rowrelay.watermark header, in topic order."""
+    return [int(dict(headers)["rowrelay.watermark"]) for _, _, headers in messages]
+
+
 def _publish(services, table: str, topic: str, rows: int, **producer: str) -> tuple[list[Raw], str]:
     """Publish rows (0, rows] of table `arrow.public.<table>` to `topic` (its own progress and transactional id)."""
     conf = {"bootstrap.servers": services.kafka_bootstrap, **producer}
@@ -139,7 +145,7 @@ def test_full_local_queue_waits_and_loses_nothing(services, name, monkeypatch) -
     messages, checksum = _publish(services, name, name, rows, **{"queue.buffering.max.messages": "500",
                                                            "linger.ms": "5"})
     assert QUEUE_FULL in [err for _, err in calls], "the local queue never filled: the test did not reach the wait"
-    assert [int(dict(h)["rowrelay.watermark"]) for _, _, h in messages] == list(range(1, rows + 1))
+    assert _watermarks(messages) == list(range(1, rows + 1))
     assert checksum == slice_checksum([value for _, value, _ in messages])
 
 
@@ -155,7 +161,6 @@ def test_c_loop_attaches_to_the_locked_confluent_kafka_only_where_checked(servic
     monkeypatch.setattr(arrow_produce, "CHECKED_VERSIONS", frozenset({"0.0.0"}))
     assert RowProducer.attach(producer, "any-topic", "t", 0) is None  # an unchecked version: confluent-kafka's path
     producer.flush(5)
-
 
 
 @pytest.mark.parametrize("stale", ["int64_t produce_rows(void) { return 0; }",  # built before the ABI number
@@ -176,8 +181,9 @@ def test_a_library_built_from_another_produce_rows_c_is_refused(services, name, 
     calls = _record_c_calls(monkeypatch)
     messages, checksum = _publish(services, name, name, 3000)
     assert arrow_produce._Native._failed and calls == []  # refused at load; no row went through it
-    assert [int(dict(h)["rowrelay.watermark"]) for _, _, h in messages] == list(range(1, 3001))
+    assert _watermarks(messages) == list(range(1, 3001))
     assert checksum == slice_checksum([value for _, value, _ in messages])
+
 
 _FASTBIN_PROBE = """
 import ctypes, sys
@@ -233,6 +239,6 @@ def test_partitions_added_after_init_leave_every_row_in_the_one_the_offsets_name
         publisher.close()
     assert [partition_ends(services.kafka_bootstrap, name, p)[1] for p in (1, 2, 3)] == [0, 0, 0]
     messages = _raw(services.kafka_bootstrap, name)
-    assert [int(dict(h)["rowrelay.watermark"]) for _, _, h in messages] == list(range(1, 5001))
+    assert _watermarks(messages) == list(range(1, 5001))
     progress = read_committed_progress(conf, channel)  # offset 2500 is the first slice's commit marker
     assert progress.hi == 5000 and progress.offsets == {"0": [2501, 5000]}, progress.offsets
