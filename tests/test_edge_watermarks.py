@@ -340,10 +340,41 @@ def test_a_check_that_cannot_reach_the_database_is_not_final(url: str) -> None:
         source.dispose()
 
 
+@contextmanager
+def innodb_trx_kept_stale(database: URL, seconds: float = 60.0) -> Iterator[None]:
+    """innodb_trx's cache kept stale while the block runs: a stored procedure reads it every 10 ms inside the server
+    (InnoDB refreshes the cache only when nobody read it for 100 ms) until a row in its stop table ends it. A reader
+    thread in the test's own process missed that 100 ms now and then under load (it shares the GIL with the sensor
+    tick it is meant to blind), and the tick then saw a fresh cache and cut."""
+    engine = create_engine(database, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text("CREATE TABLE keep_innodb_trx_stale_stop (stop int)"))
+        conn.execute(text(
+            "CREATE PROCEDURE keep_innodb_trx_stale(n INT) BEGIN DECLARE i INT DEFAULT 0; "
+            "WHILE i < n AND NOT EXISTS (SELECT 1 FROM keep_innodb_trx_stale_stop) DO "
+            "SELECT COUNT(*) INTO @rows FROM information_schema.innodb_trx; DO SLEEP(0.01); SET i = i + 1; "
+            "END WHILE; END"))
+
+    def keep_stale() -> None:
+        with engine.connect() as conn:
+            conn.execute(text(f"CALL keep_innodb_trx_stale({int(seconds * 100)})"))
+
+    loop = threading.Thread(target=keep_stale)
+    loop.start()
+    try:
+        time.sleep(0.1)  # the cache is refreshed once, then kept stale
+        yield
+    finally:
+        with engine.connect() as conn:
+            conn.execute(text("INSERT INTO keep_innodb_trx_stale_stop VALUES (1)"))
+        loop.join(10)
+        engine.dispose()
+
+
 def test_mariadb_sensor_skips_a_tick_while_innodb_trx_stays_stale(services, mariadb_database, mariadb_engine,
                                                                    dagster_instance, dagster_home, spark, name,
                                                                    tmp_path, capsys, monkeypatch) -> None:
-    """A client reading innodb_trx every 20 ms keeps its cache stale past observe's wait: the sensor's tick is
+    """A client reading innodb_trx every 10 ms keeps its cache stale past observe's wait: the sensor's tick is
     skipped with the reason (not a failed tick), `rowrelay backfill` exits 1 with it, nothing is cut, and the next
     tick cuts once the cache is fresh."""
     with mariadb_engine.begin() as conn:
@@ -353,20 +384,7 @@ def test_mariadb_sensor_skips_a_tick_while_innodb_trx_stays_stale(services, mari
                              [{"source": "src", "table": name, "watermark": "id", "settle_seconds": 0}]),
                 dagster_instance)
     table = h.table()
-    reader = create_engine(services.mariadb_url())
-    stop = threading.Event()
-
-    def read_often() -> None:
-        with reader.connect() as conn:
-            while not stop.is_set():
-                conn.execute(text("SELECT COUNT(*) FROM information_schema.innodb_trx")).scalar()
-                conn.rollback()
-                time.sleep(0.02)
-
-    monitor = threading.Thread(target=read_often)
-    try:
-        monitor.start()
-        time.sleep(0.1)  # the cache is refreshed once, then kept stale
+    with innodb_trx_kept_stale(mariadb_database):
         assert h.tick(table) == []
         assert "innodb_trx stayed stale" in (h.skip_messages[table.table_id] or "")
         monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
@@ -374,10 +392,6 @@ def test_mariadb_sensor_skips_a_tick_while_innodb_trx_stays_stale(services, mari
         assert main(["--config", str(h.config_file()), "backfill", "--table", table.table_id]) == 1
         assert "innodb_trx stayed stale" in capsys.readouterr().err
         assert h.instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []
-    finally:
-        stop.set()
-        monitor.join(5)
-        reader.dispose()
     time.sleep(0.2)  # nobody reads it now: the next read refreshes it
     keys: list[str] = []
     assert eventually(lambda: bool(keys.extend(h.tick(table)) or keys), timeout=10), h.skip_messages[table.table_id]
