@@ -13,6 +13,7 @@ from sqlalchemy import text
 
 from resources.exactly_once import (
     OutgoingMessage,
+    ProgressTail,
     PublisherFenced,
     RelayError,
     SlicePublisher,
@@ -75,6 +76,32 @@ def test_slices_commit_in_order_and_repeat_is_a_no_op(services, name) -> None:
     assert again.already_committed and again.progress.rows == 100
     publish_slice(channel, conf, SliceRange(100, 200), _rows(100, 200))
     assert [int(m.key) for m in read_topic(services.kafka_bootstrap, name)] == list(range(1, 201))
+
+
+def test_an_idle_progress_tail_fetches_nothing_and_still_sees_the_next_commit(services, name, capfd) -> None:
+    """A sensor reads its table's progress through a long-lived ProgressTail. Left assigned, its consumer fetched
+    the progress partition every fetch.wait.max.ms (10 ms) for as long as the process lived, nobody polling: ~100
+    requests a second per table on the broker. librdkafka's `fetch` debug lines (stderr) count the fetches."""
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    channel = TableChannel.for_table(f"tail.public.{name}", name)
+    publish_slice(channel, conf, SliceRange(0, 100), _rows(0, 100))
+    tail = ProgressTail({**conf, "debug": "fetch"}, channel.progress_topic)
+    try:
+        deadline = time.monotonic() + 10  # the commit marker may reach the progress partition a moment later
+        while (record := tail.read()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert record is not None and record.hi == 100
+        capfd.readouterr()
+        time.sleep(1.0)  # idle, as between two sensor ticks
+        fetches = [line for line in capfd.readouterr().err.splitlines() if "|FETCH|" in line]
+        assert len(fetches) < 5, f"{len(fetches)} fetches in 1 s from an idle tail: {fetches[:3]}"
+        publish_slice(channel, conf, SliceRange(100, 200), _rows(100, 200))
+        deadline = time.monotonic() + 10
+        while (record := tail.read()) is not None and record.hi != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert record is not None and record.hi == 200
+    finally:
+        tail.close()
 
 
 # --------------------------------------------------------------------------- crashes of a real run
