@@ -20,7 +20,7 @@ from sqlalchemy.engine import URL
 
 from orchestration.factory import build_definitions, job_name
 from resources.config import RelayConfig, TableConfig, parse_config
-from resources.exactly_once import ProgressRecord, read_committed_progress
+from resources.exactly_once import ProgressRecord, TableChannel, read_committed_progress
 from tests.conftest import Services, partition_ends
 
 
@@ -212,6 +212,19 @@ class Consumed:
     @property
     def watermark(self) -> int:
         return int(self.headers["rowrelay.watermark"])
+
+
+def visible_progress(conf: dict[str, Any], channel: TableChannel, hi: int) -> ProgressRecord | None:
+    """The committed progress once it reaches `hi` (or what is visible after 10 s). Right after a commit, the
+    commit marker may not be on the progress partition yet (the coordinator writes each partition's marker after
+    the commit returns, the data partitions' possibly first), and a read_committed reader still sees the progress
+    before it (tests/conftest.py partition_ends tells the same story for data topics)."""
+    deadline = time.monotonic() + 10
+    while True:
+        progress = read_committed_progress(conf, channel)
+        if (progress is not None and progress.hi >= hi) or time.monotonic() > deadline:
+            return progress
+        time.sleep(0.05)
 
 
 def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Consumed]:

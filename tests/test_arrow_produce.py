@@ -24,14 +24,13 @@ from resources import arrow_produce
 from resources.arrow_produce import QUEUE_FULL, RowProducer
 from resources.exactly_once import (
     MessageBatch,
-    ProgressRecord,
     SlicePublisher,
     TableChannel,
-    read_committed_progress,
     slice_checksum,
 )
 from resources.slices import SliceRange
 from tests.conftest import partition_ends
+from tests.pipeline import visible_progress
 
 pytestmark = pytest.mark.integration
 
@@ -86,18 +85,6 @@ def _watermarks(messages: list[Raw]) -> list[int]:
     return [int(dict(headers)["rowrelay.watermark"]) for _, _, headers in messages]
 
 
-def _visible_progress(conf: dict[str, str], channel: TableChannel, hi: int) -> ProgressRecord | None:
-    """The committed progress once it reaches `hi` (or what is visible after 10 s). Right after commit_transaction
-    the commit marker may not be on the progress partition yet, and a read_committed reader still sees the progress
-    before it (tests/conftest.py partition_ends tells the same story for data topics)."""
-    deadline = time.monotonic() + 10
-    while True:
-        progress = read_committed_progress(conf, channel)
-        if (progress is not None and progress.hi >= hi) or time.monotonic() > deadline:
-            return progress
-        time.sleep(0.05)
-
-
 def _publish(services, table: str, topic: str, rows: int, **producer: str) -> tuple[list[Raw], str]:
     """Publish rows (0, rows] of table `arrow.public.<table>` to `topic` (its own progress and transactional id)."""
     conf = {"bootstrap.servers": services.kafka_bootstrap, **producer}
@@ -108,7 +95,7 @@ def _publish(services, table: str, topic: str, rows: int, **producer: str) -> tu
     finally:
         publisher.close()
     assert result.progress.rows == rows
-    assert _visible_progress(conf, channel, rows).hi == rows
+    assert visible_progress(conf, channel, rows).hi == rows
     return _raw(services.kafka_bootstrap, topic), result.progress.checksum
 
 
@@ -259,5 +246,5 @@ def test_partitions_added_after_init_leave_every_row_in_the_one_the_offsets_name
     assert [partition_ends(services.kafka_bootstrap, name, p)[1] for p in (1, 2, 3)] == [0, 0, 0]
     messages = _raw(services.kafka_bootstrap, name)
     assert _watermarks(messages) == list(range(1, 5001))
-    progress = _visible_progress(conf, channel, 5000)  # offset 2500 is the first slice's commit marker
+    progress = visible_progress(conf, channel, 5000)  # offset 2500 is the first slice's commit marker
     assert progress.hi == 5000 and progress.offsets == {"0": [2501, 5000]}, progress.offsets

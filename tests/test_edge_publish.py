@@ -25,7 +25,7 @@ from resources.exactly_once import (
 )
 from resources.kafka_io_manager import STOPPED_TAG
 from resources.slices import SliceRange
-from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, visible_progress
 from tests.test_errors import failure_text
 
 pytestmark = pytest.mark.integration
@@ -101,7 +101,7 @@ def test_error_inside_transaction_aborts_it(services, name, error: BaseException
     finally:
         publisher.close()
     assert_exactly_once(read_topic(services.kafka_bootstrap, name, timeout=5.0), list(range(1, 41)))
-    assert read_committed_progress(conf, channel).hi == 40
+    assert visible_progress(conf, channel, 40).hi == 40
 
 
 # --------------------------------------------------------------------------- item 6: the transaction timeout

@@ -19,10 +19,9 @@ from resources.exactly_once import (
     SlicePublisher,
     TableChannel,
     publish_slice,
-    read_committed_progress,
 )
 from resources.slices import SliceRange
-from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, visible_progress
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +62,7 @@ def test_racing_publishers_one_is_fenced_no_duplicate(services, name) -> None:
     assert isinstance(outcome["a"], PublisherFenced | RelayError), outcome["a"]
     msgs = read_topic(services.kafka_bootstrap, name)
     assert sorted(int(m.key) for m in msgs) == list(range(1, 501))
-    assert read_committed_progress(conf, channel).hi == 500
+    assert visible_progress(conf, channel, 500).hi == 500
 
 
 def test_slices_commit_in_order_and_repeat_is_a_no_op(services, name) -> None:
