@@ -17,7 +17,8 @@ TCP (sslmode=disable) and produces lz4 to the same broker:
             the default interval; warm Spark (Connect server) and cold Spark (a JVM per run)
   memory    peak RSS of the run worker (the backfill process) for the largest slice
 The 1M-row runs (raw, ceiling, rowrelay, dpone, Debezium) go in `--repeats` rounds (3), every tool once per round;
-each figure is the median of its rounds, and every sample is kept in results.json.
+each figure is the median of its rounds, and every sample is kept in results.json. The ceiling, ceiling + Kafka and
+rowrelay runs also record the CPU-seconds of each process of the stack over the run (`cpu_s`).
 Prints a table and writes bench/results.json. Not a test: figures depend on the machine and its load.
 """
 
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,15 +202,18 @@ def run_spark_ceiling(stack: Stack, table: str, rows: int) -> dict[str, Any]:
     Kafka, in a fresh process timed from launch like a backfill (bench/spark_ceiling.py)."""
     cmd = [sys.executable, "-m", "bench.spark_ceiling", "--url", source_url(stack), "--table", f"public.{table}",
            "--rows", str(rows)] + (["--remote", stack.spark_remote] if stack.spark_remote else [])
+    meter = CpuMeter(stack)
+    cpu_start, process_start = meter.snapshot(), children_cpu_s()
     started = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                          text=True, timeout=1800)
     seconds = time.perf_counter() - started
+    cpu = CpuMeter.seconds(cpu_start, meter.snapshot(), children_cpu_s() - process_start)  # until its exit
     if out.returncode != 0:
         raise RuntimeError(f"spark ceiling failed: {out.stderr[-2000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return {"seconds": round(seconds, 2), "read_seconds": result["read_seconds"], "rows": result["rows"],
-            "rows_per_s": round(rows / seconds)}
+            "rows_per_s": round(rows / seconds), "cpu_s": cpu}
 
 
 def run_kafka_path(stack: Stack, table: str, rows: int, label: str) -> dict[str, Any]:
@@ -220,10 +225,12 @@ def run_kafka_path(stack: Stack, table: str, rows: int, label: str) -> dict[str,
         (["--remote", stack.spark_remote] if stack.spark_remote else [])
     with CommittedWatch(stack, table_id, rows) as watch:
         started = time.perf_counter()
-        out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                             text=True, timeout=1800)
-    if out.returncode != 0 or watch.at is None:
-        raise RuntimeError(f"Spark ceiling + Kafka failed: {out.stderr[-2000:]}")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        watch.watch_pid(proc.pid)
+        _, stderr = proc.communicate(timeout=1800)
+    if proc.returncode != 0 or watch.at is None:
+        raise RuntimeError(f"Spark ceiling + Kafka failed: {stderr[-2000:]}")
     return watch.figures(started)
 
 
@@ -277,12 +284,77 @@ def peak_rss_kib(pid: int) -> int:
     return 0
 
 
-def run_watching_rss(cmd: list[str], env: dict[str, str], log_path: Path) -> tuple[float, int, int]:
-    """Run a command; returns (seconds, exit code, peak RSS in KiB sampled from /proc every 0.1 s)."""
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system ticks of a process (all its threads) and of its children it has reaped; 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return sum(int(v) for v in fields[11:15])
+
+
+def _pidfile(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuMeter:
+    """CPU-seconds of the stack's processes over a run, to show where a tool's CPU goes on this shared box: the
+    Spark Connect server, PostgreSQL (the postmaster, its live backends and the ended ones it reaped: a run's
+    connections end with it), the broker, and the tool's own process (its threads and reaped children)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.pids = {"spark": _pidfile(stack.home / "spark-connect" / "spark-connect.pid"),
+                     "postgres": _pidfile(stack.home / "postgres" / "data" / "postmaster.pid"),
+                     "broker": _pidfile(stack.home / "kafka" / "kafka.pid")}
+
+    def snapshot(self, pid: int | None = None) -> dict[str, int]:
+        out = {name: _cpu_ticks(p) for name, p in self.pids.items() if p}
+        postmaster = self.pids.get("postgres")
+        if postmaster:
+            for entry in Path("/proc").iterdir():  # the live backends (an ended one is in the postmaster's own)
+                if entry.name.isdigit():
+                    with contextlib.suppress(OSError, IndexError, ValueError):
+                        if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                            out["postgres"] += _cpu_ticks(int(entry.name))
+        if pid is not None:
+            out["process"] = _cpu_ticks(pid)
+        return out
+
+    @staticmethod
+    def seconds(start: dict[str, int], end: dict[str, int], process_s: float | None = None) -> dict[str, float]:
+        """CPU-seconds per process between two snapshots (`process_s`: the tool's own, measured otherwise)."""
+        out = {k: round((end[k] - start.get(k, 0)) / CLK_TCK, 2) for k in ("process", "spark", "postgres", "broker")
+               if k in end}
+        if process_s is not None:
+            out["process"] = round(process_s, 2)
+        out["all"] = round(sum(out.values()), 2)
+        return out
+
+
+def children_cpu_s() -> float:
+    """CPU-seconds of the children this process has waited for (a finished tool's whole process)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_watching_rss(cmd: list[str], env: dict[str, str], log_path: Path,
+                     on_start: Callable[[int], None] | None = None) -> tuple[float, int, int]:
+    """Run a command; returns (seconds, exit code, peak RSS in KiB sampled from /proc every 0.1 s). `on_start` gets
+    the process id once it runs."""
     peak = 0
     started = time.perf_counter()
     with log_path.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if on_start is not None:
+            on_start(proc.pid)
         stop = threading.Event()
 
         def watch() -> None:
@@ -310,6 +382,10 @@ class CommittedWatch:
             table_id, table_id).progress_topic)
         self.stack, self.table_id = stack, table_id
         self.hi, self.at, self.committed_hi = hi, None, None
+        # CPU per process from launch until visible: snapshots now and when the rows become visible.
+        self.meter = CpuMeter(stack)
+        self.pid: int | None = None
+        self.cpu_start, self.cpu_end = self.meter.snapshot(), None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -331,6 +407,7 @@ class CommittedWatch:
                 self.committed_hi = record.hi
                 if record.hi >= self.hi and self.at is None:
                     self.at = time.perf_counter()
+                    self.cpu_end = self.meter.snapshot(self.pid)
 
     def _watch(self) -> None:
         while self.at is None and not self.stop.wait(0.05):
@@ -342,9 +419,16 @@ class CommittedWatch:
         assert self.at is not None
         seconds = self.at - started
         messages = topic_count(self.stack, self.table_id)
-        return {"seconds": round(seconds, 2), "rows_per_s": round(self.hi / seconds), "messages": messages,
-                "committed_hi": self.committed_hi,
-                "exactly_once": messages == self.hi and self.committed_hi == self.hi}
+        out = {"seconds": round(seconds, 2), "rows_per_s": round(self.hi / seconds), "messages": messages,
+               "committed_hi": self.committed_hi,
+               "exactly_once": messages == self.hi and self.committed_hi == self.hi}
+        if self.cpu_end is not None and self.pid is not None:
+            out["cpu_s"] = CpuMeter.seconds(self.cpu_start, self.cpu_end)
+        return out
+
+    def watch_pid(self, pid: int) -> None:
+        """The tool's process, whose CPU the snapshot at visibility takes too."""
+        self.pid = pid
 
 
 def run_rowrelay(stack: Stack, table: str, rows: int, slice_rows: int, workdir: Path, label: str) -> dict[str, Any]:
@@ -359,7 +443,8 @@ def run_rowrelay(stack: Stack, table: str, rows: int, slice_rows: int, workdir: 
     # topic holds every row); the process then still records the run's checks and exits (seconds_to_exit).
     with CommittedWatch(stack, table_id, rows) as watch:
         started = time.perf_counter()
-        seconds_to_exit, code, peak = run_watching_rss(cmd, env, workdir / f"rowrelay-{label}.log")
+        seconds_to_exit, code, peak = run_watching_rss(cmd, env, workdir / f"rowrelay-{label}.log",
+                                                       on_start=watch.watch_pid)
     if code != 0:
         raise RuntimeError(f"rowrelay backfill failed ({code}); see {workdir / f'rowrelay-{label}.log'}")
     if watch.at is None:
@@ -711,6 +796,13 @@ def summarize_throughput(results: dict[str, Any], samples: dict[str, list[dict[s
         results["rowrelay_1m_slice_rows_per_s"] = million["rows_per_s"]
         results["rowrelay_100k_vs_1m_slice"] = round(hundred["rows_per_s"] / million["rows_per_s"], 2)
         best = max(hundred, million, key=lambda r: r["rows_per_s"])
+        # Where the CPU went (process, Spark server, PostgreSQL, broker), mean of the rounds: what rowrelay adds to
+        # the ceiling's work on a box whose two cores the ceiling's read already keeps busy.
+        for name, runs in (("spark_ceiling", samples.get("spark_ceiling")), ("kafka_path", samples.get("kafka_path")),
+                           ("rowrelay_1m", samples["rowrelay_1m"])):
+            cpus = [r["cpu_s"] for r in runs or [] if r.get("cpu_s")]
+            if cpus:
+                results[f"{name}_cpu_s"] = {k: round(statistics.mean(c[k] for c in cpus), 2) for k in cpus[0]}
         results["rowrelay_rows_per_s"] = best["rows_per_s"]
         results["rowrelay_best_slice_max_rows"] = best["slice_max_rows"]
         # Within each round: rowrelay's better slice size against each tool measured in the same round.
@@ -745,6 +837,11 @@ def print_table(r: dict[str, Any]) -> None:
              ("rowrelay / Spark ceiling + Kafka, each round",
               " ".join(map(str, r.get("ratio_vs_kafka_path_by_round") or [])) or None),
              ("rowrelay exactly once in every run", r.get("rowrelay_exactly_once")),
+             *((f"CPU-s, {label} (process / Spark / PostgreSQL / broker = all)",
+                " / ".join(str(cpu.get(k)) for k in ("process", "spark", "postgres", "broker")) + f" = {cpu['all']}")
+               for label, cpu in (("Spark ceiling", r.get("spark_ceiling_cpu_s")),
+                                  ("ceiling + Kafka", r.get("kafka_path_cpu_s")),
+                                  ("rowrelay 1M slice", r.get("rowrelay_1m_cpu_s"))) if cpu),
              ("idle sensor tick, ms", r["idle_tick_ms"]),
              ("idle sensor tick with 300k slices of history, ms", r.get("idle_tick_large_history_ms")),
              ("100 tables: worst gap between a sensor's ticks, s", r.get("sensor_lag_100_tables_s")),
