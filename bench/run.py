@@ -607,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=parts, nargs="*")
     args = parser.parse_args(argv)
     only = set(args.only or parts)
+    if "idle" in only and "rowrelay" not in only:  # the idle tick is that of the table the rowrelay runs relayed
+        parser.error("--only idle needs rowrelay in the same run (its idle tick is on the table rowrelay relays)")
     stack = Stack()
     workdir = stack.home / "bench" / "work"
     workdir.mkdir(parents=True, exist_ok=True)
