@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,16 @@ def _values(bootstrap: str, topic: str, n: int) -> list[dict]:
         c.close()
 
 
+def _ends_reaching(counter: CommittedCounter, offset: int, timeout_s: float = 10.0) -> dict[int, int]:
+    """The counter's end offsets once partition 0's reaches `offset` (or after `timeout_s`): commit_transaction
+    returns before the coordinator has written the commit marker, and until it has, the end a read_committed
+    reader is told (the LSO) stays before the transaction."""
+    deadline = time.monotonic() + timeout_s
+    while (ends := counter.end_offsets())[0] < offset and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ends
+
+
 def test_counter_counts_records_committed_after_it_asked_for_the_end(stack: Stack) -> None:
     """Regression: a fetch brings records committed after the LSO was asked for; they must be counted once."""
     from confluent_kafka import Producer
@@ -126,8 +137,9 @@ def test_counter_counts_records_committed_after_it_asked_for_the_end(stack: Stac
     counter = CommittedCounter(stack.bootstrap, topic)
     try:
         commit(5)
-        stale = counter.end_offsets()  # the end as the timer saw it ...
+        stale = _ends_reaching(counter, 6)  # the end as the timer saw it (5 records and the commit marker) ...
         commit(7)  # ... then more commits land before the records are fetched
+        _ends_reaching(counter, 14)  # their marker written too: a fetch now brings all 12 records
         counter.end_offsets = lambda: stale  # type: ignore[method-assign]
         assert counter.advance() == 12 and counter.past_ends
         del counter.end_offsets
