@@ -296,22 +296,17 @@ def _cpu_ticks(pid: int) -> int:
     return sum(int(v) for v in fields[11:15])
 
 
-def _pidfile(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class CpuMeter:
     """CPU-seconds of the stack's processes over a run, to show where a tool's CPU goes on this shared box: the
     Spark Connect server, PostgreSQL (the postmaster, its live backends and the ended ones it reaped: a run's
     connections end with it), the broker, and the tool's own process (its threads and reaped children)."""
 
     def __init__(self, stack: Stack) -> None:
-        self.pids = {"spark": _pidfile(stack.home / "spark-connect" / "spark-connect.pid"),
-                     "postgres": _pidfile(stack.home / "postgres" / "data" / "postmaster.pid"),
-                     "broker": _pidfile(stack.home / "kafka" / "kafka.pid")}
+        from stack.local import read_pid
+
+        self.pids = {"spark": read_pid(stack.home / "spark-connect" / "spark-connect.pid"),
+                     "postgres": read_pid(stack.home / "postgres" / "data" / "postmaster.pid"),
+                     "broker": read_pid(stack.home / "kafka" / "kafka.pid")}
 
     def snapshot(self, pid: int | None = None) -> dict[str, int]:
         out = {name: _cpu_ticks(p) for name, p in self.pids.items() if p}
@@ -798,6 +793,8 @@ def summarize_throughput(results: dict[str, Any], samples: dict[str, list[dict[s
         results["rowrelay_1m_slice_rows_per_s"] = million["rows_per_s"]
         results["rowrelay_100k_vs_1m_slice"] = round(hundred["rows_per_s"] / million["rows_per_s"], 2)
         best = max(hundred, million, key=lambda r: r["rows_per_s"])
+        results["rowrelay_rows_per_s"] = best["rows_per_s"]
+        results["rowrelay_best_slice_max_rows"] = best["slice_max_rows"]
         # Where the CPU went (process, Spark server, PostgreSQL, broker), mean of the rounds: what rowrelay adds to
         # the ceiling's work on a box whose two cores the ceiling's read already keeps busy.
         for name, runs in (("spark_ceiling", samples.get("spark_ceiling")), ("kafka_path", samples.get("kafka_path")),
@@ -805,8 +802,6 @@ def summarize_throughput(results: dict[str, Any], samples: dict[str, list[dict[s
             cpus = [r["cpu_s"] for r in runs or [] if r.get("cpu_s")]
             if cpus:
                 results[f"{name}_cpu_s"] = {k: round(statistics.mean(c[k] for c in cpus), 2) for k in cpus[0]}
-        results["rowrelay_rows_per_s"] = best["rows_per_s"]
-        results["rowrelay_best_slice_max_rows"] = best["slice_max_rows"]
         # Within each round: rowrelay's better slice size against each tool measured in the same round.
         for peer, key in (("spark_ceiling", "ratio_vs_spark_ceiling_by_round"), ("dpone", "ratio_vs_dpone_by_round"),
                           ("debezium", "ratio_vs_debezium_by_round"), ("kafka_path", "ratio_vs_kafka_path_by_round")):

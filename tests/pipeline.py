@@ -8,9 +8,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from confluent_kafka import Consumer, TopicPartition
@@ -22,6 +23,8 @@ from orchestration.factory import build_definitions, job_name
 from resources.config import RelayConfig, TableConfig, parse_config
 from resources.exactly_once import ProgressRecord, TableChannel, read_committed_progress
 from tests.conftest import Services, partition_ends
+
+T = TypeVar("T")
 
 
 def source_url(url: URL) -> str:
@@ -214,17 +217,21 @@ class Consumed:
         return int(self.headers["rowrelay.watermark"])
 
 
+def polled(read: Callable[[], T], done: Callable[[T], bool], timeout: float = 10.0) -> T:
+    """`read()` again every 50 ms until `done` holds for its answer, or `timeout` passed; the last answer (the
+    caller's assertion then says what it was)."""
+    deadline = time.monotonic() + timeout
+    while not done(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
 def visible_progress(conf: dict[str, Any], channel: TableChannel, hi: int) -> ProgressRecord | None:
     """The committed progress once it reaches `hi` (or what is visible after 10 s). Right after a commit, the
     commit marker may not be on the progress partition yet (the coordinator writes each partition's marker after
     the commit returns, the data partitions' possibly first), and a read_committed reader still sees the progress
     before it (tests/conftest.py partition_ends tells the same story for data topics)."""
-    deadline = time.monotonic() + 10
-    while True:
-        progress = read_committed_progress(conf, channel)
-        if (progress is not None and progress.hi >= hi) or time.monotonic() > deadline:
-            return progress
-        time.sleep(0.05)
+    return polled(lambda: read_committed_progress(conf, channel), lambda p: p is not None and p.hi >= hi)
 
 
 def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Consumed]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +31,7 @@ from bench.debezium_peer import (
 )
 from bench.run import BENCH_DB, Stack, ensure_database, load_table
 from tests.conftest import partition_ends
+from tests.pipeline import polled
 
 ROOT = Path(bench.__file__).resolve().parents[1]  # the checkout
 
@@ -113,10 +113,7 @@ def _ends_reaching(counter: CommittedCounter, offset: int, timeout_s: float = 10
     """The counter's end offsets once partition 0's reaches `offset` (or after `timeout_s`): commit_transaction
     returns before the coordinator has written the commit marker, and until it has, the end a read_committed
     reader is told (the LSO) stays before the transaction."""
-    deadline = time.monotonic() + timeout_s
-    while (ends := counter.end_offsets())[0] < offset and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return ends
+    return polled(counter.end_offsets, lambda ends: ends[0] >= offset, timeout_s)
 
 
 def test_counter_counts_records_committed_after_it_asked_for_the_end(stack: Stack) -> None:

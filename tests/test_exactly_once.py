@@ -21,7 +21,7 @@ from resources.exactly_once import (
     publish_slice,
 )
 from resources.slices import SliceRange
-from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, visible_progress
+from tests.pipeline import Harness, assert_exactly_once, polled, read_topic, relay_config, visible_progress
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,18 +86,14 @@ def test_an_idle_progress_tail_fetches_nothing_and_still_sees_the_next_commit(se
     publish_slice(channel, conf, SliceRange(0, 100), _rows(0, 100))
     tail = ProgressTail({**conf, "debug": "fetch"}, channel.progress_topic)
     try:
-        deadline = time.monotonic() + 10  # the commit marker may reach the progress partition a moment later
-        while (record := tail.read()) is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        record = polled(tail.read, lambda r: r is not None)  # the commit marker may come a moment later
         assert record is not None and record.hi == 100
         capfd.readouterr()
         time.sleep(1.0)  # idle, as between two sensor ticks
         fetches = [line for line in capfd.readouterr().err.splitlines() if "|FETCH|" in line]
         assert len(fetches) < 5, f"{len(fetches)} fetches in 1 s from an idle tail: {fetches[:3]}"
         publish_slice(channel, conf, SliceRange(100, 200), _rows(100, 200))
-        deadline = time.monotonic() + 10
-        while (record := tail.read()) is not None and record.hi != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        record = polled(tail.read, lambda r: r is not None and r.hi == 200)
         assert record is not None and record.hi == 200
     finally:
         tail.close()
