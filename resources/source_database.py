@@ -266,7 +266,9 @@ class SourceDatabaseResource(ConfigurableResource):
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            self._engine = sa.create_engine(self.sqlalchemy_url, pool_pre_ping=True, pool_size=2, max_overflow=2)
+            # The code server evaluates up to eight sensors at once (the daemon's sensor threads), on one source
+            # resource per URL: a smaller pool opened and closed connections above it on every burst of ticks.
+            self._engine = sa.create_engine(self.sqlalchemy_url, pool_pre_ping=True, pool_size=8, max_overflow=2)
         return self._engine
 
     @property

@@ -105,3 +105,55 @@ def test_pooled_storage_in_a_forked_child_leaves_the_parents_connection_alone(
         # The parent's pooled connection still works (a child closing it would have sent a Terminate message).
         instance.add_run(DagsterRun(job_name="parent again", run_id="00000000-0000-0000-0000-000000000003"))
         assert {r.job_name for r in instance.get_runs()} == {"parent", "child", "parent again"}
+
+
+def test_instances_built_one_after_another_in_a_process_share_its_pool(
+        services: Services, storage_db: str, tmp_path: Path) -> None:
+    """The code server builds a new instance from its ref for every sensor evaluation: each one used to open its
+    own connections (dagster-postgres's three table checks, then a pool of its own)."""
+    from dagster import DagsterInstance, DagsterRun
+
+    (tmp_path / "dagster.yaml").write_text(_storage_yaml(services, storage_db, pooled=True))
+    with DagsterInstance.from_config(str(tmp_path)) as instance:  # creates the schema
+        instance.add_run(DagsterRun(job_name="first", run_id=str(uuid.uuid4())))
+    base = _sessions(services, storage_db)
+    for i in range(10):
+        with DagsterInstance.from_config(str(tmp_path)) as instance:
+            instance.add_run(DagsterRun(job_name=f"tick{i}", run_id=str(uuid.uuid4())))
+            instance.get_dynamic_partitions("slices")
+    opened = _sessions(services, storage_db) - base
+    assert opened <= 2, opened  # 10 instances: 70 connections before (7 each)
+    with DagsterInstance.from_config(str(tmp_path)) as instance:
+        assert len(instance.get_runs()) == 11
+
+
+def test_schedule_storage_asks_the_catalog_about_its_tables_once(
+        services: Services, storage_db: str, tmp_path: Path) -> None:
+    """Dagster's schedule storage asks whether its optional tables exist on nearly every call; the daemon makes
+    several such calls per sensor tick. A yes is remembered; the answers stay the same."""
+    from dagster import DagsterInstance
+    from sqlalchemy import event
+
+    from orchestration.storage import process_engine
+
+    (tmp_path / "dagster.yaml").write_text(_storage_yaml(services, storage_db, pooled=True))
+    with DagsterInstance.from_config(str(tmp_path)) as instance:
+        storage = instance.schedule_storage
+        assert storage is not None
+        engine = process_engine(storage.postgres_url)  # the engine every storage of this process draws from
+        catalog: list[str] = []
+
+        def count(conn, cursor, statement, parameters, context, executemany) -> None:  # noqa: ANN001
+            if "pg_catalog.pg_class" in statement:
+                catalog.append(statement)
+
+        event.listen(engine, "before_cursor_execute", count)
+        try:
+            answers = [(storage.has_instigators_table(), storage.has_secondary_index_table(),
+                        storage.get_instigator_state("origin", "selector"), storage.supports_batch_queries)
+                       for _ in range(10)]
+        finally:
+            event.remove(engine, "before_cursor_execute", count)
+    assert answers[0][0] and answers[0][1], answers[0]  # a fresh schema has both tables
+    assert all(a == answers[0] for a in answers), answers
+    assert len(catalog) <= 2, len(catalog)  # 10 rounds: 60 catalog queries before
