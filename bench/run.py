@@ -699,14 +699,22 @@ def main(argv: list[str] | None = None) -> int:
         log(f"idle sensor tick: {results['idle_tick_ms']} ms")
 
     if "scale" in only:
-        from bench.scale import idle_tick_large_history_ms, sensor_lag_100_tables_s
+        from bench.scale import idle_daemon, idle_tick_large_history_ms, sensor_lag_100_tables_s
 
         log("idle tick with 300k committed slices of history (seeded straight into Kafka and the instance)")
         results["idle_tick_large_history_ms"] = round(idle_tick_large_history_ms(stack, workdir), 1)
         log(f"idle tick, large history: {results['idle_tick_large_history_ms']} ms")
         log("100 tables under one daemon: the worst gap between a sensor's ticks (4 min)")
-        results["sensor_lag_100_tables_s"] = round(sensor_lag_100_tables_s(stack, workdir), 1)
-        log(f"100 tables: worst tick gap {results['sensor_lag_100_tables_s']} s (interval 5 s)")
+        many = sensor_lag_100_tables_s(stack, workdir)
+        results["sensor_lag_100_tables_s"] = round(many.worst_gap_ratio, 1)
+        results["idle_cpu_pct_100_tables"] = many.cpu_pct
+        log(f"100 tables: worst tick gap {results['sensor_lag_100_tables_s']} s (interval 5 s); idle CPU, % of a "
+            f"core: {many.cpu_pct}")
+        # Up to 20 tables each has a sensor of its own: the most a table's idle ticks cost.
+        log("20 idle tables under one daemon, a sensor each: CPU (2 min)")
+        few = idle_daemon(stack, workdir, 20, run_s=60.0, warmup_s=60.0)
+        results["idle_cpu_pct_20_tables"] = few.cpu_pct
+        log(f"20 tables: idle CPU, % of a core: {few.cpu_pct}; worst tick gap {few.worst_gap_ratio:.1f} s")
 
     if "freshness" in only:
         # Each launcher relays its own live table through the daemon: freshness and what one run costs.
@@ -842,6 +850,10 @@ def print_table(r: dict[str, Any]) -> None:
              ("idle sensor tick, ms", r["idle_tick_ms"]),
              ("idle sensor tick with 300k slices of history, ms", r.get("idle_tick_large_history_ms")),
              ("100 tables: worst gap between a sensor's ticks, s", r.get("sensor_lag_100_tables_s")),
+             *((f"idle CPU, {n} tables under one daemon, % of a core (daemon + code server / PostgreSQL / broker / "
+                "Spark = all)", " / ".join(str(cpu.get(k)) for k in ("daemon", "postgres", "broker", "spark"))
+                + f" = {cpu['all']}")
+               for n, cpu in ((20, r.get("idle_cpu_pct_20_tables")), (100, r.get("idle_cpu_pct_100_tables"))) if cpu),
              ("freshness p50 / p95, s (warm Spark)",
               f"{fmt(r['freshness_p50_s'])} / {fmt(r['freshness_p95_s'])}"),
              ("run start / to first message, s (median)",

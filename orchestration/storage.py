@@ -18,15 +18,16 @@ half a second connecting. `PooledPostgresStorage` is the same storage (same tabl
   instead of failing the call that drew it.
 - Fork safety: a forked child drops the connections it inherited without closing them (they belong to the
   parent), the pattern SQLAlchemy documents for multiprocessing.
-- One engine per database per process, not per instance: Dagster builds a new instance from its ref for every
-  sensor evaluation in the code server, and each one used to open its own connections (four per tick: three
-  table checks on dagster-postgres's NullPool engines, then the pool's first). A process keeps at most
-  `POOL_SIZE` idle connections per database; bursts above it open short-lived ones. Disposing of an instance
-  leaves the process's pool as it is.
-- dagster-postgres's table checks at start (`get_table_names`, once per storage) run only when one catalog query
-  on the pool finds a main table missing; then they run as Dagster wrote them, creating what is missing.
-- The schedule storage asks the catalog whether its optional tables exist on nearly every call (6-10 catalog
-  queries per sensor tick in the daemon); a yes is kept for the storage's life (Dagster never drops them).
+- One engine per database per process, not per instance: Dagster builds a new instance from its ref for every sensor
+  evaluation in the code server, and each one used to open connections of its own (three table checks on dagster-
+  postgres's NullPool engines, then a pool of its own: 70 for ten instances in tests/test_storage_pool.py). A
+  process keeps at most `POOL_SIZE` idle connections per database; bursts above it open short-lived ones. Disposing
+  of an instance leaves the process's pool as it is.
+- dagster-postgres's table checks at start (`get_table_names`, once per storage) run only when one catalog query on
+  the pool finds a main table missing; then they run as Dagster wrote them, creating what is missing.
+- The schedule storage asks the catalog whether its optional tables exist on nearly every call (the daemon makes
+  such calls on every sensor tick: 60 catalog queries for ten rounds of the test's four calls); a yes is kept for
+  the storage's life (Dagster never drops them).
 """
 
 from __future__ import annotations
