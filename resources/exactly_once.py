@@ -1061,6 +1061,13 @@ class SlicePublisher:
             self._produce(self.channel.progress_topic, record.slice.encode(), record.to_json(), None, None, None)
             self._commit()
             self._txn_began = None
+        except _AbortAndRedo as exc:
+            # Not committed. The abort says why when a newer publisher fenced this one meanwhile (a commit racing
+            # the fence can fail "Unknown broker error" first); else the caller is told in a RelayError, as for
+            # any failed commit, never in this module's private redo signal.
+            self._abort()
+            raise RelayError(f"{self.channel.table}: progress record {record.slice} not committed ({exc}); "
+                             "progress is unchanged, try again") from exc
         except BaseException:
             self._abort_quietly()
             raise
