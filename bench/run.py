@@ -228,10 +228,12 @@ def run_kafka_path(stack: Stack, table: str, rows: int, label: str) -> dict[str,
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         watch.watch_pid(proc.pid)
+        process_start = children_cpu_s()
         _, stderr = proc.communicate(timeout=1800)
+        process_s = children_cpu_s() - process_start
     if proc.returncode != 0 or watch.at is None:
         raise RuntimeError(f"Spark ceiling + Kafka failed: {stderr[-2000:]}")
-    return watch.figures(started)
+    return watch.figures(started, process_s_if_gone=process_s)
 
 
 # -- rowrelay -----------------------------------------------------------------------------------------
@@ -408,9 +410,11 @@ class CommittedWatch:
         while self.at is None and not self.stop.wait(0.05):
             self._poll()
 
-    def figures(self, started: float) -> dict[str, Any]:
+    def figures(self, started: float, process_s_if_gone: float | None = None) -> dict[str, Any]:
         """Seconds from `started` (perf_counter) until the rows became visible, and the topic counted to check
-        exactly once: every row, once, under the progress record that made them visible."""
+        exactly once: every row, once, under the progress record that made them visible. `process_s_if_gone`: the
+        tool's CPU to its exit, for when it had exited (and been reaped) before the snapshot at visibility read it
+        (the ceiling + Kafka process exits right after its commit; its CPU read 0 once)."""
         assert self.at is not None
         seconds = self.at - started
         messages = topic_count(self.stack, self.table_id)
@@ -418,7 +422,10 @@ class CommittedWatch:
                "committed_hi": self.committed_hi,
                "exactly_once": messages == self.hi and self.committed_hi == self.hi}
         if self.cpu_end is not None and self.pid is not None:
-            out["cpu_s"] = CpuMeter.seconds(self.cpu_start, self.cpu_end)
+            gone = not self.cpu_end.get("process") and process_s_if_gone is not None
+            out["cpu_s"] = CpuMeter.seconds(self.cpu_start, self.cpu_end, process_s_if_gone if gone else None)
+            if gone:
+                out["cpu_s_process_to_exit"] = True
         return out
 
     def watch_pid(self, pid: int) -> None:
