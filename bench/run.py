@@ -298,6 +298,18 @@ def _cpu_ticks(pid: int) -> int:
     return sum(int(v) for v in fields[11:15])
 
 
+def live_cpu_ticks(field: int, value: int) -> int:
+    """User + system ticks of every live process whose /proc stat `field` (after the command name) is `value`:
+    1, the parent pid; 3, the session id."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[field]) == value:
+                    total += _cpu_ticks(int(entry.name))
+    return total
+
+
 class CpuMeter:
     """CPU-seconds of the stack's processes over a run, to show where a tool's CPU goes on this shared box: the
     Spark Connect server, PostgreSQL (the postmaster, its live backends and the ended ones it reaped: a run's
@@ -313,12 +325,8 @@ class CpuMeter:
     def snapshot(self, pid: int | None = None) -> dict[str, int]:
         out = {name: _cpu_ticks(p) for name, p in self.pids.items() if p}
         postmaster = self.pids.get("postgres")
-        if postmaster:
-            for entry in Path("/proc").iterdir():  # the live backends (an ended one is in the postmaster's own)
-                if entry.name.isdigit():
-                    with contextlib.suppress(OSError, IndexError, ValueError):
-                        if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
-                            out["postgres"] += _cpu_ticks(int(entry.name))
+        if postmaster:  # the live backends (an ended one is in the postmaster's own)
+            out["postgres"] += live_cpu_ticks(1, postmaster)
         if pid is not None:
             out["process"] = _cpu_ticks(pid)
         return out
@@ -706,13 +714,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"idle sensor tick: {results['idle_tick_ms']} ms")
 
     if "scale" in only:
-        from bench.scale import idle_daemon, idle_tick_large_history_ms, sensor_lag_100_tables_s
+        from bench.scale import idle_daemon, idle_tick_large_history_ms
 
         log("idle tick with 300k committed slices of history (seeded straight into Kafka and the instance)")
         results["idle_tick_large_history_ms"] = round(idle_tick_large_history_ms(stack, workdir), 1)
         log(f"idle tick, large history: {results['idle_tick_large_history_ms']} ms")
         log("100 tables under one daemon: the worst gap between a sensor's ticks (4 min)")
-        many = sensor_lag_100_tables_s(stack, workdir)
+        many = idle_daemon(stack, workdir, 100, run_s=180.0, warmup_s=60.0)
         results["sensor_lag_100_tables_s"] = round(many.worst_gap_ratio, 1)
         results["idle_cpu_pct_100_tables"] = many.cpu_pct
         log(f"100 tables: worst tick gap {results['sensor_lag_100_tables_s']} s (interval 5 s); idle CPU, % of a "

@@ -3,9 +3,10 @@
   seed_history                 N committed one-row slices written straight into the source, Kafka (data + progress,
                                one transaction per 10k slices, commit times spread over weeks) and the instance
   idle_tick_large_history_ms   median idle tick of the table's sensor with that history (no compaction first)
-  sensor_lag_100_tables_s      a daemon on 100 tiny tables: the worst gap between consecutive ticks of any slice
-                               sensor, as a ratio of its interval (<= 2 is the target)
-The functions return floats for bench/run.py; the test suite (tests/test_history.py) reuses `seed_history`.
+  idle_daemon                  a daemon on N tiny idle tables: the worst gap between consecutive ticks of any slice
+                               sensor, as a ratio of its interval (<= 2 is the target at 100 tables), and the CPU
+                               of the daemon and the stack meanwhile (IdleDaemon)
+bench/run.py records them; the test suite (tests/test_history.py) reuses `seed_history`.
 """
 
 from __future__ import annotations
@@ -176,29 +177,12 @@ def worst_tick_gap_ratio(instance: Any, sensor_names: list[str], interval_s: flo
     return worst / interval_s
 
 
-def _session_cpu_ticks(sid: int) -> int:
-    """User + system ticks of every live process of session `sid` (a daemon started in a session of its own: the
-    daemon, its code server and anything they started)."""
-    from bench.run import _cpu_ticks
-
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
-                    total += _cpu_ticks(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return total
-
-
 @dataclass
 class IdleDaemon:
     """A daemon relaying idle tables, measured after its warm-up: the worst gap between a sensor's ticks (as a
     ratio of the interval) and the CPU, in % of one core, of the daemon with its code server and of the stack's
     PostgreSQL, broker and Spark Connect server."""
 
-    tables: int
     worst_gap_ratio: float
     cpu_pct: dict[str, float]
 
@@ -211,7 +195,16 @@ def idle_daemon(stack: Any, workdir: Path, tables: int, run_s: float, warmup_s: 
 
     from dagster import DagsterInstance
 
-    from bench.run import BENCH_DB, CLK_TCK, CpuMeter, dagster_env, ensure_database, stop_process_group, write_config
+    from bench.run import (
+        BENCH_DB,
+        CLK_TCK,
+        CpuMeter,
+        dagster_env,
+        ensure_database,
+        live_cpu_ticks,
+        stop_process_group,
+        write_config,
+    )
 
     ensure_database(stack, BENCH_DB)
     tag = uuid.uuid4().hex[:6]
@@ -238,9 +231,9 @@ def idle_daemon(stack: Any, workdir: Path, tables: int, run_s: float, warmup_s: 
     try:
         time.sleep(warmup_s)
         since = time.time()
-        start, start_daemon = meter.snapshot(), _session_cpu_ticks(daemon.pid)
+        start, start_daemon = meter.snapshot(), live_cpu_ticks(3, daemon.pid)
         time.sleep(run_s)
-        end, end_daemon = meter.snapshot(), _session_cpu_ticks(daemon.pid)
+        end, end_daemon = meter.snapshot(), live_cpu_ticks(3, daemon.pid)
         window = time.time() - since
     finally:
         stop_process_group(daemon)
@@ -260,11 +253,5 @@ def idle_daemon(stack: Any, workdir: Path, tables: int, run_s: float, warmup_s: 
 
         names = [f"slices_{g}" if g is not None else f"{t.dagster_name}_slices"
                  for g, members in sensor_groups(config.tables).items() for t in (members if g is None else [None])]
-        return IdleDaemon(tables, worst_tick_gap_ratio(instance, names, 1.0, since), cpu_pct)
+        return IdleDaemon(worst_tick_gap_ratio(instance, names, 1.0, since), cpu_pct)
 
-
-def sensor_lag_100_tables_s(stack: Any, workdir: Path, tables: int = 100, run_s: float = 180.0,
-                            warmup_s: float = 60.0) -> IdleDaemon:
-    """A daemon on `tables` idle tables: the worst gap in seconds between consecutive ticks of any table's slice
-    sensor after a warm-up (the target is at most twice the sensor interval, 5 s by default: <= 10 s), and its CPU."""
-    return idle_daemon(stack, workdir, tables, run_s, warmup_s)
