@@ -114,6 +114,19 @@ class Harness:
                 return got
             time.sleep(0.2)  # a tick with nothing pending returns at once: do not spin on the source and Kafka
 
+    def baseline(self, table: TableConfig, timeout: float = 60.0) -> ProgressRecord:
+        """Tick a `start_after: latest` table until its baseline is recorded; returns the progress then. Ticks
+        that request no runs (a baseline never does); the baseline waits, like a cut, for every transaction
+        holding an xid in the cluster, which the parallel tests' writes in other databases may be."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.tick(table) == [], "a tick requested runs before the table's baseline"
+            progress = self.progress(table)
+            if progress is not None:
+                return progress
+            assert time.monotonic() < deadline, f"no baseline recorded within {timeout} s"
+            time.sleep(0.2)
+
     def run(self, table: TableConfig, key: str, raise_on_error: bool = True) -> Any:
         """One run of the table's job for a slice or a range `first...last`: in-process with local Spark;
         with Spark Connect in a `dagster asset materialize` process (one process cannot hold a classic and a
