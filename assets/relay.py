@@ -229,9 +229,12 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi, settled=True)
         first = (source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi, settled=True)  # one indexed row
                  if rows else None)
+        skipped = [w for w in table.skip_watermark_values if slice_range.lo < w <= slice_range.hi]
+        to_send = (source.count_rows(shape, slice_range.lo, slice_range.hi, skip=skipped, settled=True)
+                   if skipped and rows else rows)
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
-                          first_watermark=first, signature=signature)
+                          first_watermark=first, signature=signature, rows_to_send=to_send)
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
                        columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed)

@@ -130,8 +130,11 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
     """The highest watermark now known to be final (every row at or below it committed), and the candidates still
     pending. A candidate is the max seen at one moment; it becomes final once every transaction that could still
     commit a lower watermark has ended (resources/source_database.py `is_final`)."""
-    candidates = list(state.pending)
     seen = source.observe(shape)
+    # The max of an append-only table never falls: a pending candidate above it (or any, once the table is empty)
+    # is from a table since re-created or emptied (`rowrelay reset` after it), and its waits from that table. Kept,
+    # it would turn final at once and be cut up to, over the new table's open transactions.
+    candidates = [c for c in state.pending if seen is not None and c.watermark <= seen.watermark]
     if seen is not None and (above is None or seen.watermark > above) and all(
             seen.watermark > c.watermark for c in candidates):
         candidates.append(seen)

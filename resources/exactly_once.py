@@ -83,6 +83,17 @@ class BadRowError(RelayError):
         self.column = column
 
 
+class SliceRowsMismatch(RelayError):
+    """The rows read for a slice are not the rows the source counts in it: the read lost or gained rows, so the
+    slice is aborted before its progress record. Nothing of it is visible and progress does not move."""
+
+    def __init__(self, message: str, *, table: str, expected: int, read: int) -> None:
+        super().__init__(message)
+        self.table = table
+        self.expected = expected
+        self.read = read
+
+
 class KafkaUnavailable(RelayError):
     """Transient: the broker did not answer in time. Retrying later is safe."""
 
@@ -983,9 +994,12 @@ class SlicePublisher:
 
     def publish(self, slice_range: SliceRange,
                 batches: Callable[[], Iterable[MessageBatch | Sequence[OutgoingMessage]]], *,
-                columns: list[list[str]] | None = None, schema_fingerprint: str = "") -> PublishResult:
+                columns: list[list[str]] | None = None, schema_fingerprint: str = "",
+                expected_rows: int | None = None) -> PublishResult:
         """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them. `columns` and
-        `schema_fingerprint` (the columns the rows were read with) go into the slice's progress record."""
+        `schema_fingerprint` (the columns the rows were read with) go into the slice's progress record.
+        `expected_rows`: the rows the source counts in the slice; a read that yields another number is aborted
+        (SliceRowsMismatch) instead of committed."""
         started = time.monotonic()
         committed = self._progress_after_fence()
         self.on_stage("progress_read")
@@ -1006,7 +1020,8 @@ class SlicePublisher:
         while True:
             attempt += 1
             try:
-                record = self._transaction(slice_range, batches(), columns or [], schema_fingerprint)
+                record = self._transaction(slice_range, batches(), columns or [], schema_fingerprint,
+                                           expected_rows)
                 self._own_progress = record
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
                                      attempts=attempt, phases=dict(self.last_phases))
@@ -1152,7 +1167,8 @@ class SlicePublisher:
             self.producer.abort_transaction(self.abort_timeout_s)
 
     def _transaction(self, slice_range: SliceRange, batches: Iterable[MessageBatch | Sequence[OutgoingMessage]],
-                     columns: list[list[str]], schema_fingerprint: str) -> ProgressRecord:
+                     columns: list[list[str]], schema_fingerprint: str,
+                     expected_rows: int | None = None) -> ProgressRecord:
         ch = self.channel
         offsets: dict[int, list[int]] = {}
         errors: list[tuple[KafkaError, int | None]] = []
@@ -1303,6 +1319,17 @@ class SlicePublisher:
             if _is_fenced(err) or err.fatal():
                 raise PublisherFenced(f"{ch.table}: {_fatal_message(err)}")
             raise _AbortAndRedo(_fatal_message(err))
+        if expected_rows is not None and rows != expected_rows:
+            # The progress record would say "every row up to hi is sent" over rows that were not (or twice): a
+            # driver reading a column narrower than the source stores it, a session time zone moving zone-less
+            # times out of the range, rows deleted or rewritten in an append-only table. Abort instead.
+            raise SliceRowsMismatch(
+                f"{ch.table}: slice {slice_range}: the read gave {rows} rows but the source counts {expected_rows} "
+                "in it; nothing of the slice is committed and progress has not moved. Likely causes: a column the "
+                "JDBC driver reads narrower than the source stores it, a Spark session time zone other than UTC "
+                "with zone-less timestamp watermarks, or rows deleted or changed inside the slice (rowrelay "
+                "relays append-only tables). Fix the cause and run the slice again",
+                table=ch.table, expected=expected_rows, read=rows)
         record = ProgressRecord(
             table=ch.table, slice=slice_range.key, lo=slice_range.lo, hi=slice_range.hi, rows=rows, bytes=nbytes,
             checksum=digest.hexdigest(), topic=ch.topic,

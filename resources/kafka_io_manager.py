@@ -20,6 +20,7 @@ from resources.exactly_once import (
     PublishResult,
     RelayError,
     SlicePublisher,
+    SliceRowsMismatch,
     TableChannel,
     TransactionTimedOut,
     read_published_messages,
@@ -45,6 +46,7 @@ STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
     (TransactionTimedOut, "transaction_timeout"),  # before "fenced": the coordinator's abort looks like one
     (ProgressMissing, "progress_missing"),
     (ProducerSettingsError, "producer_settings"),
+    (SliceRowsMismatch, "rows_mismatch"),
     (PublisherFenced, "fenced"),
 )
 _STOPPING_ERRORS = tuple(cls for cls, _ in STOP_REASONS)
@@ -135,7 +137,8 @@ class KafkaIOManager(ConfigurableIOManager):
                             yield batch
 
                     result = publisher.publish(slice_range, batches, columns=obj.columns,
-                                               schema_fingerprint=obj.schema_fingerprint)
+                                               schema_fingerprint=obj.schema_fingerprint,
+                                               expected_rows=frame.rows_to_send)
                     if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
                         ahead.skip(frame)
                     steps["transaction_s"] = result.progress.transaction_s

@@ -176,6 +176,9 @@ class SliceFrame:
     read_chunk: ChunkReader | None  # None: already committed
     expected_rows: int
     first_watermark: int | None = None  # the slice's lowest watermark, if known
+    # The rows the slice must publish (in (lo, hi], admitted by `where:`, minus skip_watermarks), checked before
+    # its commit; None: not known, not checked.
+    rows_to_send: int | None = None
     # What the read depends on (source, table settings, reflected shape, Spark settings, slice, rows): chunks
     # fetched under the same signature are the same rows in the same messages (see EarlyRead). "": not shareable.
     signature: str = ""

@@ -74,14 +74,20 @@ def exceeds_spark_decimal(type_name: str) -> bool:
 
 
 def custom_schema_for(shape: TableShape) -> str:
-    """Columns Spark's default JDBC mapping would not read exactly, re-typed as text (customSchema).
+    """Columns Spark's default JDBC mapping would not read exactly, re-typed (customSchema).
 
     Decimals beyond DecimalType (PostgreSQL unconstrained or numeric(78,0), numeric(5,7), MariaDB
     DECIMAL(65,30)) would be rounded or overflow: read the driver's own text instead, which is exact, in plain
     notation and keeps the column's scale. PostgreSQL real (float4) through Java 17's Float.toString is not the
     shortest text, so read PostgreSQL's own text and cast to double. Decided from the reflected types, which
     saves Spark a second schema round trip.
+
+    SQLite stores every integer in up to 8 bytes, but its driver reports a column declared INTEGER (or INT,
+    SMALLINT...) as 32-bit, and Spark wrapped values above 2^31-1: such a watermark fell out of its own slice's range.
+    Integer-affinity columns (SQLite's rule: the declared type contains "INT") are read as BIGINT.
     """
+    if shape.dialect == "sqlite":
+        return ", ".join(f"`{c.name}` BIGINT" for c in shape.columns if "INT" in c.type_name.upper())
     if shape.dialect not in ("postgresql", "mysql"):
         return ""
     as_text = [c.name for c in shape.columns

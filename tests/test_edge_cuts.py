@@ -54,6 +54,35 @@ def test_start_after_changed_before_first_commit_heals(services, pg_database, pg
     assert keys == ["000000000005-000000000010"]  # the orphan is gone, the range re-cut from progress
 
 
+def test_a_recreated_table_is_not_cut_on_the_old_tables_pending_max(services, pg_database, pg_engine,
+                                                                   dagster_instance, spark, name) -> None:
+    """The sensor's cursor keeps the maxima still waiting for open transactions. A table re-created with lower ids
+    (before anything of it committed, or after `rowrelay reset`) still had the old table's max pending: its waits
+    had ended, so it turned final at once and the range up to it was cut over the new table's open transactions,
+    whose rows then committed inside a cut range and were never sent. A pending max above the table's max now goes."""
+    _pg_table(pg_engine, name, 10)
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
+    table = h.table()
+    with pg_engine.connect() as holder:
+        holder.begin()
+        holder.execute(text(f"INSERT INTO {name} (v) VALUES ('open')"))  # holds an xid: the max 10 stays pending
+        assert h.tick(table) == []
+        assert [c.watermark for c in SensorState.from_cursor(h.cursors[table.table_id]).pending] == [10]
+        holder.rollback()
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {name}"))
+    _pg_table(pg_engine, name, 3)  # ids 1..3
+    with pg_engine.connect() as writer:
+        writer.begin()
+        writer.execute(text(f"INSERT INTO {name} (v) VALUES ('late')"))  # id 4, open
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (v) VALUES ('early')"))  # id 5, committed
+        assert h.tick(table) == [], "cut while id 4 was still uncommitted"
+        writer.commit()
+    h.drain(table, until_hi=5, timeout=60)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3, 4, 5])
+
+
 def test_racing_cuts_heal_without_loss_or_duplicate(services, pg_database, pg_engine, dagster_instance, spark,
                                                     name) -> None:
     """Two cutters raced on a first load (CLI backfill and sensor): (0, 100] committed while (0, 200] also exists.

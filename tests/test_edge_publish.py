@@ -104,6 +104,27 @@ def test_error_inside_transaction_aborts_it(services, name, error: BaseException
     assert visible_progress(conf, channel, 40).hi == 40
 
 
+def test_a_read_short_of_the_source_count_is_aborted_not_committed(services, name) -> None:
+    """The rows read for a slice are checked against the source's count before its progress record: a read that
+    lost a row would otherwise commit "sent up to hi" over it, a gap no retry repairs."""
+    conf = _conf(services)
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    publisher = SlicePublisher(channel, conf)
+    try:
+        with pytest.raises(eo.SliceRowsMismatch, match="the read gave 39 rows but the source counts 40"):
+            publisher.publish(SliceRange(0, 40), _rows(0, 39), expected_rows=40)
+        _wait_for("read_committed readers can read to the end",
+                  lambda: _offsets(services.kafka_bootstrap, name)[0] == _offsets(services.kafka_bootstrap, name)[1],
+                  5.0)
+        assert read_topic(services.kafka_bootstrap, name, timeout=3.0) == []
+        assert read_committed_progress(conf, channel) is None
+        result = publisher.publish(SliceRange(0, 40), _rows(0, 40), expected_rows=40)
+        assert not result.already_committed and result.progress.rows == 40
+    finally:
+        publisher.close()
+    assert_exactly_once(read_topic(services.kafka_bootstrap, name, timeout=5.0), list(range(1, 41)))
+
+
 # --------------------------------------------------------------------------- item 6: the transaction timeout
 
 

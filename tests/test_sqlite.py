@@ -37,3 +37,58 @@ def test_sqlite_table_reaches_kafka_exactly_once(services, dagster_instance, spa
     assert msgs[0].value == {"id": 1, "label": "r1", "amount": 1.5} and msgs[0].key == b'{"id":1}'
     assert msgs[-1].value == {"id": 251, "label": "late", "amount": 0.25}
     engine.dispose()
+
+
+def _wide_ids_table(path: Path, name: str, first: int) -> None:
+    """Ids first..first+19 and an INTEGER column above 2^31-1: SQLite stores them in 8 bytes, its driver calls the
+    columns 32-bit."""
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, n INTEGER, label TEXT)"))
+        conn.execute(text(f"INSERT INTO {name} (id, n, label) VALUES " +
+                          ", ".join(f"({first - 1 + i}, {3 * 10**9 + i}, 'r{i}')" for i in range(1, 21))))
+    engine.dispose()
+
+
+def test_sqlite_integers_above_32_bits_are_relayed_exactly(services, dagster_instance, spark, name,
+                                                           tmp_path: Path) -> None:
+    """Spark read SQLite INTEGER columns as 32-bit: ids above 2^31-1 wrapped, fell out of their own slice's range,
+    and the slice committed without them (a gap). They are read as BIGINT now."""
+    path = tmp_path / f"{name}.db"
+    first = 2**31 - 10  # across 2^31
+    _wide_ids_table(path, name, first)
+    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
+        {"source": "lite", "table": name, "watermark": "id", "start_after": first - 1, "key": ["id"],
+         "settle_seconds": 0.2}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=first + 19)
+    msgs = read_topic(services.kafka_bootstrap, table.topic_name)
+    assert_exactly_once(msgs, list(range(first, first + 20)))
+    assert msgs[-1].value == {"id": first + 19, "n": 3 * 10**9 + 20, "label": "r20"}
+
+
+def test_a_read_that_loses_rows_fails_the_run_instead_of_committing(services, dagster_instance, spark, name,
+                                                                   tmp_path: Path, monkeypatch) -> None:
+    """Whatever makes a read lose rows (here the 32-bit SQLite read above, put back), the slice is checked against
+    the source's count before its commit: the run fails saying so, nothing is visible, progress does not move."""
+    from resources import spark as spark_module
+    from resources.kafka_io_manager import STOPPED_TAG
+    from tests.test_errors import failure_text
+
+    path = tmp_path / f"{name}.db"
+    first = 3 * 10**9 + 1  # every id wraps (to below the slice): the read gives none of them
+    _wide_ids_table(path, name, first)
+    monkeypatch.setattr(spark_module, "custom_schema_for", lambda shape: "")  # the driver's 32-bit mapping
+    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
+        {"source": "lite", "table": name, "watermark": "id", "start_after": first - 1, "settle_seconds": 0.2}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    (key,) = h.cut(table)
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success
+    text_ = failure_text(result)
+    assert "the read gave" in text_ and "the source counts 20" in text_, text_
+    assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "rows_mismatch"
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
+    assert h.progress(table) is None
