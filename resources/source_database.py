@@ -141,6 +141,10 @@ class TableShape:
     # as microseconds since 1970-01-01 UTC, a zone-less value read as UTC (never shifted between zones).
     watermark_kind: Literal["integer", "timestamp", "timestamptz"] = "integer"
     tie_break: str | None = None  # orders rows that share one watermark value
+    # The timestamp watermark's step in microseconds: 1 for 6 fractional digits, 1,000,000 for whole seconds
+    # (PostgreSQL timestamp(0), MariaDB DATETIME). A coarser column lets a transaction that starts after the max was
+    # seen write that same max (see `observe`).
+    watermark_unit: int = 1
 
     @property
     def timestamps(self) -> bool:
@@ -349,7 +353,8 @@ class SourceDatabaseResource(ConfigurableResource):
                                     is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer),
                                     source_text=self._source_text(col_type)))
         shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
-                           where=where, watermark_kind=kind, tie_break=tie_break)
+                           where=where, watermark_kind=kind, tie_break=tie_break,
+                           watermark_unit=self._watermark_unit(wm_type) if kind != "integer" else 1)
         if where is not None:
             self.check_where(shape, label)
         if getattr(wm_type, "unsigned", False) and isinstance(wm_type, sa.BigInteger):
@@ -385,6 +390,16 @@ class SourceDatabaseResource(ConfigurableResource):
         raise SourceError(f"{label}: watermark column {watermark!r} has type {wm_type}, but must be an integer column "
                           "that only grows (e.g. an auto-increment id) or a timestamp set when the row is written "
                           "(PostgreSQL timestamp/timestamptz, MariaDB DATETIME)")
+
+    def _watermark_unit(self, wm_type: Any) -> int:
+        """Microseconds per step of a timestamp column: its fractional digits are PostgreSQL's precision (unset: 6)
+        or MariaDB's fsp (unset: 0)."""
+        if self.dialect == "mysql":
+            digits = getattr(wm_type, "fsp", None) or 0
+        else:
+            digits = getattr(wm_type, "precision", None)
+            digits = 6 if digits is None else digits
+        return 10 ** (6 - min(6, max(0, int(digits))))
 
     def _table(self, shape: TableShape) -> sa.TableClause:
         return sa.table(shape.name, sa.column(shape.watermark), schema=shape.schema)
@@ -481,28 +496,44 @@ class SourceDatabaseResource(ConfigurableResource):
 
         The transactions it must wait for are read in a second statement, AFTER the max: a transaction that
         took an id <= max before the max was read is, by then, either still open (and listed) or ended.
+
+        A timestamp column coarser than a microsecond (`watermark_unit`: timestamp(0), DATETIME) is another case: a
+        transaction that starts after this look, so waits for nothing, still writes the max's own value while the
+        database clock (UTC, as the writers' must be: README, timestamp watermarks) is in the max's step. Then the
+        candidate stops one microsecond below the max, and the rows at the max wait for a later look.
         """
         t = self._table(shape)
         wm = t.c[shape.watermark]
+        coarse = shape.watermark_unit > 1
         with self.engine.connect() as conn:
             if self.dialect == "postgresql":
-                # Same statement, same snapshot: the xmax the later xmin must reach.
-                row = conn.execute(sa.select(sa.func.max(wm), sa.text("pg_snapshot_xmax(pg_current_snapshot())::text"))
+                # Same statement, same snapshot: the xmax the later xmin must reach. now(): this transaction's
+                # start, before every transaction this look does not wait for.
+                row = conn.execute(sa.select(sa.func.max(wm), sa.text("pg_snapshot_xmax(pg_current_snapshot())::text"),
+                                             sa.text("now() AT TIME ZONE 'UTC'" if coarse else "NULL"))
                                    .select_from(t)).one()
+                clock = row[2]
                 waits = tuple(conn.execute(sa.text(_PG_OPEN_VXIDS)).scalars()) if row[0] is not None else ()
             elif self.dialect == "mysql":
                 # Our own InnoDB transaction, begun before the max is read, proves a later innodb_trx read fresh.
                 conn.execute(sa.text("START TRANSACTION WITH CONSISTENT SNAPSHOT"))
                 row = conn.execute(sa.select(sa.func.max(wm), sa.text("UNIX_TIMESTAMP(NOW(6))"),
-                                             sa.text("CONNECTION_ID()")).select_from(t)).one()
+                                             sa.text("CONNECTION_ID()"),
+                                             sa.text("UTC_TIMESTAMP(6)" if coarse else "NULL")).select_from(t)).one()
+                clock = row[3]
                 waits = self._innodb_trx_open_since(conn, int(row[2])) if row[0] is not None else ()
             else:
                 row, waits = (conn.execute(sa.select(sa.func.max(wm)).select_from(t)).scalar(), time.time()), ()
+                clock = None
         if row[0] is None:
             return None
         value = shape.watermark_value(row[0])
         if value > MAX_WATERMARK:
             raise SourceError(self._range_message(shape, value))
+        if coarse and clock is not None:
+            step_now = datetime_to_micros(clock) // shape.watermark_unit * shape.watermark_unit
+            if value >= step_now:  # a transaction starting now may still write `value`: leave its rows for later
+                value -= 1
         return WatermarkCandidate(value, float(row[1]), waits)
 
     def is_final(self, candidate: WatermarkCandidate, settle_seconds: float) -> bool:

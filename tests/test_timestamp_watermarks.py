@@ -389,3 +389,48 @@ def test_large_time_slice_through_spark_connect_partitioned_reads(
     first = min(messages, key=lambda m: m.offset)
     assert first.value["created_at"] == "2026-03-29T00:59:59.500000"
     assert first.watermark == datetime_to_micros(datetime(2026, 3, 29, 0, 59, 59, 500000))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("dialect", ["postgresql", "mariadb"])
+def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
+        services, request, dagster_instance, spark, name, dialect: str) -> None:
+    """PostgreSQL timestamp(0) and MariaDB DATETIME hold whole seconds. A transaction that starts after the sensor
+    saw the max, while the database clock is still in the max's second, writes the max's own value; it waits for
+    nothing, so the cut went up to the max and that transaction's row, committed after the slice was read, was
+    never sent. The cut now stops one microsecond below the max while the clock is in its second.
+
+    The max is put a few seconds ahead of the clock (an explicit value), so "the clock is in the max's second"
+    holds for as long as the test needs it, as it holds for up to a second for writers' own now()."""
+    if dialect == "postgresql":
+        url = request.getfixturevalue("pg_database")
+        engine = create_engine(url)
+        column, ahead = "timestamp(0)", "date_trunc('second', now() AT TIME ZONE 'UTC') + interval '8 seconds'"
+        past = "(now() AT TIME ZONE 'UTC') - interval '1 hour'"
+        table_name = f"public.{name}"
+    else:
+        url = request.getfixturevalue("mariadb_database")
+        engine = create_engine(url)
+        column, ahead = "DATETIME", "UTC_TIMESTAMP() + INTERVAL 8 SECOND"
+        past = "UTC_TIMESTAMP() - INTERVAL 1 HOUR"
+        table_name = name
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at {column} NOT NULL)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, {past}), (2, {ahead})"))
+        top = conn.execute(text(f"SELECT max(created_at) FROM {name}")).scalar()
+    cfg = relay_config(services, {"src": url}, [
+        {"source": "src", "table": table_name, "watermark": "created_at", "key": ["n"], "settle_seconds": 0.2}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    keys = h.cut(table)
+    assert keys
+    with engine.connect() as writer:
+        writer.execute(text("BEGIN"))
+        # The max's own value, written by a transaction that began after the look (as now() in that second would).
+        writer.execute(text(f"INSERT INTO {name} VALUES (3, :top)"), {"top": top})
+        for key in keys:
+            h.run(table, key)
+        writer.execute(text("COMMIT"))
+    h.drain(table, until_hi=datetime_to_micros(top), timeout=60)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
+    engine.dispose()
