@@ -1036,6 +1036,9 @@ class SlicePublisher:
             except BadRowError:
                 self._abort()
                 raise
+            except SliceRowsMismatch:  # its own diagnosis, even late in a long transaction (not "timed out")
+                self._abort_quietly()
+                raise
             except RelayError as exc:  # fenced, fatal: a coordinator abort on timeout also looks like these
                 self._raise_if_timed_out(slice_range, exc)
                 self._abort_quietly()
@@ -1327,8 +1330,10 @@ class SlicePublisher:
                 f"{ch.table}: slice {slice_range}: the read gave {rows} rows but the source counts {expected_rows} "
                 "in it; nothing of the slice is committed and progress has not moved. Likely causes: a column the "
                 "JDBC driver reads narrower than the source stores it, a Spark session time zone other than UTC "
-                "with zone-less timestamp watermarks, or rows deleted or changed inside the slice (rowrelay "
-                "relays append-only tables). Fix the cause and run the slice again",
+                "with zone-less timestamp watermarks, a `where:` whose result depends on the session's time zone "
+                "(rowrelay counts in the database's default zone, Spark reads in UTC: write times with their "
+                "offset), or rows deleted or changed inside the slice (rowrelay relays append-only tables). Fix "
+                "the cause and run the slice again",
                 table=ch.table, expected=expected_rows, read=rows)
         record = ProgressRecord(
             table=ch.table, slice=slice_range.key, lo=slice_range.lo, hi=slice_range.hi, rows=rows, bytes=nbytes,

@@ -499,8 +499,10 @@ class SourceDatabaseResource(ConfigurableResource):
 
         A timestamp column coarser than a microsecond (`watermark_unit`: timestamp(0), DATETIME) is another case: a
         transaction that starts after this look, so waits for nothing, still writes the max's own value while the
-        database clock (UTC, as the writers' must be: README, timestamp watermarks) is in the max's step. Then the
-        candidate stops one microsecond below the max, and the rows at the max wait for a later look.
+        database clock is in the max's step. Then the candidate stops one microsecond below the max, and the rows at
+        the max wait for a later look. The clock is read as the writers write: PostgreSQL's session time (the
+        server's zone, as `DEFAULT now()` on a `timestamp` stores it; an instant for `timestamptz`), MariaDB's UTC
+        (its zone-less DATETIME needs UTC writers: README, timestamp watermarks).
         """
         t = self._table(shape)
         wm = t.c[shape.watermark]
@@ -510,7 +512,8 @@ class SourceDatabaseResource(ConfigurableResource):
                 # Same statement, same snapshot: the xmax the later xmin must reach. now(): this transaction's
                 # start, before every transaction this look does not wait for.
                 row = conn.execute(sa.select(sa.func.max(wm), sa.text("pg_snapshot_xmax(pg_current_snapshot())::text"),
-                                             sa.text("now() AT TIME ZONE 'UTC'" if coarse else "NULL"))
+                                             sa.text(("LOCALTIMESTAMP" if shape.watermark_kind == "timestamp"
+                                                      else "now()") if coarse else "NULL"))
                                    .select_from(t)).one()
                 clock = row[2]
                 waits = tuple(conn.execute(sa.text(_PG_OPEN_VXIDS)).scalars()) if row[0] is not None else ()

@@ -125,6 +125,27 @@ def test_a_read_short_of_the_source_count_is_aborted_not_committed(services, nam
     assert_exactly_once(read_topic(services.kafka_bootstrap, name, timeout=5.0), list(range(1, 41)))
 
 
+def test_a_row_count_mismatch_late_in_a_long_transaction_is_not_reported_as_a_timeout(services, name) -> None:
+    """A mismatch found after 90 % of transaction.timeout.ms was turned into "transaction timed out", and the
+    sensor re-cut the slice smaller instead of stopping with the count's diagnosis."""
+    conf = _conf(services, **{"transaction.timeout.ms": "6000"})
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    publisher = SlicePublisher(channel, conf)
+
+    def slow() -> Iterator[list[OutgoingMessage]]:
+        yield _messages(0, 9)
+        time.sleep(5.5)  # past 0.9 of the timeout, before the coordinator aborts (after 6 s)
+
+    try:
+        with pytest.raises(RelayError) as caught:
+            publisher.publish(SliceRange(0, 10), slow, expected_rows=10)
+    finally:
+        publisher.close()
+    assert isinstance(caught.value, eo.SliceRowsMismatch), f"{type(caught.value).__name__}: {caught.value}"
+    assert read_topic(services.kafka_bootstrap, name, timeout=3.0) == []
+    assert read_committed_progress(conf, channel) is None
+
+
 # --------------------------------------------------------------------------- item 6: the transaction timeout
 
 

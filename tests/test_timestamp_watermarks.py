@@ -405,8 +405,9 @@ def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
     if dialect == "postgresql":
         url = request.getfixturevalue("pg_database")
         engine = create_engine(url)
-        column, ahead = "timestamp(0)", "date_trunc('second', now() AT TIME ZONE 'UTC') + interval '8 seconds'"
-        past = "(now() AT TIME ZONE 'UTC') - interval '1 hour'"
+        # The session's time, as `DEFAULT now()` stores it in a timestamp: the server's zone.
+        column, ahead = "timestamp(0)", "date_trunc('second', LOCALTIMESTAMP) + interval '8 seconds'"
+        past = "LOCALTIMESTAMP - interval '1 hour'"
         table_name = f"public.{name}"
     else:
         url = request.getfixturevalue("mariadb_database")
