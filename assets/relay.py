@@ -229,7 +229,7 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi, settled=True)
         first = (source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi, settled=True)  # one indexed row
                  if rows else None)
-        skipped = [w for w in table.skip_watermark_values if slice_range.lo < w <= slice_range.hi]
+        skipped = table.skip_watermarks_in(slice_range.lo, slice_range.hi)
         to_send = (source.count_rows(shape, slice_range.lo, slice_range.hi, skip=skipped, settled=True)
                    if skipped and rows else rows)
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
@@ -316,7 +316,7 @@ def parity_result(table: TableConfig, source: SourceDatabaseResource, records: l
     shape = table_shape(source, table)
     mismatches: list[dict[str, Any]] = []
     for r in records:
-        skipped = [w for w in table.skip_watermark_values if r.lo < w <= r.hi]
+        skipped = table.skip_watermarks_in(r.lo, r.hi)
         counted = source.count_rows(shape, r.lo, r.hi, skip=skipped)
         read = published_checksums.get(r.slice)
         if counted != r.rows:

@@ -153,6 +153,10 @@ class TableConfig(_Strict):
         """`skip_watermarks` as watermarks (times as microseconds since 1970 UTC)."""
         return [datetime_to_micros(w) if isinstance(w, datetime) else w for w in self.skip_watermarks]
 
+    def skip_watermarks_in(self, lo: int, hi: int) -> list[int]:
+        """The skipped watermarks inside a slice's range (lo, hi]."""
+        return [w for w in self.skip_watermark_values if lo < w <= hi]
+
     @property
     def schema_name(self) -> str | None:
         return self.table.split(".")[0] if "." in self.table else None

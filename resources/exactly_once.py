@@ -87,12 +87,6 @@ class SliceRowsMismatch(RelayError):
     """The rows read for a slice are not the rows the source counts in it: the read lost or gained rows, so the
     slice is aborted before its progress record. Nothing of it is visible and progress does not move."""
 
-    def __init__(self, message: str, *, table: str, expected: int, read: int) -> None:
-        super().__init__(message)
-        self.table = table
-        self.expected = expected
-        self.read = read
-
 
 class KafkaUnavailable(RelayError):
     """Transient: the broker did not answer in time. Retrying later is safe."""
@@ -1333,8 +1327,7 @@ class SlicePublisher:
                 "with zone-less timestamp watermarks, a `where:` whose result depends on the session's time zone "
                 "(rowrelay counts in the database's default zone, Spark reads in UTC: write times with their "
                 "offset), or rows deleted or changed inside the slice (rowrelay relays append-only tables). Fix "
-                "the cause and run the slice again",
-                table=ch.table, expected=expected_rows, read=rows)
+                "the cause and run the slice again")
         record = ProgressRecord(
             table=ch.table, slice=slice_range.key, lo=slice_range.lo, hi=slice_range.hi, rows=rows, bytes=nbytes,
             checksum=digest.hexdigest(), topic=ch.topic,
