@@ -116,6 +116,30 @@ PG_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (in range, text)
     "date": ("{c} >= DATE '0001-01-01' AND {c} < DATE '10000-01-01'", "to_char({c}, 'YYYY-MM-DD')"),
 }
 
+# MariaDB/MySQL render DATE and DATETIME text themselves (DATE_FORMAT), for exactness: through the JDBC driver and
+# Spark a date before 1582-10-15 moved ten days (Julian -> Gregorian), a zero-in-date value ('2024-05-00', which
+# the default sql_mode accepts) became the day before, and a zero date ('0000-00-00') became null. DATE_FORMAT gives
+# the value as stored, in the form Spark's rendering gives the others. A TIMESTAMP is an instant (1970-2038, read
+# in UTC through Spark) except its zero value, which the source names. {c}: the quoted column.
+MYSQL_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (raw value for Spark or NULL, text or NULL)
+    "mysql_date": ("CASE WHEN 1 = 0 THEN {c} END", "DATE_FORMAT({c}, '%Y-%m-%d')"),
+    "mysql_datetime": ("CASE WHEN 1 = 0 THEN {c} END", "DATE_FORMAT({c}, '%Y-%m-%dT%H:%i:%s.%f')"),
+    # The raw column as it is (a CASE would reach the driver as another type); the driver reads the zero as null.
+    "mysql_timestamp": ("{c}", "CASE WHEN {c} = 0 THEN '0000-00-00T00:00:00.000000+00:00' END"),
+}
+
+
+def source_rendering(kind: str, quoted: str) -> tuple[str, str]:
+    """(the raw column's select expression, its text's) for a column of a PG_/MYSQL_TEXT_RENDERING kind: the
+    message takes the text where it is not NULL, else Spark's rendering of the raw value (NULL wherever the text
+    serves, so that the JDBC driver skips parsing it)."""
+    if kind in MYSQL_TEXT_RENDERING:
+        raw, text = MYSQL_TEXT_RENDERING[kind]
+        return raw.format(c=quoted), text.format(c=quoted)
+    in_range, rendered = (part.format(c=quoted) for part in PG_TEXT_RENDERING[kind])
+    return (f"CASE WHEN NOT ({in_range}) AND isfinite({quoted}) THEN {quoted} END",
+            f"CASE WHEN {in_range} THEN {rendered} WHEN NOT isfinite({quoted}) THEN {quoted}::text END")
+
 
 @dataclass(frozen=True)
 class ColumnInfo:
@@ -124,7 +148,7 @@ class ColumnInfo:
     nullable: bool
     is_json: bool
     is_integer: bool
-    source_text: str = ""  # a PG_TEXT_RENDERING kind: the source renders the column's JSON text (PostgreSQL only)
+    source_text: str = ""  # a PG_/MYSQL_TEXT_RENDERING kind: the source renders the column's JSON text
 
 
 @dataclass(frozen=True)
@@ -194,9 +218,8 @@ class TableShape:
     def rendered_select(self, quote: Callable[[str], str]) -> str | None:
         """The select list of a slice read where the source renders some columns' text (None: none does).
 
-        Each rendered column also comes raw, but only where its text is NULL (a finite value out of the text's
-        range), so the JDBC driver skips parsing the others; the watermark and tie_break stay whole (the read
-        filters and sorts on them)."""
+        Each rendered column also comes raw where its text does not serve (`source_rendering`), so the JDBC driver
+        skips parsing the others; the watermark and tie_break stay whole (the read filters and sorts on them)."""
         if not any(c.source_text for c in self.columns):
             return None
         whole = {self.watermark, self.tie_break}
@@ -207,10 +230,9 @@ class TableShape:
             if not c.source_text:
                 items.append(q)
                 continue
-            in_range, rendered = (part.format(c=q) for part in PG_TEXT_RENDERING[c.source_text])
-            items.append(q if c.name in whole else f"CASE WHEN NOT ({in_range}) AND isfinite({q}) THEN {q} END AS {q}")
-            texts.append(f"CASE WHEN {in_range} THEN {rendered} WHEN NOT isfinite({q}) THEN {q}::text END "
-                         f"AS {quote(self.text_column(i))}")
+            raw, text = source_rendering(c.source_text, q)
+            items.append(q if c.name in whole else f"{raw} AS {q}")
+            texts.append(f"{text} AS {quote(self.text_column(i))}")
         return ", ".join(items + texts)
 
     @property
@@ -362,7 +384,10 @@ class SourceDatabaseResource(ConfigurableResource):
         return shape
 
     def _source_text(self, col_type: Any) -> str:
-        """The PG_TEXT_RENDERING kind of a column the source renders as text, or ""."""
+        """The PG_/MYSQL_TEXT_RENDERING kind of a column the source renders as text, or ""."""
+        if self.dialect == "mysql":
+            return {"DATE": "mysql_date", "DATETIME": "mysql_datetime",
+                    "TIMESTAMP": "mysql_timestamp"}.get(type(col_type).__name__, "")
         if self.dialect != "postgresql":
             return ""
         if isinstance(col_type, sa.DateTime):

@@ -40,6 +40,9 @@ def default_jars() -> str:
 SQL_CONF = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.chunkBase64String.enabled": "false",  # base64() would otherwise insert line breaks
+    # Spark pads CHAR(n) values it reads to n characters; MariaDB returns CHAR without its trailing spaces and
+    # reports ENUM and SET as CHAR(n) ('a' arrived as "a  "): send what the database returns.
+    "spark.sql.readSideCharPadding": "false",
 }
 
 
@@ -84,15 +87,30 @@ def custom_schema_for(shape: TableShape) -> str:
 
     SQLite stores every integer in up to 8 bytes, but its driver reports a column declared INTEGER (or INT,
     SMALLINT...) as 32-bit, and Spark wrapped values above 2^31-1: such a watermark fell out of its own slice's range.
-    Integer-affinity columns (SQLite's rule: the declared type contains "INT") are read as BIGINT.
+    Integer-affinity columns (SQLite's rule: the declared type contains "INT") are read as BIGINT; FLOAT (8 bytes in
+    SQLite, a 32-bit float to the driver) as DOUBLE. SQLite has no date or time type: the driver parsed a
+    DATE/DATETIME/TIMESTAMP column's text with a pattern of its own (a DATETIME lost its time of day, a TIMESTAMP's
+    microseconds were read as milliseconds), so those columns are sent as the text SQLite holds.
     """
     if shape.dialect == "sqlite":
-        return ", ".join(f"`{c.name}` BIGINT" for c in shape.columns if "INT" in c.type_name.upper())
+        return ", ".join(f"`{c.name}` {sqlite_type}" for c in shape.columns
+                         if (sqlite_type := _sqlite_read_type(c.type_name.upper())))
     if shape.dialect not in ("postgresql", "mysql"):
         return ""
     as_text = [c.name for c in shape.columns
                if exceeds_spark_decimal(c.type_name) or (shape.dialect == "postgresql" and c.type_name == "REAL")]
     return ", ".join(f"`{c}` STRING" for c in as_text)
+
+
+def _sqlite_read_type(declared: str) -> str:
+    """The Spark type a SQLite column is read as where the driver's own mapping is not exact ("": its own)."""
+    if "INT" in declared:  # SQLite's affinity rules, in their order
+        return "BIGINT"
+    if any(t in declared for t in ("CHAR", "CLOB", "TEXT", "BLOB")):
+        return ""
+    if "FLOA" in declared:
+        return "DOUBLE"
+    return "STRING" if any(t in declared for t in ("DATE", "TIME")) else ""
 
 
 def _spark_time_text(micros: int) -> str:
@@ -160,8 +178,8 @@ class SparkResource(ConfigurableResource):
             column = preparer.quote(shape.watermark)
             predicates += [f"{column} > {shape.watermark_sql_literal(slice_range.lo)}",
                            f"{column} <= {shape.watermark_sql_literal(slice_range.hi)}"]
-        # PostgreSQL renders dates and timestamps as text itself (TableShape.rendered_select): cheaper than the
-        # driver parsing and Spark formatting them.
+        # The source renders dates and timestamps as text itself (TableShape.rendered_select): PostgreSQL's is
+        # cheaper than the driver parsing and Spark formatting them; MariaDB's is exact where those are not.
         select = shape.rendered_select(preparer.quote)
         if predicates or select:
             where = f" WHERE {' AND '.join(predicates)}" if predicates else ""

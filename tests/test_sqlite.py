@@ -92,3 +92,30 @@ def test_a_read_that_loses_rows_fails_the_run_instead_of_committing(services, da
     assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "rows_mismatch"
     assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
     assert h.progress(table) is None
+
+
+def test_sqlite_dates_and_floats_arrive_as_stored(services, dagster_instance, spark, name, tmp_path: Path) -> None:
+    """SQLite has no date type and stores FLOAT in 8 bytes. Its driver parsed a DATETIME's text as a date (the time
+    of day lost), a TIMESTAMP's microseconds as milliseconds, and read FLOAT as a 32-bit float, all silently. Date
+    and time columns are sent as the text SQLite holds now, FLOAT as the double it is."""
+    path = tmp_path / f"{name}.db"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, d DATE, dt DATETIME, ts TIMESTAMP, f FLOAT)"))
+        conn.execute(text(
+            f"INSERT INTO {name} VALUES (1, '2024-01-02', '2024-01-02 03:04:05.123456', '2024-01-02 03:04:05.000001', "
+            "0.123456789), (2, 20240102, 1700000000, '2024-01-02T03:04:05', 1e-300), (3, NULL, NULL, NULL, NULL)"
+            .replace(":", "\\:")))
+    engine.dispose()
+    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
+        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=3)
+    got = [m.value for m in read_topic(services.kafka_bootstrap, table.topic_name)]
+    assert got == [
+        {"id": 1, "d": "2024-01-02", "dt": "2024-01-02 03:04:05.123456", "ts": "2024-01-02 03:04:05.000001",
+         "f": 0.123456789},
+        {"id": 2, "d": "20240102", "dt": "1700000000", "ts": "2024-01-02T03:04:05", "f": 1e-300},
+        {"id": 3, "d": None, "dt": None, "ts": None, "f": None},
+    ]

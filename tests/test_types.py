@@ -22,8 +22,9 @@ PG_DDL = """CREATE TABLE {t} (
 
 PG_ROWS = [
     "(-32768, 2147483647, 9223372036854775807, 12.30, 1234567890123456789012345678.0123456789, 1.50, 0.1, 0.1,"
-    " true, E'h\\u00e9llo \"quoted\" \\\\ back \\n', 'Z\\u00fcrich', '2024-01-02 03:04:05.123456',"
-    " '2024-01-02 03:04:05.123456+02', '2024-01-02', '\\x00ff10616263', '{\"b\": 1.10, \"a\": [1, 2.50]}',"
+    " true, E'h\\u00e9llo \"quoted\" \\\\ back \\n \\u2028\\u2029\\u0085', 'Z\\u00fcrich',"
+    " '2024-01-02 03:04:05.123456', '2024-01-02 03:04:05.123456+02', '2024-01-02', '\\x00ff10616263',"
+    " '{\"b\": 1.10, \"a\": [1, 2.50]}',"
     " '{\"a\": 12345678901234567890123, \"n\": null}', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11')",
     "(0, 0, 0, 0.00, -0.0000000001, 0, 3.4e38, 1e23, false, '', '', '0001-01-01 00:00:00',"
     " '9999-12-31 23:59:59.999999+00', '9999-12-31', '\\x', '[]', '{}', '00000000-0000-0000-0000-000000000000')",
@@ -97,6 +98,9 @@ def test_postgres_types_round_trip(services, pg_database, pg_engine, dagster_ins
     assert first["c_json"] == {"b": 1.1, "a": [1, 2.5]}
     assert first["c_f4"] == pytest.approx(0.1, rel=1e-7) and first["c_f8"] == 0.1
     assert got[2]["c_text"] is None and "c_text" in got[2]
+    # U+2028, U+2029 and U+0085 in a table with a JSON column: to_json leaves them unescaped, and the columns
+    # before the JSON column vanished from the message (an invalid JSON text, committed).
+    assert first["c_text"].endswith(" \u2028\u2029\u0085") and first["id"] == 1
 
 
 def test_postgres_dates_and_timestamps_rendered_by_the_source_at_the_edges(services, pg_database, pg_engine,
@@ -178,7 +182,8 @@ def test_postgres_json_text_is_spliced_verbatim(services, pg_database, pg_engine
 MARIA_DDL = """CREATE TABLE {t} (
   id bigint AUTO_INCREMENT PRIMARY KEY, c_tiny tinyint, c_tiny1 tinyint(1), c_small smallint, c_int int,
   c_big bigint, c_num decimal(12,2), c_hp decimal(38,10), c_d double, c_text text, c_vc varchar(50),
-  c_dt datetime(6), c_ts timestamp(6) NULL, c_date date, c_blob blob, c_vb varbinary(10), c_json json)"""
+  c_dt datetime(6), c_ts timestamp(6) NULL, c_date date, c_blob blob, c_vb varbinary(10), c_json json,
+  c_enum enum('a','bcd'), c_set set('a','b','c'), c_char char(5))"""
 
 
 def test_mariadb_types_round_trip(services, mariadb_database, mariadb_engine, dagster_instance, spark, name) -> None:
@@ -187,10 +192,11 @@ def test_mariadb_types_round_trip(services, mariadb_database, mariadb_engine, da
         conn.execute(text(MARIA_DDL.format(t=name)))
         conn.execute(text(
             f"INSERT INTO {name} (c_tiny, c_tiny1, c_small, c_int, c_big, c_num, c_hp, c_d, c_text, c_vc, c_dt, c_ts,"
-            " c_date, c_blob, c_vb, c_json) VALUES (-128, 5, -32768, 2147483647, 9223372036854775807, 12.30,"
-            " 1234567890123456789012345678.0123456789, 0.1, 'h\u00e9llo \"q\" \\\\ \\n', 'Z\u00fcrich',"
+            " c_date, c_blob, c_vb, c_json, c_enum, c_set, c_char) VALUES (-128, 5, -32768, 2147483647,"
+            " 9223372036854775807, 12.30, 1234567890123456789012345678.0123456789, 0.1,"
+            " 'h\u00e9llo \"q\" \\\\ \\n \u2028\u2029\u0085', 'Z\u00fcrich',"
             " '1000-01-01 00:00:00.000001', '2024-01-02 03:04:05.123456', '2024-01-02', x'00ff10616263', x'00ff',"
-            " '{\"b\": 1.10, \"a\": [1, 2.50]}')"))
+            " '{\"b\": 1.10, \"a\": [1, 2.50]}', 'a', 'a,c', ' ab ')"))
         conn.execute(text(f"INSERT INTO {name} (c_tiny) VALUES (NULL)"))
     with mariadb_engine.connect() as conn:
         conn.execute(text("SET time_zone = '+00:00'"))
@@ -209,6 +215,9 @@ def test_mariadb_types_round_trip(services, mariadb_database, mariadb_engine, da
     assert got[0]["c_tiny1"] == 5 and got[0]["c_num"] == "12.30"
     assert got[0]["c_dt"] == "1000-01-01T00:00:00.000001"
     assert got[0]["c_blob"] == "AP8QYWJj"
+    # Spark padded CHAR(n) as it read (ENUM and SET reach it as CHAR): "a  ", "a,c  ", " ab  ".
+    assert (got[0]["c_enum"], got[0]["c_set"], got[0]["c_char"]) == ("a", "a,c", " ab")
+    assert got[0]["c_text"].endswith("\u2028\u2029\u0085") and got[0]["id"] == 1
 
 
 # Decimals beyond Spark's DecimalType (precision 38, 0 <= scale <= precision) must still arrive exactly.
@@ -276,3 +285,26 @@ def test_mariadb_wide_decimals_are_exact(services, mariadb_database, mariadb_eng
     assert got[1]["c_d65"] == "0.500000000000000000000000000000"
     assert got[0]["c_bu"] == 18446744073709551615  # BIGINT UNSIGNED stays a JSON number
     assert got[0]["c_d20u"] == "99999999999999999999"  # a DECIMAL, even unsigned with scale 0, is a string
+
+
+@pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
+def test_mariadb_dates_arrive_as_stored(services, mariadb_database, mariadb_engine, dagster_instance, spark, name,
+                                        spark_remote: bool) -> None:
+    """Through the JDBC driver and Spark a date before 1582-10-15 moved ten days (Julian -> Gregorian), a
+    zero-in-date value ('2024-05-00') became the day before and a zero date null, all silently; MariaDB's default
+    sql_mode accepts each of them. MariaDB renders DATE and DATETIME text itself now, and names a zero TIMESTAMP."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text("SET SESSION sql_mode = '', time_zone = '+00:00'"))
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, d date, dt datetime(6), "
+                          "dt0 datetime, ts timestamp NULL DEFAULT NULL)"))
+        conn.execute(text(
+            f"INSERT INTO {name} (d, dt, dt0, ts) VALUES "
+            "('1582-10-10', '1582-10-10 12\\:00\\:00.000001', '1582-10-10 12\\:00\\:00', '2024-01-02 03\\:04\\:05'), "
+            "('2024-05-00', '2024-05-00 10\\:00\\:00.5', '2024-05-00 10\\:00\\:00', 0), "
+            "('0000-00-00', '0000-00-00 00\\:00\\:00', '0000-00-00 00\\:00\\:00', NULL)"))
+    got = _run_table(services, mariadb_database, dagster_instance, name, 3, spark_remote)
+    assert [(g["d"], g["dt"], g["dt0"], g["ts"]) for g in got] == [
+        ("1582-10-10", "1582-10-10T12:00:00.000001", "1582-10-10T12:00:00.000000", "2024-01-02T03:04:05.000000+00:00"),
+        ("2024-05-00", "2024-05-00T10:00:00.500000", "2024-05-00T10:00:00.000000", "0000-00-00T00:00:00.000000+00:00"),
+        ("0000-00-00", "0000-00-00T00:00:00.000000", "0000-00-00T00:00:00.000000", None),
+    ]
