@@ -227,6 +227,14 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
 
         # A cut slice holds settled rows: an early read of it and the run ask the source once.
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi, settled=True)
+        misfit = source.sqlite_misfit(shape, slice_range.lo, slice_range.hi) if shape.dialect == "sqlite" else None
+        if misfit is not None:
+            at, column, kind, text = misfit
+            raise SourceError(f"{table.table_id}: row {shape.watermark_text(at)} ({table.watermark}) holds a {kind} "
+                              f"value in column {column!r}, declared {shape.column(column).type_name}: {text}. "
+                              "SQLite keeps it, but it would not arrive as stored (its driver converts it), so the "
+                              "slice stops here and nothing of it is sent. Fix the value (or the column's declared "
+                              "type: REAL for fractions, TEXT for text, BLOB for anything), then the run retries.")
         first = (source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi, settled=True)  # one indexed row
                  if rows else None)
         skipped = table.skip_watermarks_in(slice_range.lo, slice_range.hi)

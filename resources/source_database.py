@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -514,6 +515,38 @@ class SourceDatabaseResource(ConfigurableResource):
             return conn.execute(sa.select(sa.literal(1)).select_from(t)
                                 .where(t.c[shape.watermark].is_(None)).limit(1)).first() is not None
 
+    def sqlite_misfit(self, shape: TableShape, after: int, upto: int) -> tuple[int, str, str, str] | None:
+        """SQLite only: the first row in (after, upto] holding a value its column's declared type cannot carry
+        exactly, as (watermark, column, storage class, the value as an SQL literal); None if every value fits.
+
+        SQLite keeps any value in any column, and its JDBC driver converts what does not fit the declared type
+        silently: 1.5 in an INTEGER column arrived as 1, 'abc' as 0, 123.456 in a DECIMAL(10,2) as 123.46, 'yes' in
+        a BOOLEAN as false, a blob in a TEXT column as mangled text. Such a slice stops with this row named."""
+        q = self.engine.dialect.identifier_preparer.quote
+        rules: list[tuple[str, str]] = []  # (column, SQL that is true where its value does not fit)
+        for c in shape.columns:
+            misfit = _sqlite_misfit_sql(c.type_name.upper(), q(c.name))
+            if misfit:
+                rules.append((c.name, misfit))
+        if not rules:
+            return None
+        wm = q(shape.watermark)
+        which = " ".join(f"WHEN {sql} THEN {i}" for i, (_, sql) in enumerate(rules))
+        where = " OR ".join(f"({sql})" for _, sql in rules)
+        table = q(shape.name) if not shape.schema else f"{q(shape.schema)}.{q(shape.name)}"
+        filtered = f" AND ({shape.where})" if shape.where else ""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.text(
+                f"SELECT {wm}, CASE {which} END FROM {table} WHERE {wm} > :after AND {wm} <= :upto{filtered} "
+                f"AND ({where}) ORDER BY {wm} LIMIT 1"), {"after": after, "upto": upto}).first()
+            if row is None:
+                return None
+            column = rules[int(row[1])][0]
+            kind, text = conn.execute(sa.text(
+                f"SELECT typeof({q(column)}), substr(quote({q(column)}), 1, 60) FROM {table} WHERE {wm} = :w"),
+                {"w": row[0]}).one()
+        return int(row[0]), column, kind, text
+
     # -- safe high watermark ---------------------------------------------------------------------
 
     def observe(self, shape: TableShape) -> WatermarkCandidate | None:
@@ -652,6 +685,32 @@ class SourceDatabaseResource(ConfigurableResource):
     def jdbc_options(self) -> dict[str, Any]:
         """What Spark's JDBC source needs to read this database (see resources/jdbc.py)."""
         return jdbc_options(self.sqlalchemy_url, self.dialect)
+
+
+_SQLITE_DECIMAL = re.compile(r"^(?:NUMERIC|DECIMAL)\s*\(\s*\d+\s*,\s*(\d+)\s*\)")
+
+
+def _sqlite_misfit_sql(declared: str, c: str) -> str:
+    """SQL true where a SQLite value does not fit its column's declared type (by SQLite's affinity rules, in their
+    order; "": any value is read as it is: BLOB and untyped columns, and dates and times, read as their text)."""
+    if "INT" in declared:
+        return f"typeof({c}) NOT IN ('integer', 'null')"
+    if any(t in declared for t in ("CHAR", "CLOB", "TEXT")):
+        return f"typeof({c}) NOT IN ('text', 'null')"
+    if not declared or "BLOB" in declared:
+        return ""
+    if any(t in declared for t in ("REA", "FLOA", "DOUB")):
+        return f"typeof({c}) NOT IN ('real', 'integer', 'null')"
+    if any(t in declared for t in ("DATE", "TIME")):
+        return f"typeof({c}) = 'blob'"
+    if "BOOL" in declared:
+        return f"NOT (typeof({c}) = 'null' OR (typeof({c}) = 'integer' AND {c} IN (0, 1)))"
+    decimal = _SQLITE_DECIMAL.match(declared)
+    if decimal:  # a real must already be at the column's scale (the read would round it)
+        scale = int(decimal.group(1))
+        return f"NOT (typeof({c}) IN ('integer', 'null') OR (typeof({c}) = 'real' AND round({c}, {scale}) = {c}))"
+    # NUMERIC without a scale: a real reaches Spark through 15 significant digits
+    return f"typeof({c}) NOT IN ('integer', 'null')"
 
 
 def _innodb_trx_key(row: sa.Row) -> str:

@@ -119,3 +119,39 @@ def test_sqlite_dates_and_floats_arrive_as_stored(services, dagster_instance, sp
         {"id": 2, "d": "20240102", "dt": "1700000000", "ts": "2024-01-02T03:04:05", "f": 1e-300},
         {"id": 3, "d": None, "dt": None, "ts": None, "f": None},
     ]
+
+
+@pytest.mark.parametrize(("declared", "value", "kind"), [
+    ("INTEGER", "1.5", "real"), ("INTEGER", "'12abc'", "text"), ("REAL", "'abc'", "text"),
+    ("TEXT", "X'FF00'", "blob"), ("DECIMAL(10,2)", "123.456", "real"), ("BOOLEAN", "'yes'", "text"),
+    ("NUMERIC", "12.345678901234567", "real")])
+def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services, dagster_instance, spark, name,
+                                                                       tmp_path: Path, declared: str, value: str,
+                                                                       kind: str) -> None:
+    """SQLite keeps any value in any column and its driver converted the misfits silently (1.5 in an INTEGER column
+    arrived as 1, '12abc' as 12, 123.456 in a DECIMAL(10,2) as 123.46, 'yes' in a BOOLEAN as false). The slice
+    stops naming the row and the column, nothing is sent; once the value is fixed the table relays exactly once."""
+    from tests.test_errors import failure_text
+
+    path = tmp_path / f"{name}.db"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v {declared})"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, NULL), (2, {value}), (3, NULL)"))
+    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
+        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    (key,) = h.cut(table)
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success
+    message = failure_text(result)
+    shown = declared.replace(",", ", ")  # as SQLAlchemy reflects it
+    assert f"row 2 (id) holds a {kind} value in column 'v', declared {shown}" in message, message
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
+    assert h.progress(table) is None
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {name} SET v = NULL WHERE id = 2"))
+    engine.dispose()
+    h.drain(table, until_hi=3)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3])
