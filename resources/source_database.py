@@ -372,6 +372,16 @@ class SourceDatabaseResource(ConfigurableResource):
             if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
                 raise SourceError(f"{label}: column {name!r} has type {col_type}, which rowrelay cannot serialize "
                                   "exactly; leave it out with `columns:` or cast it in a view")
+            if ((self.dialect == "mysql" and isinstance(col_type, sa.Uuid))
+                    or (self.dialect == "sqlite" and isinstance(col_type, sa.Uuid | sa.JSON))):
+                # MariaDB's UUID is a type Spark's JDBC reader does not know (the read failed); SQLite has no JSON
+                # type and does not check the text, so it could not be spliced into the message as JSON.
+                raise SourceError(f"{label}: column {name!r} has type {col_type}, which rowrelay cannot read from "
+                                  f"{self.dialect}; leave it out with `columns:` or select it as text in a view "
+                                  "(CAST(... AS CHAR) on MariaDB; on SQLite declare it TEXT: sent as a string)")
+            if "`" in name:
+                raise SourceError(f"{label}: column {name!r} has a backtick in its name, which Spark's column "
+                                  "references cannot carry; leave it out with `columns:` or rename it in a view")
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer),
                                     source_text=self._source_text(col_type)))

@@ -155,3 +155,28 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
     engine.dispose()
     h.drain(table, until_hi=3)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3])
+
+
+@pytest.mark.parametrize(("ddl", "message"), [
+    ("CREATE TABLE {t} (id INTEGER PRIMARY KEY, doc JSON)", "column 'doc' has type JSON, which rowrelay cannot read "
+                                                            "from sqlite"),
+    ('CREATE TABLE {t} (id INTEGER PRIMARY KEY, "we`ird" TEXT)', "column 'we`ird' has a backtick in its name"),
+])
+def test_sqlite_columns_rowrelay_cannot_read_are_refused_at_the_table_check(tmp_path: Path, name, ddl: str,
+                                                                            message: str) -> None:
+    """A SQLite JSON column (SQLite does not check its text; Spark failed on it as a decimal) and a backtick in a
+    column name (Spark failed on the reference) are refused by name before anything is cut or read."""
+    from resources.source_database import SourceDatabaseResource, SourceError
+
+    path = tmp_path / f"{name}.db"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(ddl.format(t=name)))
+    engine.dispose()
+    source = SourceDatabaseResource(url=f"sqlite:///{path}")
+    try:
+        with pytest.raises(SourceError, match="leave it out with `columns:`") as info:
+            source.table_shape(None, name, "id")
+        assert message in str(info.value)
+    finally:
+        source.dispose()

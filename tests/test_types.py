@@ -308,3 +308,19 @@ def test_mariadb_dates_arrive_as_stored(services, mariadb_database, mariadb_engi
         ("2024-05-00", "2024-05-00T10:00:00.500000", "2024-05-00T10:00:00.000000", "0000-00-00T00:00:00.000000+00:00"),
         ("0000-00-00", "0000-00-00T00:00:00.000000", "0000-00-00T00:00:00.000000", None),
     ]
+
+
+def test_mariadb_uuid_column_is_refused_at_the_table_check(mariadb_database, mariadb_engine, name) -> None:
+    """MariaDB's UUID type (10.7+) passed the table check and failed every read in Spark ("Unrecognized SQL type");
+    it is refused by name before anything is cut, with the remedy."""
+    from resources.source_database import SourceDatabaseResource, SourceError
+
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, u uuid)"))
+    source = SourceDatabaseResource(url=mariadb_database.render_as_string(hide_password=False))
+    try:
+        with pytest.raises(SourceError, match=r"column 'u' has type .*which rowrelay cannot read from mysql.*"
+                                              r"CAST\(\.\.\. AS CHAR\)"):
+            source.table_shape(None, name, "id")
+    finally:
+        source.dispose()
