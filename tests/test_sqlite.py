@@ -68,6 +68,18 @@ def test_sqlite_integers_above_32_bits_are_relayed_exactly(services, dagster_ins
     assert msgs[-1].value == {"id": first + 19, "n": 3 * 10**9 + 20, "label": "r20"}
 
 
+def _run_first_slice(services, dagster_instance, path: Path, name: str, **table: object):
+    """Cut the SQLite table's first slice and run it, expecting the run to fail: (harness, table, result)."""
+    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
+        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2, **table}])
+    h = Harness(cfg, dagster_instance)
+    relayed = h.table()
+    (key,) = h.cut(relayed)
+    result = h.run(relayed, key, raise_on_error=False)
+    assert not result.success
+    return h, relayed, result
+
+
 def test_a_read_that_loses_rows_fails_the_run_instead_of_committing(services, dagster_instance, spark, name,
                                                                    tmp_path: Path, monkeypatch) -> None:
     """Whatever makes a read lose rows (here the 32-bit SQLite read above, put back), the slice is checked against
@@ -80,13 +92,7 @@ def test_a_read_that_loses_rows_fails_the_run_instead_of_committing(services, da
     first = 3 * 10**9 + 1  # every id wraps (to below the slice): the read gives none of them
     _wide_ids_table(path, name, first)
     monkeypatch.setattr(spark_module, "custom_schema_for", lambda shape: "")  # the driver's 32-bit mapping
-    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
-        {"source": "lite", "table": name, "watermark": "id", "start_after": first - 1, "settle_seconds": 0.2}])
-    h = Harness(cfg, dagster_instance)
-    table = h.table()
-    (key,) = h.cut(table)
-    result = h.run(table, key, raise_on_error=False)
-    assert not result.success
+    h, table, result = _run_first_slice(services, dagster_instance, path, name, start_after=first - 1)
     text_ = failure_text(result)
     assert "the read gave" in text_ and "the source counts 20" in text_, text_
     assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "rows_mismatch"
@@ -138,13 +144,7 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
     with engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v {declared})"))
         conn.execute(text(f"INSERT INTO {name} VALUES (1, NULL), (2, {value}), (3, NULL)"))
-    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
-        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2}])
-    h = Harness(cfg, dagster_instance)
-    table = h.table()
-    (key,) = h.cut(table)
-    result = h.run(table, key, raise_on_error=False)
-    assert not result.success
+    h, table, result = _run_first_slice(services, dagster_instance, path, name)
     message = failure_text(result)
     shown = declared.replace(",", ", ")  # as SQLAlchemy reflects it
     assert f"row 2 (id) holds a {kind} value in column 'v', declared {shown}" in message, message
