@@ -81,8 +81,11 @@ def custom_schema_for(shape: TableShape) -> str:
 
     Decimals beyond DecimalType (PostgreSQL unconstrained or numeric(78,0), numeric(5,7), MariaDB
     DECIMAL(65,30)) would be rounded or overflow: read the driver's own text instead, which is exact, in plain
-    notation and keeps the column's scale. PostgreSQL real (float4) through Java 17's Float.toString is not the
-    shortest text, so read PostgreSQL's own text and cast to double. Decided from the reflected types, which
+    notation and keeps the column's scale. So is every PostgreSQL numeric (but a tie_break, which the read sorts
+    on): any of them may hold 'NaN' (and, from PostgreSQL 14, 'Infinity'), which the driver cannot make a
+    BigDecimal of, so the read failed; the text is the same string the decimal gave otherwise. PostgreSQL real
+    (float4) through Java 17's Float.toString is not the shortest text, so read PostgreSQL's own text and cast to
+    double. Decided from the reflected types, which
     saves Spark a second schema round trip.
 
     SQLite stores every integer in up to 8 bytes, but its driver reports a column declared INTEGER (or INT,
@@ -97,8 +100,9 @@ def custom_schema_for(shape: TableShape) -> str:
                          if (sqlite_type := _sqlite_read_type(c.type_name.upper())))
     if shape.dialect not in ("postgresql", "mysql"):
         return ""
-    as_text = [c.name for c in shape.columns
-               if exceeds_spark_decimal(c.type_name) or (shape.dialect == "postgresql" and c.type_name == "REAL")]
+    pg = shape.dialect == "postgresql"
+    as_text = [c.name for c in shape.columns if exceeds_spark_decimal(c.type_name) or (pg and (
+        c.type_name == "REAL" or (_DECIMAL_TYPE.match(c.type_name) and c.name != shape.tie_break)))]
     return ", ".join(f"`{c}` STRING" for c in as_text)
 
 
