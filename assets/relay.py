@@ -5,7 +5,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -33,6 +33,7 @@ from dagster import (
 
 from resources.config import TableConfig
 from resources.exactly_once import (
+    BadRowError,
     ProgressRecord,
     SliceOutOfOrder,
     TableChannel,
@@ -227,17 +228,16 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
 
         # A cut slice holds settled rows: an early read of it and the run ask the source once.
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi, settled=True)
-        misfit = source.sqlite_misfit(shape, slice_range.lo, slice_range.hi) if shape.dialect == "sqlite" else None
+        skipped = table.skip_watermarks_in(slice_range.lo, slice_range.hi)
+        misfit = (source.sqlite_misfit(shape, slice_range.lo, slice_range.hi, skipped)
+                  if shape.dialect == "sqlite" and rows else None)
         if misfit is not None:
-            at, column, kind, text = misfit
-            raise SourceError(f"{table.table_id}: row {shape.watermark_text(at)} ({table.watermark}) holds a {kind} "
-                              f"value in column {column!r}, declared {shape.column(column).type_name}: {text}. "
-                              "SQLite keeps it, but it would not arrive as stored (its driver converts it), so the "
-                              "slice stops here and nothing of it is sent. Fix the value (or the column's declared "
-                              "type: REAL for fractions, TEXT for text, BLOB for anything), then the run retries.")
+            # Raised when the slice's rows are fetched, not now: the read-ahead prepares the next slice while this
+            # one publishes, and a bad row there must stop that slice, not the one before it.
+            return SliceFrame(channel=channel, slice=slice_range, read_chunk=_refuse(sqlite_misfit_error(
+                table, shape, *misfit)), expected_rows=rows)
         first = (source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi, settled=True)  # one indexed row
                  if rows else None)
-        skipped = table.skip_watermarks_in(slice_range.lo, slice_range.hi)
         to_send = (source.count_rows(shape, slice_range.lo, slice_range.hi, skip=skipped, settled=True)
                    if skipped and rows else rows)
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
@@ -246,6 +246,24 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
                        columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed)
+
+
+def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: str, kind: str, value: str
+                        ) -> BadRowError:
+    """What a slice holding a SQLite value its column cannot carry stops with (see `sqlite_misfit`)."""
+    return BadRowError(
+        f"{table.table_id}: row {shape.watermark_text(at)} ({table.watermark}) holds a {kind} value in column "
+        f"{column!r} (reflected as {shape.column(column).type_name}): {value}. SQLite keeps it, but its driver would "
+        "convert it, so it would not arrive as stored; nothing of the slice is sent. Fix the value or the column's "
+        "declared type (REAL for fractions, TEXT for text, BLOB for anything), or leave the row out with "
+        f"skip_watermarks: [{at}]; then re-run the slice.", table=table.table_id, watermark=at, column=column)
+
+
+def _refuse(error: Exception) -> Callable[..., Any]:
+    """A slice's chunk reader that raises `error` instead of reading."""
+    def read_chunk(*_: object) -> Any:
+        raise error
+    return read_chunk
 
 
 def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> AssetsDefinition:

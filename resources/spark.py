@@ -43,6 +43,9 @@ SQL_CONF = {
     # Spark pads CHAR(n) values it reads to n characters; MariaDB returns CHAR without its trailing spaces and
     # reports ENUM and SET as CHAR(n) ('a' arrived as "a  "): send what the database returns.
     "spark.sql.readSideCharPadding": "false",
+    # ANSI mode (Spark 4's default, but a user's conf or a shared Connect server may turn it off): a decimal cast
+    # to string stays in plain notation (1E-10 otherwise) and an overflow fails instead of becoming null.
+    "spark.sql.ansi.enabled": "true",
 }
 
 

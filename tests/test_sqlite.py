@@ -130,13 +130,15 @@ def test_sqlite_dates_and_floats_arrive_as_stored(services, dagster_instance, sp
 @pytest.mark.parametrize(("declared", "value", "kind"), [
     ("INTEGER", "1.5", "real"), ("INTEGER", "'12abc'", "text"), ("REAL", "'abc'", "text"),
     ("TEXT", "X'FF00'", "blob"), ("DECIMAL(10,2)", "123.456", "real"), ("BOOLEAN", "'yes'", "text"),
-    ("NUMERIC", "12.345678901234567", "real")])
+    ("NUMERIC", "12.345678901234567", "real"), ("DECIMAL(16,2)", "12345678901234.56", "real")])
 def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services, dagster_instance, spark, name,
                                                                        tmp_path: Path, declared: str, value: str,
                                                                        kind: str) -> None:
     """SQLite keeps any value in any column and its driver converted the misfits silently (1.5 in an INTEGER column
-    arrived as 1, '12abc' as 12, 123.456 in a DECIMAL(10,2) as 123.46, 'yes' in a BOOLEAN as false). The slice
-    stops naming the row and the column, nothing is sent; once the value is fixed the table relays exactly once."""
+    arrived as 1, '12abc' as 12, 123.456 in a DECIMAL(10,2) as 123.46, 'yes' in a BOOLEAN as false, a real of 16
+    digits through 15). The slice stops as bad_row (no retry), naming the row and the column, nothing is sent; once
+    the value is fixed the table relays exactly once."""
+    from resources.kafka_io_manager import STOPPED_TAG
     from tests.test_errors import failure_text
 
     path = tmp_path / f"{name}.db"
@@ -147,7 +149,9 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
     h, table, result = _run_first_slice(services, dagster_instance, path, name)
     message = failure_text(result)
     shown = declared.replace(",", ", ")  # as SQLAlchemy reflects it
-    assert f"row 2 (id) holds a {kind} value in column 'v', declared {shown}" in message, message
+    assert f"row 2 (id) holds a {kind} value in column 'v' (reflected as {shown})" in message, message
+    assert "skip_watermarks: [2]" in message, message
+    assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "bad_row"
     assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
     assert h.progress(table) is None
     with engine.begin() as conn:
@@ -155,6 +159,59 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
     engine.dispose()
     h.drain(table, until_hi=3)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3])
+
+
+def test_sqlite_values_that_fit_their_declared_type_are_relayed(services, dagster_instance, spark, name,
+                                                                tmp_path: Path) -> None:
+    """No false stop: reals a decimal's scale holds (19.99 in DECIMAL(38,18), 0.1 in DECIMAL(10,2), 12.5 in a
+    NUMERIC read at Spark's default scale 18, 1e-07 at scale 10), integers in REAL, BOOLEAN 0 and 1."""
+    path = tmp_path / f"{name}.db"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, d38 DECIMAL(38,18), d10 DECIMAL(10,2), "
+                          "n NUMERIC, r REAL, b BOOLEAN, small DECIMAL(20,10))"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 19.99, 0.1, 12.5, 3, 1, 1e-7), "
+                          "(2, 10000, 99999999.99, 7, 2.5, 0, 0.5)"))
+    engine.dispose()
+    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
+        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=2)
+    assert [m.value for m in read_topic(services.kafka_bootstrap, table.topic_name)] == [
+        {"id": 1, "d38": "19.990000000000000000", "d10": "0.10", "n": "12.500000000000000000", "r": 3.0, "b": True,
+         "small": "0.0000001000"},
+        {"id": 2, "d38": "10000.000000000000000000", "d10": "99999999.99", "n": "7.000000000000000000", "r": 2.5,
+         "b": False, "small": "0.5000000000"},
+    ]
+
+
+def test_a_sqlite_misfit_stops_its_own_slice_not_the_one_before(services, dagster_instance, spark, name,
+                                                                tmp_path: Path) -> None:
+    """The read-ahead prepares the next slice while one publishes: a bad row in the second slice of a run stops
+    the second slice, after the first has committed. `skip_watermarks` leaves the row out, as its message says."""
+    from resources.kafka_io_manager import STOPPED_TAG
+
+    path = tmp_path / f"{name}.db"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v INTEGER)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 1), (2, 2), (3, 3), (4, 4), (5, 5.5), (6, 6)"))
+    engine.dispose()
+    base = {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2, "slice_max_rows": 3}
+    h = Harness(relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [base]), dagster_instance)
+    table = h.table()
+    (key,) = h.cut(table)  # one run for both slices
+    assert key == "000000000000-000000000003...000000000003-000000000006", key
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success
+    assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "bad_row"
+    assert h.progress(table).hi == 3
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3])
+    skipping = Harness(relay_config(services, {"lite": make_url(f"sqlite:///{path}")},
+                                    [{**base, "skip_watermarks": [5]}]), dagster_instance)
+    skipping.drain(skipping.table(), until_hi=6)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3, 4, 6])
 
 
 @pytest.mark.parametrize(("ddl", "message"), [
