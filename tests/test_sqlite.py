@@ -68,6 +68,15 @@ def test_sqlite_integers_above_32_bits_are_relayed_exactly(services, dagster_ins
     assert msgs[-1].value == {"id": first + 19, "n": 3 * 10**9 + 20, "label": "r20"}
 
 
+def _relayed_values(services, dagster_instance, path: Path, name: str, until_hi: int) -> list[dict]:
+    """Relay the SQLite table up to `until_hi` and return its messages' values, in order."""
+    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
+        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2}])
+    h = Harness(cfg, dagster_instance)
+    h.drain(h.table(), until_hi=until_hi)
+    return [m.value for m in read_topic(services.kafka_bootstrap, h.table().topic_name)]
+
+
 def _run_first_slice(services, dagster_instance, path: Path, name: str, **table: object):
     """Cut the SQLite table's first slice and run it, expecting the run to fail: (harness, table, result)."""
     cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
@@ -113,13 +122,7 @@ def test_sqlite_dates_and_floats_arrive_as_stored(services, dagster_instance, sp
             "0.123456789), (2, 20240102, 1700000000, '2024-01-02T03:04:05', 1e-300), (3, NULL, NULL, NULL, NULL)"
             .replace(":", "\\:")))
     engine.dispose()
-    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
-        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2}])
-    h = Harness(cfg, dagster_instance)
-    table = h.table()
-    h.drain(table, until_hi=3)
-    got = [m.value for m in read_topic(services.kafka_bootstrap, table.topic_name)]
-    assert got == [
+    assert _relayed_values(services, dagster_instance, path, name, until_hi=3) == [
         {"id": 1, "d": "2024-01-02", "dt": "2024-01-02 03:04:05.123456", "ts": "2024-01-02 03:04:05.000001",
          "f": 0.123456789},
         {"id": 2, "d": "20240102", "dt": "1700000000", "ts": "2024-01-02T03:04:05", "f": 1e-300},
@@ -173,12 +176,7 @@ def test_sqlite_values_that_fit_their_declared_type_are_relayed(services, dagste
         conn.execute(text(f"INSERT INTO {name} VALUES (1, 19.99, 0.1, 12.5, 3, 1, 1e-7), "
                           "(2, 10000, 99999999.99, 7, 2.5, 0, 0.5)"))
     engine.dispose()
-    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
-        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2}])
-    h = Harness(cfg, dagster_instance)
-    table = h.table()
-    h.drain(table, until_hi=2)
-    assert [m.value for m in read_topic(services.kafka_bootstrap, table.topic_name)] == [
+    assert _relayed_values(services, dagster_instance, path, name, until_hi=2) == [
         {"id": 1, "d38": "19.990000000000000000", "d10": "0.10", "n": "12.500000000000000000", "r": 3.0, "b": True,
          "small": "0.0000001000"},
         {"id": 2, "d38": "10000.000000000000000000", "d10": "99999999.99", "n": "7.000000000000000000", "r": 2.5,
