@@ -251,12 +251,14 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
 def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: str, kind: str, value: str
                         ) -> BadRowError:
     """What a slice holding a SQLite value its column cannot carry stops with (see `sqlite_misfit`)."""
+    # A misfit in the watermark itself (5.5 in an INTEGER column) is no watermark skip_watermarks can name.
+    skip = "" if column == table.watermark else f", or leave the row out with skip_watermarks: [{at}]"
     return BadRowError(
         f"{table.table_id}: row {shape.watermark_text(at)} ({table.watermark}) holds a {kind} value in column "
         f"{column!r} (reflected as {shape.column(column).type_name}): {value}. SQLite keeps it, but its driver would "
         "convert it, so it would not arrive as stored; nothing of the slice is sent. Fix the value or the column's "
-        "declared type (REAL for fractions, TEXT for text, BLOB for anything), or leave the row out with "
-        f"skip_watermarks: [{at}]; then re-run the slice.", table=table.table_id, watermark=at, column=column)
+        f"declared type (REAL for fractions, TEXT for text, BLOB for anything){skip}; then re-run the slice.",
+        table=table.table_id, watermark=at, column=column)
 
 
 def _refuse(error: Exception) -> Callable[..., Any]:

@@ -535,27 +535,34 @@ class SourceDatabaseResource(ConfigurableResource):
         silently: 1.5 in an INTEGER column arrived as 1, 'abc' as 0, 123.456 in a DECIMAL(10,2) as 123.46, 'yes' in
         a BOOLEAN as false, a blob in a TEXT column as mangled text."""
         q = self.engine.dialect.identifier_preparer.quote
-        rules = [(c.name, sql) for c in shape.columns if (sql := _sqlite_misfit_sql(c.type_name.upper(), q(c.name)))]
+        # Each real's text (as the driver reads it) computed once, in an inner query, for the rules to test.
+        texts = {c.name: f"__rowrelay_text_{i}" for i, c in enumerate(shape.columns)}
+        rules = [(c.name, sql) for c in shape.columns
+                 if (sql := _sqlite_misfit_sql(c.type_name.upper(), q(c.name), q(texts[c.name])))]
         if not rules:
             return None
 
-        def case(then: Callable[[str, str], str]) -> str:
-            return "CASE " + " ".join(f"WHEN {sql} THEN {then(name, q(name))}" for name, sql in rules) + " END"
+        def case(then: Callable[[str], str]) -> str:
+            return "CASE " + " ".join(f"WHEN {sql} THEN {then(name)}" for name, sql in rules) + " END"
 
         wm = q(shape.watermark)
         table = q(shape.name) if not shape.schema else f"{q(shape.schema)}.{q(shape.name)}"
-        conditions = [f"{wm} > ?", f"{wm} <= ?", "(" + " OR ".join(f"({sql})" for _, sql in rules) + ")"]
+        conditions = [f"{wm} > ?", f"{wm} <= ?"]
         if shape.where:
             conditions.append(f"({shape.where})")
         if skip:
             conditions.append(f"{wm} NOT IN ({', '.join(str(int(w)) for w in skip)})")
+        columns = ", ".join(f"{q(name)}, CASE WHEN typeof({q(name)}) = 'real' THEN "
+                            f"{SQLITE_REAL_TEXT.format(c=q(name))} END AS {q(texts[name])}" for name, _ in rules)
+        inner = f"SELECT {wm} AS __rowrelay_wm, {columns} FROM {table} WHERE {' AND '.join(conditions)}"
         # The driver's own statement (qmark parameters): a column name may hold what sa.text reads as a parameter.
         # Not kept with the settled answers: the remedy is to fix a value in place.
         with self.engine.connect() as conn:
             row = conn.exec_driver_sql(
-                f"SELECT {wm}, {case(lambda name, c: sa_literal(name))}, {case(lambda name, c: f'typeof({c})')}, "
-                f"{case(lambda name, c: f'substr(quote({c}), 1, 60)')} FROM {table} "
-                f"WHERE {' AND '.join(conditions)} ORDER BY {wm} LIMIT 1", (after, upto)).first()
+                f"SELECT __rowrelay_wm, {case(sa_literal)}, {case(lambda name: f'typeof({q(name)})')}, "
+                f"{case(lambda name: f'substr(quote({q(name)}), 1, 60)')} FROM ({inner}) "
+                f"WHERE {' OR '.join(f'({sql})' for _, sql in rules)} ORDER BY __rowrelay_wm LIMIT 1",
+                (after, upto)).first()
         return None if row is None else (int(row[0]), str(row[1]), str(row[2]), str(row[3]))
 
     # -- safe high watermark ---------------------------------------------------------------------
@@ -698,10 +705,14 @@ class SourceDatabaseResource(ConfigurableResource):
         return jdbc_options(self.sqlalchemy_url, self.dialect)
 
 
-_SQLITE_DECIMAL = re.compile(r"^(?:NUMERIC|DECIMAL)\s*\(\s*\d+\s*,\s*(\d+)\s*\)")
-# The scale Spark reads a SQLite numeric column at when the driver reports none (NUMERIC, DECIMAL, NUMBER...): its
+# A declared type's (precision[, scale]): the driver reports that scale (0 without one) to Spark.
+_SQLITE_PRECISION = re.compile(r"\(\s*\d+\s*(?:,\s*(\d+)\s*)?\)")
+# The scale Spark reads a SQLite numeric column at when its type names none (NUMERIC, DECIMAL, NUMBER...): its
 # DecimalType.SYSTEM_DEFAULT, decimal(38, 18).
 SQLITE_DEFAULT_SCALE = 18
+# A real as sqlite-jdbc (3.49) reads it into a decimal: its native library's text of a double, 15 significant digits
+# (newer SQLite renders 17 by default, so the format is named, not left to CAST). {c}: the quoted column.
+SQLITE_REAL_TEXT = "printf('%!.15g', {c})"
 
 
 def sa_literal(text: str) -> str:
@@ -709,11 +720,10 @@ def sa_literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _sqlite_real_fits_sql(c: str, scale: int) -> str:
-    """SQL true where a SQLite real reaches Spark's decimal(p, `scale`) exactly: the driver reads a real through its
-    15-significant-digit text, which must give the stored double back, with at most `scale` decimals (exponent
-    forms such as 1.0e-07 counted; trailing zeros not)."""
-    t = f"CAST({c} AS TEXT)"
+def _sqlite_real_fits_sql(c: str, t: str, scale: int) -> str:
+    """SQL true where the real in `c`, whose driver text is in `t`, reaches Spark's decimal(p, `scale`) exactly: the
+    text must give the stored double back, with at most `scale` decimals (exponent forms such as 1.0e-07 counted;
+    trailing zeros not)."""
     mantissa = f"(CASE WHEN instr({t}, 'e') > 0 THEN substr({t}, 1, instr({t}, 'e') - 1) ELSE {t} END)"
     exponent = f"(CASE WHEN instr({t}, 'e') > 0 THEN CAST(substr({t}, instr({t}, 'e') + 1) AS INTEGER) ELSE 0 END)"
     digits = f"rtrim(rtrim({mantissa}, '0'), '.')"
@@ -722,26 +732,27 @@ def _sqlite_real_fits_sql(c: str, scale: int) -> str:
     return f"(CAST({t} AS REAL) = {c} AND {decimals} <= {scale})"
 
 
-def _sqlite_misfit_sql(declared: str, c: str) -> str:
+def _sqlite_misfit_sql(declared: str, c: str, t: str) -> str:
     """SQL true where a SQLite value does not fit its column's declared type (by SQLite's affinity rules, in their
-    order; "": any value is read as it is: BLOB and untyped columns, and dates and times, read as their text)."""
+    order; "": any value is read as it is: BLOB and untyped columns, and dates and times, read as their text).
+    `t`: the column of a real's driver text (SQLITE_REAL_TEXT)."""
     if "INT" in declared:
         return f"typeof({c}) NOT IN ('integer', 'null')"
-    if any(t in declared for t in ("CHAR", "CLOB", "TEXT")):
+    if any(x in declared for x in ("CHAR", "CLOB", "TEXT")):
         return f"typeof({c}) NOT IN ('text', 'null')"
     if not declared or "BLOB" in declared:
         return ""
-    if any(t in declared for t in ("REAL", "FLOA", "DOUB")):
+    if any(x in declared for x in ("REAL", "FLOA", "DOUB")):
         return f"typeof({c}) NOT IN ('real', 'integer', 'null')"
-    if any(t in declared for t in ("DATE", "TIME")):
+    if any(x in declared for x in ("DATE", "TIME")):
         return f"typeof({c}) = 'blob'"
     if "BOOL" in declared:
         return f"NOT (typeof({c}) = 'null' OR (typeof({c}) = 'integer' AND {c} IN (0, 1)))"
-    # Numeric affinity, read as a decimal: integers, or reals the decimal's scale holds exactly.
-    decimal = _SQLITE_DECIMAL.match(declared)
-    scale = int(decimal.group(1)) if decimal else SQLITE_DEFAULT_SCALE
-    return (f"NOT (typeof({c}) IN ('integer', 'null') OR (typeof({c}) = 'real' AND "
-            f"{_sqlite_real_fits_sql(c, scale)}))")
+    # Numeric affinity, read as a decimal: integers, or reals its scale holds exactly.
+    precision = _SQLITE_PRECISION.search(declared)
+    scale = int(precision.group(1) or 0) if precision else SQLITE_DEFAULT_SCALE
+    fits = _sqlite_real_fits_sql(c, t, scale)
+    return f"NOT (typeof({c}) IN ('integer', 'null') OR (typeof({c}) = 'real' AND {fits}))"
 
 
 def _innodb_trx_key(row: sa.Row) -> str:

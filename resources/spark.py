@@ -94,8 +94,9 @@ def custom_schema_for(shape: TableShape) -> str:
     SQLite stores every integer in up to 8 bytes, but its driver reports a column declared INTEGER (or INT,
     SMALLINT...) as 32-bit, and Spark wrapped values above 2^31-1: such a watermark fell out of its own slice's range.
     Integer-affinity columns (SQLite's rule: the declared type contains "INT") are read as BIGINT; FLOAT (8 bytes in
-    SQLite, a 32-bit float to the driver) as DOUBLE. SQLite has no date or time type: the driver parsed a
-    DATE/DATETIME/TIMESTAMP column's text with a pattern of its own (a DATETIME lost its time of day, a TIMESTAMP's
+    SQLite, a 32-bit float to the driver) and every other real as DOUBLE, text as STRING, BOOL(EAN) as BOOLEAN.
+    SQLite has no date or time type: the driver parsed a DATE/DATETIME/TIMESTAMP column's text with a pattern of its
+    own (a DATETIME lost its time of day, a TIMESTAMP's
     microseconds were read as milliseconds), so those columns are sent as the text SQLite holds.
     """
     if shape.dialect == "sqlite":
@@ -110,14 +111,20 @@ def custom_schema_for(shape: TableShape) -> str:
 
 
 def _sqlite_read_type(declared: str) -> str:
-    """The Spark type a SQLite column is read as where the driver's own mapping is not exact ("": its own)."""
-    if "INT" in declared:  # SQLite's affinity rules, in their order
+    """The Spark type a SQLite column is read as where the driver's own mapping is not exact ("": its own). The
+    driver maps a type name it does not know (VARCHAR2, LONGTEXT, DOUBLE PRECISION, BOOL...) to NUMERIC, which Spark
+    reads as a decimal: text, floats and booleans are named here by SQLite's affinity rules, in their order."""
+    if "INT" in declared:
         return "BIGINT"
-    if any(t in declared for t in ("CHAR", "CLOB", "TEXT", "BLOB")):
+    if any(t in declared for t in ("CHAR", "CLOB", "TEXT")):
+        return "STRING"
+    if "BLOB" in declared or not declared:
         return ""
-    if "FLOA" in declared:
+    if any(t in declared for t in ("REAL", "FLOA", "DOUB")):
         return "DOUBLE"
-    return "STRING" if any(t in declared for t in ("DATE", "TIME")) else ""
+    if any(t in declared for t in ("DATE", "TIME")):
+        return "STRING"
+    return "BOOLEAN" if "BOOL" in declared else ""
 
 
 def _spark_time_text(micros: int) -> str:

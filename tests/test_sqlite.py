@@ -133,7 +133,8 @@ def test_sqlite_dates_and_floats_arrive_as_stored(services, dagster_instance, sp
 @pytest.mark.parametrize(("declared", "value", "kind"), [
     ("INTEGER", "1.5", "real"), ("INTEGER", "'12abc'", "text"), ("REAL", "'abc'", "text"),
     ("TEXT", "X'FF00'", "blob"), ("DECIMAL(10,2)", "123.456", "real"), ("BOOLEAN", "'yes'", "text"),
-    ("NUMERIC", "12.345678901234567", "real"), ("DECIMAL(16,2)", "12345678901234.56", "real")])
+    ("NUMERIC", "12.345678901234567", "real"), ("DECIMAL(16,2)", "12345678901234.56", "real"),
+    ("DECIMAL(10)", "1.5", "real")])
 def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services, dagster_instance, spark, name,
                                                                        tmp_path: Path, declared: str, value: str,
                                                                        kind: str) -> None:
@@ -167,20 +168,23 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
 def test_sqlite_values_that_fit_their_declared_type_are_relayed(services, dagster_instance, spark, name,
                                                                 tmp_path: Path) -> None:
     """No false stop: reals a decimal's scale holds (19.99 in DECIMAL(38,18), 0.1 in DECIMAL(10,2), 12.5 in a
-    NUMERIC read at Spark's default scale 18, 1e-07 at scale 10), integers in REAL, BOOLEAN 0 and 1."""
+    NUMERIC read at Spark's default scale 18, 1e-07 at scale 10), integers in REAL, BOOLEAN 0 and 1. And type names
+    the driver does not know (VARCHAR2, DOUBLE PRECISION, BOOL), which it reported as NUMERIC: '007' arrived as a
+    decimal 7, BOOL as a decimal."""
     path = tmp_path / f"{name}.db"
     engine = create_engine(f"sqlite:///{path}")
     with engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, d38 DECIMAL(38,18), d10 DECIMAL(10,2), "
-                          "n NUMERIC, r REAL, b BOOLEAN, small DECIMAL(20,10))"))
-        conn.execute(text(f"INSERT INTO {name} VALUES (1, 19.99, 0.1, 12.5, 3, 1, 1e-7), "
-                          "(2, 10000, 99999999.99, 7, 2.5, 0, 0.5)"))
+                          "n NUMERIC, r REAL, b BOOLEAN, small DECIMAL(20,10), v2 VARCHAR2(10), dp DOUBLE PRECISION, "
+                          "b2 BOOL)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 19.99, 0.1, 12.5, 3, 1, 1e-7, '007', 0.1, 1), "
+                          "(2, 10000, 99999999.99, 7, 2.5, 0, 0.5, '12.345', 2.5, 0)"))
     engine.dispose()
     assert _relayed_values(services, dagster_instance, path, name, until_hi=2) == [
         {"id": 1, "d38": "19.990000000000000000", "d10": "0.10", "n": "12.500000000000000000", "r": 3.0, "b": True,
-         "small": "0.0000001000"},
+         "small": "0.0000001000", "v2": "007", "dp": 0.1, "b2": True},
         {"id": 2, "d38": "10000.000000000000000000", "d10": "99999999.99", "n": "7.000000000000000000", "r": 2.5,
-         "b": False, "small": "0.5000000000"},
+         "b": False, "small": "0.5000000000", "v2": "12.345", "dp": 2.5, "b2": False},
     ]
 
 
