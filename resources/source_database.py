@@ -536,14 +536,15 @@ class SourceDatabaseResource(ConfigurableResource):
         a BOOLEAN as false, a blob in a TEXT column as mangled text."""
         q = self.engine.dialect.identifier_preparer.quote
         # Each real's text (as the driver reads it) computed once, in an inner query, for the rules to test.
-        texts = {c.name: f"__rowrelay_text_{i}" for i, c in enumerate(shape.columns)}
+        texts = {c.name: shape.text_column(i) for i, c in enumerate(shape.columns)}
         rules = [(c.name, sql) for c in shape.columns
                  if (sql := _sqlite_misfit_sql(c.type_name.upper(), q(c.name), q(texts[c.name])))]
         if not rules:
             return None
 
-        def case(then: Callable[[str], str]) -> str:
-            return "CASE " + " ".join(f"WHEN {sql} THEN {then(name)}" for name, sql in rules) + " END"
+        def case(then: Callable[[int, str], str]) -> str:
+            whens = (f"WHEN {sql} THEN {then(i, q(name))}" for i, (name, sql) in enumerate(rules))
+            return f"CASE {' '.join(whens)} END"
 
         wm = q(shape.watermark)
         table = q(shape.name) if not shape.schema else f"{q(shape.schema)}.{q(shape.name)}"
@@ -559,11 +560,11 @@ class SourceDatabaseResource(ConfigurableResource):
         # Not kept with the settled answers: the remedy is to fix a value in place.
         with self.engine.connect() as conn:
             row = conn.exec_driver_sql(
-                f"SELECT __rowrelay_wm, {case(sa_literal)}, {case(lambda name: f'typeof({q(name)})')}, "
-                f"{case(lambda name: f'substr(quote({q(name)}), 1, 60)')} FROM ({inner}) "
+                f"SELECT __rowrelay_wm, {case(lambda i, c: str(i))}, {case(lambda i, c: f'typeof({c})')}, "
+                f"{case(lambda i, c: f'substr(quote({c}), 1, 60)')} FROM ({inner}) "
                 f"WHERE {' OR '.join(f'({sql})' for _, sql in rules)} ORDER BY __rowrelay_wm LIMIT 1",
                 (after, upto)).first()
-        return None if row is None else (int(row[0]), str(row[1]), str(row[2]), str(row[3]))
+        return None if row is None else (int(row[0]), rules[int(row[1])][0], str(row[2]), str(row[3]))
 
     # -- safe high watermark ---------------------------------------------------------------------
 
@@ -715,9 +716,25 @@ SQLITE_DEFAULT_SCALE = 18
 SQLITE_REAL_TEXT = "printf('%!.15g', {c})"
 
 
-def sa_literal(text: str) -> str:
-    """A string as an SQL literal (a column name in a query's answer)."""
-    return "'" + text.replace("'", "''") + "'"
+SqliteAffinity = Literal["integer", "text", "blob", "real", "date", "boolean", "numeric"]
+
+
+def sqlite_affinity(declared: str) -> SqliteAffinity:
+    """How rowrelay reads a SQLite column of this declared type (upper case): SQLite's affinity rules in their order
+    (INT, then CHAR/CLOB/TEXT, BLOB or none, REAL/FLOA/DOUB, else numeric), with two numeric kinds of its own: dates
+    and times (SQLite has none; read as their text) and booleans. The read's types (resources/spark.py) and the
+    misfit check (`sqlite_misfit`) both follow it."""
+    if "INT" in declared:
+        return "integer"
+    if any(x in declared for x in ("CHAR", "CLOB", "TEXT")):
+        return "text"
+    if not declared or "BLOB" in declared:
+        return "blob"
+    if any(x in declared for x in ("REAL", "FLOA", "DOUB")):
+        return "real"
+    if any(x in declared for x in ("DATE", "TIME")):
+        return "date"
+    return "boolean" if "BOOL" in declared else "numeric"
 
 
 def _sqlite_real_fits_sql(c: str, t: str, scale: int) -> str:
@@ -733,22 +750,23 @@ def _sqlite_real_fits_sql(c: str, t: str, scale: int) -> str:
 
 
 def _sqlite_misfit_sql(declared: str, c: str, t: str) -> str:
-    """SQL true where a SQLite value does not fit its column's declared type (by SQLite's affinity rules, in their
-    order; "": any value is read as it is: BLOB and untyped columns, and dates and times, read as their text).
-    `t`: the column of a real's driver text (SQLITE_REAL_TEXT)."""
-    if "INT" in declared:
+    """SQL true where a SQLite value does not fit its column's declared type (`sqlite_affinity`; "": any value is
+    read as it is: BLOB and untyped columns, and dates and times, read as their text). `t`: the column of a real's
+    driver text (SQLITE_REAL_TEXT)."""
+    affinity = sqlite_affinity(declared)
+    if affinity == "integer":
         return f"typeof({c}) NOT IN ('integer', 'null')"
-    if any(x in declared for x in ("CHAR", "CLOB", "TEXT")):
+    if affinity == "text":
         return f"typeof({c}) NOT IN ('text', 'null')"
-    if not declared or "BLOB" in declared:
+    if affinity == "blob":
         return ""
-    if any(x in declared for x in ("REAL", "FLOA", "DOUB")):
+    if affinity == "real":
         return f"typeof({c}) NOT IN ('real', 'integer', 'null')"
-    if any(x in declared for x in ("DATE", "TIME")):
+    if affinity == "date":
         return f"typeof({c}) = 'blob'"
-    if "BOOL" in declared:
+    if affinity == "boolean":
         return f"NOT (typeof({c}) = 'null' OR (typeof({c}) = 'integer' AND {c} IN (0, 1)))"
-    # Numeric affinity, read as a decimal: integers, or reals its scale holds exactly.
+    # Numeric, read as a decimal: integers, or reals its scale holds exactly.
     precision = _SQLITE_PRECISION.search(declared)
     scale = int(precision.group(1) or 0) if precision else SQLITE_DEFAULT_SCALE
     fits = _sqlite_real_fits_sql(c, t, scale)

@@ -14,6 +14,7 @@ from pydantic import Field
 
 from resources.config import resolve_env
 from resources.slices import SliceRange, micros_to_datetime
+from resources.source_database import sqlite_affinity
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -88,20 +89,19 @@ def custom_schema_for(shape: TableShape) -> str:
     on): any of them may hold 'NaN' (and, from PostgreSQL 14, 'Infinity'), which the driver cannot make a
     BigDecimal of, so the read failed; the text is the same string the decimal gave otherwise. PostgreSQL real
     (float4) through Java 17's Float.toString is not the shortest text, so read PostgreSQL's own text and cast to
-    double. Decided from the reflected types, which
-    saves Spark a second schema round trip.
+    double. Decided from the reflected types, which saves Spark a second schema round trip.
 
     SQLite stores every integer in up to 8 bytes, but its driver reports a column declared INTEGER (or INT,
     SMALLINT...) as 32-bit, and Spark wrapped values above 2^31-1: such a watermark fell out of its own slice's range.
     Integer-affinity columns (SQLite's rule: the declared type contains "INT") are read as BIGINT; FLOAT (8 bytes in
     SQLite, a 32-bit float to the driver) and every other real as DOUBLE, text as STRING, BOOL(EAN) as BOOLEAN.
     SQLite has no date or time type: the driver parsed a DATE/DATETIME/TIMESTAMP column's text with a pattern of its
-    own (a DATETIME lost its time of day, a TIMESTAMP's
-    microseconds were read as milliseconds), so those columns are sent as the text SQLite holds.
+    own (a DATETIME lost its time of day, a TIMESTAMP's microseconds were read as milliseconds), so those columns
+    are sent as the text SQLite holds (`sqlite_affinity`, SQLITE_READ_TYPES).
     """
     if shape.dialect == "sqlite":
         return ", ".join(f"`{c.name}` {sqlite_type}" for c in shape.columns
-                         if (sqlite_type := _sqlite_read_type(c.type_name.upper())))
+                         if (sqlite_type := SQLITE_READ_TYPES.get(sqlite_affinity(c.type_name.upper()))))
     if shape.dialect not in ("postgresql", "mysql"):
         return ""
     pg = shape.dialect == "postgresql"
@@ -110,21 +110,10 @@ def custom_schema_for(shape: TableShape) -> str:
     return ", ".join(f"`{c}` STRING" for c in as_text)
 
 
-def _sqlite_read_type(declared: str) -> str:
-    """The Spark type a SQLite column is read as where the driver's own mapping is not exact ("": its own). The
-    driver maps a type name it does not know (VARCHAR2, LONGTEXT, DOUBLE PRECISION, BOOL...) to NUMERIC, which Spark
-    reads as a decimal: text, floats and booleans are named here by SQLite's affinity rules, in their order."""
-    if "INT" in declared:
-        return "BIGINT"
-    if any(t in declared for t in ("CHAR", "CLOB", "TEXT")):
-        return "STRING"
-    if "BLOB" in declared or not declared:
-        return ""
-    if any(t in declared for t in ("REAL", "FLOA", "DOUB")):
-        return "DOUBLE"
-    if any(t in declared for t in ("DATE", "TIME")):
-        return "STRING"
-    return "BOOLEAN" if "BOOL" in declared else ""
+# The Spark type each SQLite affinity is read as where the driver's own mapping is not exact (absent: its own). The
+# driver maps a type name it does not know (VARCHAR2, LONGTEXT, DOUBLE PRECISION, BOOL...) to NUMERIC, which Spark
+# reads as a decimal.
+SQLITE_READ_TYPES = {"integer": "BIGINT", "text": "STRING", "real": "DOUBLE", "date": "STRING", "boolean": "BOOLEAN"}
 
 
 def _spark_time_text(micros: int) -> str:
