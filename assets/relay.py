@@ -5,7 +5,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -231,11 +231,8 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
         skipped = table.skip_watermarks_in(slice_range.lo, slice_range.hi)
         misfit = (source.sqlite_misfit(shape, slice_range.lo, slice_range.hi, skipped)
                   if shape.dialect == "sqlite" and rows else None)
-        if misfit is not None:
-            # Raised when the slice's rows are fetched, not now: the read-ahead prepares the next slice while this
-            # one publishes, and a bad row there must stop that slice, not the one before it.
-            return SliceFrame(channel=channel, slice=slice_range, read_chunk=_refuse(sqlite_misfit_error(
-                table, shape, *misfit)), expected_rows=rows)
+        if misfit is not None:  # raised in this slice's own turn, not the one before it (SliceFrame.failing)
+            raise sqlite_misfit_error(table, shape, *misfit)
         first = (source.nth_watermark(shape, slice_range.lo, 1, slice_range.hi, settled=True)  # one indexed row
                  if rows else None)
         to_send = (source.count_rows(shape, slice_range.lo, slice_range.hi, skip=skipped, settled=True)
@@ -259,13 +256,6 @@ def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: 
         "convert it, so it would not arrive as stored; nothing of the slice is sent. Fix the value or the column's "
         f"declared type (REAL for fractions, TEXT for text, BLOB for anything){skip}; then re-run the slice.",
         table=table.table_id, watermark=at, column=column)
-
-
-def _refuse(error: Exception) -> Callable[..., Any]:
-    """A slice's chunk reader that raises `error` instead of reading."""
-    def read_chunk(*_: object) -> Any:
-        raise error
-    return read_chunk
 
 
 def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> AssetsDefinition:

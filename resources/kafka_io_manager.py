@@ -108,7 +108,10 @@ class KafkaIOManager(ConfigurableIOManager):
             def frames_in_order() -> Iterator[SliceFrame]:
                 for s in obj.pending:  # each slice's count query runs when the read-ahead reaches it
                     began = time.monotonic()
-                    frame = read(s)
+                    try:
+                        frame = read(s)
+                    except Exception as exc:  # noqa: BLE001 - raised in the slice's own turn (SliceFrame.failing)
+                        frame = SliceFrame.failing(obj.channel, s, exc)
                     counts[s.key] = time.monotonic() - began
                     yield frame
 

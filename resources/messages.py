@@ -185,6 +185,15 @@ class SliceFrame:
     # fetched under the same signature are the same rows in the same messages (see EarlyRead). "": not shareable.
     signature: str = ""
 
+    @classmethod
+    def failing(cls, channel: TableChannel, slice_range: SliceRange, error: Exception) -> SliceFrame:
+        """A slice whose preparation failed with `error`: raised when its rows are fetched, in its own turn. The
+        read-ahead prepares the next slice while one publishes; a failure there (a row that cannot be sent, the
+        source away) must stop that slice, not the one before it."""
+        def refuse(*_: object) -> DataFrame:
+            raise error
+        return cls(channel=channel, slice=slice_range, read_chunk=refuse, expected_rows=0)
+
     def sub_ranges(self, chunk_rows: int) -> list[SliceRange]:
         """Split the slice into watermark sub-ranges of about `chunk_rows` rows each, evenly from its first row:
         a slice far wider than its rows (a time table's first slice starts in 1970) would otherwise put every row
