@@ -344,6 +344,36 @@ class SourceDatabaseResource(ConfigurableResource):
             raise SourceError(f"table {table!r} not found in {where}source {self.safe_description}; "
                               "check `table:` in rowrelay.yaml") from None
 
+    def declared_type(self, t: sa.Table, column: str) -> str:
+        """The column's type as the database names it, for a refusal's message. SQLAlchemy reflects a type its
+        dialect does not know (PostgreSQL's xml or point, a column SQLite declared without a type) as NullType,
+        whose name is "NULL"; the catalog has the real one ("" for a SQLite column declared without a type). Best
+        effort: SQLAlchemy's name where the lookup fails."""
+        reflected = t.c[column].type
+        if not isinstance(reflected, sa.types.NullType):
+            return str(reflected)
+        queries = {
+            "postgresql": ("SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+                           "WHERE attrelid = CAST(:rel AS regclass) AND attname = :column"),
+            "mysql": ("SELECT COLUMN_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = "
+                      "COALESCE(:schema, DATABASE()) AND TABLE_NAME = :table AND COLUMN_NAME = :column"),
+            "sqlite": "SELECT type FROM pragma_table_info(:table, :schema) WHERE name = :column",
+        }
+        if self.dialect not in queries:
+            return str(reflected)
+        params = {"rel": self.engine.dialect.identifier_preparer.format_table(t), "schema": t.schema,
+                  "table": t.name, "column": column}
+        if self.dialect == "sqlite":
+            params["schema"] = t.schema or "main"
+        try:
+            with self.engine.connect() as conn:
+                name = conn.execute(sa.text(queries[self.dialect]), params).scalar()
+        except sa.exc.SQLAlchemyError:
+            return str(reflected)
+        if name is None:
+            return str(reflected)
+        return repr(name) if name else ""
+
     def table_shape(self, schema: str | None, table: str, watermark: str, columns: list[str] | None = None,
                     where: str | None = None, tie_break: str | None = None) -> TableShape:
         try:  # a URL parameter Spark's JDBC driver cannot honour fails the sensor tick, not only the run
@@ -370,8 +400,10 @@ class SourceDatabaseResource(ConfigurableResource):
         for name in wanted:
             col_type = t.c[name].type
             if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
-                raise SourceError(f"{label}: column {name!r} has type {col_type}, which rowrelay cannot serialize "
-                                  "exactly; leave it out with `columns:` or cast it in a view")
+                declared = self.declared_type(t, name)
+                kind = f"type {declared}" if declared else "no declared type"
+                raise SourceError(f"{label}: column {name!r} has {kind}, which rowrelay cannot serialize exactly; "
+                                  "leave it out with `columns:` or cast it in a view")
             if ((self.dialect == "mysql" and isinstance(col_type, sa.Uuid))
                     or (self.dialect == "sqlite" and isinstance(col_type, sa.JSON))):
                 # MariaDB's UUID is a type Spark's JDBC reader does not know (the read failed); SQLite has no JSON

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from datetime import UTC, date, datetime
 from decimal import Decimal
@@ -326,3 +327,37 @@ def test_mariadb_uuid_column_is_refused_at_the_table_check(mariadb_database, mar
             source.table_shape(None, name, "id")
     finally:
         source.dispose()
+
+
+def test_a_type_sqlalchemy_does_not_know_is_refused_by_its_database_name(pg_database, pg_engine, mariadb_database,
+                                                                         mariadb_engine, name, tmp_path) -> None:
+    """A type SQLAlchemy's dialect does not know is reflected as NullType, and the refusal used to say "has type
+    NULL"; it names the database's own type (PostgreSQL's xml and point, MariaDB's INET6), and a SQLite column
+    declared without a type says so."""
+    import sqlite3
+
+    from resources.source_database import SourceDatabaseResource, SourceError
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, doc xml, spot point, n int)"))
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, addr inet6)"))
+    lite = tmp_path / "lite.db"
+    with contextlib.closing(sqlite3.connect(lite)) as conn:
+        conn.execute(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, anything)")
+        conn.commit()
+    cases = [(pg_database.render_as_string(hide_password=False), "public", "doc", r"has type 'xml', which"),
+             (pg_database.render_as_string(hide_password=False), "public", "spot", r"has type 'point', which"),
+             (mariadb_database.render_as_string(hide_password=False), None, "addr", r"has type 'inet6', which"),
+             (f"sqlite:///{lite}", None, "anything", r"has no declared type, which")]
+    for url, schema, column, says in cases:
+        source = SourceDatabaseResource(url=url)
+        try:
+            with pytest.raises(SourceError, match=rf"column '{column}' {says} rowrelay cannot serialize exactly; "
+                                                  r"leave it out with `columns:`"):
+                source.table_shape(schema, name, "id", columns=[column])
+            # a known column of the same table still passes
+            if column == "doc":
+                assert [c.name for c in source.table_shape(schema, name, "id", columns=["n"]).columns] == ["n", "id"]
+        finally:
+            source.dispose()
