@@ -36,7 +36,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
-from resources.exactly_once import read_committed_progress, read_progress_history  # noqa: E402
+from resources.exactly_once import live_records, read_committed_progress, read_progress_history  # noqa: E402
 from resources.slices import is_timestamp_key, parse_watermark, watermark_text  # noqa: E402
 
 
@@ -424,7 +424,7 @@ class BackfillProgress:
                 self._advance()
 
     def _advance(self) -> None:
-        from resources.exactly_once import ProgressTail, read_progress_history, records_in_range
+        from resources.exactly_once import ProgressTail, live_records, read_progress_history, records_in_range
         from resources.slices import SliceRange
 
         # One long-lived reader, re-read only when the topic moved: polling costs the backfill next to nothing.
@@ -434,7 +434,7 @@ class BackfillProgress:
         # Only on a change: the new slices' own row counts, found by search (not a read of all history).
         new = records_in_range(self.kafka, self.channel, SliceRange(self.seen_hi, progress.hi), timeout=10)
         if not new:  # not tiled by slices (a reset in between): read the history
-            new = [r for r in read_progress_history(self.kafka, self.channel, timeout=10)
+            new = [r for r in live_records(read_progress_history(self.kafka, self.channel, timeout=10))
                    if r.hi > r.lo and self.seen_hi < r.hi <= progress.hi]
         self.seen_hi = progress.hi
         self.rows += sum(r.rows for r in {r.slice: r for r in new}.values())
@@ -715,7 +715,9 @@ class ReplayError(ValueError):
 def replay_records(history: list[Any], committed_hi: int | None, table_id: str, lo: int, hi: int) -> list[Any]:
     """The committed slices' progress records that exactly cover (lo, hi], in order, or a ReplayError. For a
     timestamp watermark (the slices' keys are times) the errors name UTC times, as --from and --to take them."""
-    slices = {(r.lo, r.hi): r for r in history if r.hi > r.lo}  # resets (lo == hi) carry no messages
+    # Resets (lo == hi) carry no messages, and a reset back supersedes the slices above it (live_records): after a
+    # table was re-created and reset, the old table's slices are not the range's, even where their bounds fit.
+    slices = {(r.lo, r.hi): r for r in live_records(history) if r.hi > r.lo}
     timestamps = any(is_timestamp_key(r.slice) for r in slices.values())
 
     def text(value: int) -> str:

@@ -630,6 +630,20 @@ def _last_record(consumer: Consumer, tp: TopicPartition, low: int, high: int, ti
         window *= 4  # only markers or aborted records at the end: look further back
 
 
+def live_records(history: Iterable[ProgressRecord]) -> list[ProgressRecord]:
+    """The records of `history` (in the progress topic's order) that still stand. A record without a range (a reset
+    or baseline to `a`) supersedes every earlier slice whose range ends above `a`: after a reset back, those rows
+    are published again under new records (a re-created table's new rows, perhaps cut differently), so the old
+    records must never be taken for the range (replay, loading a slice, the parity check). A reset forward, a
+    baseline or an accepted schema change supersedes nothing (progress was at or below it)."""
+    out: list[ProgressRecord] = []
+    for record in history:
+        if record.hi <= record.lo:
+            out = [r for r in out if r.hi <= record.hi or r.hi <= r.lo]
+        out.append(record)
+    return out
+
+
 def tiling(key: SliceRange, records: list[ProgressRecord]) -> list[ProgressRecord] | None:
     """The records that cover `key` exactly, in order, without gap or overlap; None if they do not."""
     out: list[ProgressRecord] = []
@@ -686,8 +700,10 @@ def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Sli
                      timeout: float = 30.0) -> list[ProgressRecord]:
     """The committed progress records that tile `rng` (a slice or roll-up key), in order; [] if the range is not
     exactly covered by committed slices. Progress only grows between resets, so a binary search over the topic's
-    offsets finds the first record after `rng.lo` in ~log2(records) reads, then the range is read forward; if that
-    does not tile (a reset re-published the range), the whole topic is scanned."""
+    offsets finds the first record after `rng.lo` in ~log2(records) reads, then the topic is read from there to its
+    end, so that a later reset back below `rng.hi` is seen (`live_records`: the records it superseded are not the
+    range's, even where they tile it); if that does not tile, the whole topic is scanned. The range to the end is
+    short for what a run checks (its own slices, the newest)."""
     consumer = _consumer(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
@@ -702,10 +718,10 @@ def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Sli
                 lo_off = probe[0] + 1
             else:
                 hi_off = mid
-        found = [r for _, r in _scan(consumer, tp, lo_off, high, timeout, stop_at_hi=rng.hi)]
+        found = live_records(r for _, r in _scan(consumer, tp, lo_off, high, timeout))
         covered = tiling(rng, found)
         if covered is None:
-            every = [r for _, r in _scan(consumer, tp, low, high, timeout)]
+            every = live_records(r for _, r in _scan(consumer, tp, low, high, timeout))
             latest = {(r.lo, r.hi): r for r in every}  # a range published again after a reset: its newest record
             covered = tiling(rng, sorted(latest.values(), key=lambda r: r.lo))
         return covered or []

@@ -17,7 +17,9 @@ from resources.exactly_once import (
     ProgressRecord,
     SliceDigest,
     SliceOutOfOrder,
+    live_records,
     slice_checksum,
+    tiling,
 )
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
 
@@ -370,3 +372,24 @@ def test_a_progress_record_whose_commit_fails_is_a_relay_error_not_the_private_r
     assert isinstance(raised.value, PublisherFenced) == fenced, raised.value
     if not fenced:
         assert "not committed" in str(raised.value) and "Unknown broker error" in str(raised.value), raised.value
+
+
+def test_a_reset_back_supersedes_the_slices_above_it() -> None:
+    """After a reset back (a re-created table, say), the old slices above the reset are not the range's any more,
+    even where their bounds fit it: replay, loading a slice and the parity check must take the new ones."""
+    def rec(lo: int, hi: int, tag: str = "") -> ProgressRecord:
+        return ProgressRecord("t", SliceRange(lo, hi).key if hi > lo else f"reset-{hi}", lo, hi, hi - lo, 0, tag, "t")
+
+    history = [rec(0, 100, "old"), rec(100, 200, "old"), rec(200, 300, "old"), rec(150, 150),  # reset back to 150
+               rec(150, 250, "new"), rec(250, 300, "new"), rec(500, 500),  # a reset forward supersedes nothing
+               rec(500, 600, "new")]
+    live = live_records(history)
+    assert [(r.lo, r.hi, r.checksum) for r in live] == [
+        (0, 100, "old"), (150, 150, ""), (150, 250, "new"), (250, 300, "new"), (500, 500, ""), (500, 600, "new")]
+    assert [r.checksum for r in tiling(SliceRange(150, 300), live)] == ["new", "new"]
+    assert tiling(SliceRange(200, 300), live) is None  # only an old slice started there
+    # The first records found for a range used to be taken when they tiled it: the old slice, for (200, 300].
+    assert [r.checksum for r in tiling(SliceRange(200, 300), history[:3])] == ["old"]
+    # A second reset back, below the first: everything above it goes, earlier resets stay (records without range).
+    again = live_records([*history, rec(50, 50), rec(50, 120, "newer")])
+    assert [(r.lo, r.hi) for r in again] == [(150, 150), (500, 500), (50, 50), (50, 120)]
