@@ -37,7 +37,7 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import live_records, read_committed_progress, read_progress_history  # noqa: E402
-from resources.slices import is_timestamp_key, parse_watermark, watermark_text  # noqa: E402
+from resources.slices import is_timestamp_key, micros_text, parse_watermark, watermark_text  # noqa: E402
 
 
 @dataclass
@@ -637,6 +637,20 @@ def watermark_is_timestamp(config: RelayConfig, table: TableConfig) -> bool:
         return False
 
 
+def reset_watermark_is_timestamp(config: RelayConfig, table: TableConfig, conf: dict[str, Any]) -> bool:
+    """Whether the table's watermark is a timestamp: from the source's columns, or where the source cannot say (a
+    dropped table, the source away) from the committed progress's slice key."""
+    try:
+        return reflect_table(config, table).timestamps
+    except Exception:  # noqa: BLE001 - a reset must stay possible with the table gone
+        from assets.relay import channel_for
+
+        with contextlib.suppress(Exception):
+            progress = read_committed_progress(conf, channel_for(table, config.kafka.transactional_id_prefix))
+            return progress is not None and is_timestamp_key(progress.slice)
+        return False
+
+
 def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     """A deliberate new baseline: the table's progress says "committed up to W", recorded in Kafka (a progress
     record with the reason) and on the Dagster instance (an observation of the table's asset). Rows at or below W
@@ -655,6 +669,12 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     (table,) = _tables(config, args.table)
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     conf = kafka_conf(config)
+    wrong_kind = watermark_kind_error(table.table_id, reset_watermark_is_timestamp(config, table, conf), "--after",
+                                      args.after)
+    if wrong_kind:
+        print(f"rowrelay: {wrong_kind}; nothing was reset", file=sys.stderr)
+        return 2
+    args.after = int(args.after)  # a plain int from here: Dagster's metadata takes no int subclass
     with DagsterInstance.get() as instance:
         active = instance.get_runs_count(RunsFilter(job_name=job_name(table), statuses=ACTIVE))
         if active and not args.force:
@@ -723,6 +743,9 @@ def replay_records(history: list[Any], committed_hi: int | None, table_id: str, 
     def text(value: int) -> str:
         return watermark_text(value, timestamps)
 
+    if slices and (wrong := next(filter(None, (watermark_kind_error(table_id, timestamps, flag, value)
+                                                for flag, value in (("--from", lo), ("--to", hi)))), None)):
+        raise ReplayError(wrong)
     if hi <= lo:
         raise ReplayError(f"--to ({text(hi)}) must be greater than --from ({text(lo)})")
     if committed_hi is None or hi > committed_hi:
@@ -798,7 +821,8 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
             raise
     finally:
         producer.flush(5)
-    return {"table": table.table_id, "replay_id": replay_id, "from": lo, "to": hi, "rows": rows, "topic": target,
+    return {"table": table.table_id, "replay_id": replay_id, "from": int(lo), "to": int(hi), "rows": rows,
+            "topic": target,
             "slices": [r.slice for r in records]}
 
 
@@ -828,7 +852,7 @@ def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
         instance.report_runless_asset_event(AssetObservation(
             asset_key=asset_key(table),
             description=f"rowrelay replay {done['replay_id']}: {span} republished to {done['topic']}",
-            metadata={"rowrelay/replay_id": done["replay_id"], "from": args.from_, "to": args.to,
+            metadata={"rowrelay/replay_id": done["replay_id"], "from": int(args.from_), "to": int(args.to),
                       "rows": done["rows"], "topic": done["topic"], "slices": len(done["slices"])}))
     if args.json:
         print(json.dumps(done, indent=2))
@@ -890,12 +914,36 @@ def cmd_schema(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def watermark(text: str) -> int:
+class WatermarkArg(int):
+    """A watermark given on the command line, remembering whether it was written as a time: `--after 2026-01-01`
+    on an integer watermark is a mistake to refuse, not the integer 1767225600000000 (after which no row would ever
+    be sent), and `--after 1764547200` on a timestamp watermark is not 1970-01-01T00:29:24.547200Z."""
+
+    text: str
+    is_time: bool
+
+
+def watermark(text: str) -> WatermarkArg:
     """argparse type: an integer watermark or an ISO-8601 time (its error message names both)."""
     try:
-        return parse_watermark(text)
+        value = WatermarkArg(parse_watermark(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    value.text, value.is_time = text, not text.strip().lstrip("+-").isdigit()
+    return value
+
+
+def watermark_kind_error(table_id: str, timestamps: bool, flag: str, value: int) -> str | None:
+    """The refusal for a watermark written as the other kind than the table's (a time for an integer watermark, an
+    integer for a timestamp one); None when it matches, or when it was not given on the command line."""
+    if not isinstance(value, WatermarkArg) or value.is_time == timestamps:
+        return None
+    if timestamps:
+        return (f"{table_id}: {flag} {value.text} is an integer, but the table's watermark is a timestamp: give a "
+                f"time such as 2026-11-23T07:00:00Z (read as microseconds since 1970, {value.text} would be "
+                f"{micros_text(value)})")
+    return (f"{table_id}: {flag} {value.text} is a time, but the table's watermark is an integer: give an integer "
+            f"(the time would be read as {int(value)})")
 
 
 def main(argv: list[str] | None = None) -> int:

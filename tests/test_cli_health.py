@@ -223,6 +223,12 @@ def test_after_a_reset_back_a_range_is_its_new_slices_not_the_old_ones(
     h.drain(table, until_hi=200)
     load("NEW")
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    # A time on an integer watermark used to be taken as 1767225600000000: no row below it ever sent again.
+    progress = h.progress(table)
+    assert main(["--config", _config_file(cfg, tmp_path), "reset", "--table", table.table_id, "--after",
+                 "2026-01-01", "--reason", "oops"]) == 2
+    assert ("--after 2026-01-01 is a time, but the table's watermark is an integer" in capsys.readouterr().err)
+    assert h.progress(table) == progress
     assert main(["--config", _config_file(cfg, tmp_path), "reset", "--table", table.table_id, "--after", "0",
                  "--reason", "table re-created"]) == 0
     cfg = relay_config(services, {"src": pg_database}, [{**spec, "slice_max_rows": 100}])

@@ -393,3 +393,16 @@ def test_a_reset_back_supersedes_the_slices_above_it() -> None:
     # A second reset back, below the first: everything above it goes, earlier resets stay (records without range).
     again = live_records([*history, rec(50, 50), rec(50, 120, "newer")])
     assert [(r.lo, r.hi) for r in again] == [(150, 150), (500, 500), (50, 50), (50, 120)]
+
+
+def test_a_watermark_written_as_the_other_kind_is_refused() -> None:
+    """`reset --after` / `replay --from --to` remember how a watermark was written: a time on an integer watermark
+    or an integer on a timestamp one is refused with what it would have meant."""
+    from orchestration.cli import watermark, watermark_kind_error
+
+    assert watermark_kind_error("t", False, "--after", watermark("20")) is None
+    assert watermark_kind_error("t", True, "--after", watermark("2026-11-23T07:00:00Z")) is None
+    assert watermark_kind_error("t", True, "--after", 20) is None  # not from the command line: nothing to tell
+    assert "would be 1970-01-01T00:29:24.547200Z" in watermark_kind_error("t", True, "--after", watermark("1764547200"))
+    assert "read as 1767225600000000" in watermark_kind_error("t", False, "--to", watermark("2026-01-01"))
+    assert watermark("-5") == -5 and not watermark("-5").is_time
