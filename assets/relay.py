@@ -88,7 +88,7 @@ def channel_for(table: TableConfig, transactional_id_prefix: str = "rowrelay") -
 
 def table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:
     return source.table_shape(table.schema_name, table.table_name, table.watermark, table.columns, table.where,
-                              table.tie_break)
+                              table.tie_break, table.key if isinstance(table.key, list) else None)
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,16 @@ class TableConfig(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _key_columns_read(self) -> TableConfig:
+        # A key is built from the columns read: one left out of `columns:` failed every run with a bare KeyError.
+        if isinstance(self.key, list) and self.columns is not None:
+            read = {*self.columns, self.watermark, *([self.tie_break] if self.tie_break else [])}
+            if missing := [c for c in self.key if c not in read]:
+                raise ValueError(f"key columns {missing} are not among the columns read ({self.columns}); add them "
+                                 "to `columns:`")
+        return self
+
+    @model_validator(mode="after")
     def _lag_thresholds(self) -> TableConfig:
         if self.warn_lag_seconds > self.error_lag_seconds:
             raise ValueError(f"warn_lag_seconds ({self.warn_lag_seconds}) must not exceed error_lag_seconds "

@@ -375,7 +375,8 @@ class SourceDatabaseResource(ConfigurableResource):
         return repr(name) if name else ""
 
     def table_shape(self, schema: str | None, table: str, watermark: str, columns: list[str] | None = None,
-                    where: str | None = None, tie_break: str | None = None) -> TableShape:
+                    where: str | None = None, tie_break: str | None = None, key: list[str] | None = None
+                    ) -> TableShape:
         try:  # a URL parameter Spark's JDBC driver cannot honour fails the sensor tick, not only the run
             self.jdbc_options()
         except UrlParameterError as exc:
@@ -396,6 +397,9 @@ class SourceDatabaseResource(ConfigurableResource):
         for needed in (watermark, tie_break):
             if needed is not None and needed not in wanted:
                 wanted.append(needed)
+        if missing_key := [c for c in key or [] if c not in wanted]:  # a column dropped since (on_schema_change)
+            raise SourceError(f"{label}: key columns {missing_key} do not exist (columns: {list(t.c.keys())}); fix "
+                              "`key:` in rowrelay.yaml")
         infos = []
         for name in wanted:
             col_type = t.c[name].type

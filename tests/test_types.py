@@ -361,3 +361,25 @@ def test_a_type_sqlalchemy_does_not_know_is_refused_by_its_database_name(pg_data
                 assert [c.name for c in source.table_shape(schema, name, "id", columns=["n"]).columns] == ["n", "id"]
         finally:
             source.dispose()
+
+
+def test_a_key_column_the_table_no_longer_has_is_refused_at_the_table_check(pg_database, pg_engine, name) -> None:
+    """A `key:` column dropped from the table (on_schema_change: follow) failed every run with a bare KeyError,
+    retried forever; the table check names it and the remedy."""
+    from assets.relay import table_shape
+    from resources.config import TableConfig
+    from resources.source_database import SourceDatabaseResource, SourceError
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, b text, c text)"))
+    table = TableConfig(source="src", table=f"public.{name}", watermark="id", key=["b"])
+    source = SourceDatabaseResource(url=pg_database.render_as_string(hide_password=False))
+    try:
+        assert [c.name for c in table_shape(source, table).columns] == ["id", "b", "c"]
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {name} DROP COLUMN b"))
+        with pytest.raises(SourceError, match=r"key columns \['b'\] do not exist \(columns: \['id', 'c'\]\); fix "
+                                              "`key:` in rowrelay.yaml"):
+            table_shape(source, table)
+    finally:
+        source.dispose()

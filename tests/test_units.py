@@ -83,6 +83,11 @@ BASE = {
 
 
 def test_config_defaults_and_names() -> None:
+    import copy
+
+    keyed = copy.deepcopy(BASE)  # the watermark and tie_break are read whatever `columns:` says: keys may use them
+    keyed["tables"][0].update(columns=["a"], key=["id", "n"], tie_break="n")
+    assert parse_config(keyed).tables[0].key == ["id", "n"]
     cfg = parse_config(BASE)
     t = cfg.tables[0]
     assert t.topic_name == "shop.public.orders"
@@ -100,6 +105,9 @@ def test_config_defaults_and_names() -> None:
     (lambda c: c["sources"]["shop"].update(url="oracle://x"), "unsupported database 'oracle'"),
     (lambda c: c.pop("kafka"), "kafka: Field required"),
     (lambda c: c["tables"].append(dict(c["tables"][0])), "configured twice"),
+    # A key column left out of `columns:` failed every run with a bare KeyError, retried forever.
+    (lambda c: c["tables"][0].update(columns=["id", "a"], key=["b"]),
+     "key columns ['b'] are not among the columns read (['id', 'a']); add them to `columns:`"),
 ])
 def test_config_errors_name_the_key(change, message) -> None:
     import copy
