@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -45,6 +46,11 @@ _PG_OPEN_VXIDS = (
     "WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_backend_pid() "
     "AND a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())"
 )
+
+# A statement that only reads (MariaDB's processlist text, after comments): it writes no row of the table.
+_READ_STATEMENT = re.compile(r"^(\s|/\*.*?\*/|--[^\n]*\n|#[^\n]*\n)*(SELECT|WITH|SHOW)\b", re.IGNORECASE | re.DOTALL)
+# Taken off a running statement's estimated start: the processlist's elapsed time and NOW(6) come from two clocks.
+_STATEMENT_START_MARGIN_S = 0.01
 
 # Reads of innodb_trx, 150 ms apart, until one is known fresh (see `_innodb_trx_open_since`).
 INNODB_TRX_READS = 14
@@ -620,6 +626,7 @@ class SourceDatabaseResource(ConfigurableResource):
         t = self._table(shape)
         wm = t.c[shape.watermark]
         coarse = shape.watermark_unit > 1
+        earliest: float | None = None  # MariaDB: the start (epoch seconds) of the earliest statement still running
         with self.engine.connect() as conn:
             if self.dialect == "postgresql":
                 # Same statement, same snapshot: the xmax the later xmin must reach. now(): this transaction's
@@ -638,6 +645,8 @@ class SourceDatabaseResource(ConfigurableResource):
                                              sa.text("UTC_TIMESTAMP(6)" if coarse else "NULL")).select_from(t)).one()
                 clock = row[3]
                 waits = self._innodb_trx_open_since(conn, int(row[2])) if row[0] is not None else ()
+                if row[0] is not None and shape.timestamps:
+                    earliest = self._earliest_running_write(conn, float(row[1]))
             else:
                 row, waits = (conn.execute(sa.select(sa.func.max(wm)).select_from(t)).scalar(), time.time()), ()
                 clock = None
@@ -650,7 +659,34 @@ class SourceDatabaseResource(ConfigurableResource):
             step_now = datetime_to_micros(clock) // shape.watermark_unit * shape.watermark_unit
             if value >= step_now:  # a transaction starting now may still write `value`: leave its rows for later
                 value -= 1
+        if earliest is not None:
+            # Its rows carry its start time (CURRENT_TIMESTAMP is the statement's), in the watermark's unit.
+            below = math.floor(earliest * 1_000_000)  # microseconds since 1970 UTC, as timestamp watermarks are
+            value = min(value, below // shape.watermark_unit * shape.watermark_unit - 1)
         return WatermarkCandidate(value, float(row[1]), waits)
+
+    def _earliest_running_write(self, conn: sa.Connection, now: float) -> float | None:
+        """MariaDB: the start, in epoch seconds on the database clock, of the earliest statement of another session
+        still running that may write rows, or None.
+
+        A statement's CURRENT_TIMESTAMP(6) is its start time, but InnoDB lists its transaction only once it first
+        touches a row: an `INSERT ... VALUES (f())` whose expression, subquery on a non-InnoDB table or lock wait
+        takes seconds writes a time below rows that others commit meanwhile, and innodb_trx does not show it while
+        it runs. So a timestamp watermark is final only below every such statement's start. Statements that read
+        (SELECT, WITH, SHOW: reports, Spark's own reads) are left out: a report query must not hold the table
+        back for its whole length. Not covered: a SELECT whose stored function inserts into the table.
+        `now`: the database clock read before this look (UNIX_TIMESTAMP(NOW(6))), so each start is estimated no
+        later than it was; a second is taken off for MySQL, whose processlist counts whole seconds."""
+        try:
+            rows = conn.execute(sa.text(
+                "SELECT TIME_MS / 1000, INFO FROM information_schema.PROCESSLIST "
+                "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute')")).all()
+        except sa.exc.OperationalError:  # MySQL: no TIME_MS
+            rows = [(float(r[0]) + 1.0, r[1]) for r in conn.execute(sa.text(
+                "SELECT TIME, INFO FROM information_schema.PROCESSLIST "
+                "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute')")).all()]
+        running = [float(elapsed) for elapsed, info in rows if not _READ_STATEMENT.match(info or "")]
+        return now - max(running) - _STATEMENT_START_MARGIN_S if running else None
 
     def is_final(self, candidate: WatermarkCandidate, settle_seconds: float) -> bool:
         """Whether every row with watermark <= `candidate.watermark` is committed (none can still appear).
@@ -665,9 +701,11 @@ class SourceDatabaseResource(ConfigurableResource):
           client-supplied ids.
         - MariaDB/MySQL: `settle_seconds` have passed on the database clock AND none of the InnoDB transactions
           open when the max was seen is still open. Needs the PROCESS privilege (`SourceError` otherwise).
+          A timestamp watermark's candidate also stays below every running writing statement's start
+          (`_earliest_running_write`, applied in `observe`).
           Not covered: a transaction that took an auto-increment id but was not yet listed in innodb_trx when the
           max was read (a window of microseconds inside its insert, or between our snapshot and the max read
-          under READ COMMITTED), and client-supplied ids.
+          under READ COMMITTED), a SELECT whose stored function inserts rows, and client-supplied ids.
         - SQLite: one writer at a time; `settle_seconds` on this host's clock.
 
         A check that fails (connection lost, server away) answers False: not final, never final by default.

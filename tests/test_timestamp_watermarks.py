@@ -313,6 +313,66 @@ def test_mariadb_datetime_watermark_equal_times_and_out_of_order_commits(
 
 
 @pytest.mark.integration
+def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_cut(
+        services, mariadb_database, dagster_instance, spark, name) -> None:
+    """A row's CURRENT_TIMESTAMP(6) is its statement's start, but InnoDB lists the statement's transaction only
+    once it first touches a row: an INSERT whose expression takes seconds (a slow function, a subquery on a
+    non-InnoDB table, a lock wait) wrote a time below a row committed meanwhile, which was cut once settled: the
+    slow row committed below progress and was never sent (found by review). Here it runs inside a transaction that
+    stays open after it. A long report query, which writes nothing, does not hold the cut."""
+    import threading
+    import time
+
+    engine = create_engine(mariadb_database, connect_args={"init_command": "SET time_zone = '+00:00'"},
+                           isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, created_at DATETIME(6) NOT NULL "
+                          "DEFAULT CURRENT_TIMESTAMP(6), INDEX (created_at))"))
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1)"))
+    cfg = relay_config(services, {"src": mariadb_database}, [
+        {"source": "src", "table": name, "watermark": "created_at", "settle_seconds": 0.5, "key": ["n"]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table)
+
+    def slow_insert() -> None:  # its row's time is its statement's start; InnoDB sees it 4 s later
+        with engine.connect() as conn:
+            conn.execute(text("BEGIN"))
+            conn.execute(text(f"INSERT INTO {name} (n) VALUES (2 + SLEEP(4))"))
+            time.sleep(2.0)  # the transaction stays open after the statement
+            conn.execute(text("COMMIT"))
+
+    writer = threading.Thread(target=slow_insert)
+    writer.start()
+    time.sleep(0.5)
+    with engine.connect() as conn:
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (3)"))
+    while writer.is_alive():  # the daemon's ticks meanwhile: whatever they cut is published at once
+        for key in h.tick(table):
+            h.run(table, key)
+        time.sleep(0.3)
+    writer.join()
+    h.drain(table)
+    with engine.connect() as conn:
+        times = dict(conn.execute(text(f"SELECT n, created_at FROM {name}")).all())
+    assert times[2] < times[3], "the slow row's time is below the row committed while it ran"
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
+    assert verify_table(cfg, table).ok
+
+    # A report query running for seconds is no write: rows committed meanwhile are cut as usual.
+    report = threading.Thread(target=lambda: engine.connect().execute(text("SELECT SLEEP(6)")))
+    report.start()
+    time.sleep(0.5)
+    with engine.connect() as conn:
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (4)"))
+    started = time.monotonic()
+    assert h.cut(table, timeout=4.0), "a running SELECT held the cut"
+    assert time.monotonic() - started < 4.0
+    report.join()
+    engine.dispose()
+
+
+@pytest.mark.integration
 def test_null_timestamp_is_a_clear_error_and_nothing_moves(services, pg_database, pg_engine, dagster_instance,
                                                              spark, name, monkeypatch) -> None:
     import orchestration.sensors
