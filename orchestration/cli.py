@@ -217,12 +217,19 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     history = read_progress_history(conf, channel)  # oldest first: the last record is the committed progress
     progress = history[-1] if history else None
-    # The newest baseline or reset in progress, if any, is where the table starts.
+    # The newest baseline or reset in progress, if any, is where the table starts; else its first slice (where the
+    # publisher started: `start_after` as it was then, whatever the file says now), else `start_after`.
     start_at = next((r for r in reversed(history) if r.slice.startswith(("baseline-", "reset-"))), None)
-    start = start_at.hi if start_at else table.start_after_watermark
+    slices = [r for r in live_records(history) if r.hi > r.lo]
+    start = start_at.hi if start_at else slices[0].lo if slices else table.start_after_watermark
+    # Slices published to another topic (`topic:` changed since): this topic holds the rows after the last of them.
+    moved = [r for r in slices if r.topic != table.topic_name and r.hi > (start or 0)]
+    record = start_at.slice if start_at else None
+    if moved:
+        start, record = moved[-1].hi, f"slices up to it went to {sorted({r.topic for r in moved})}"
     hi = progress.hi if progress else (start or 0)
     report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None,
-                          compared_from=start or 0, compared_from_record=start_at.slice if start_at else None)
+                          compared_from=start or 0, compared_from_record=record)
     source, report.watermark_kind = source_watermarks(config, table, start, hi)
     reading = topic_watermarks(conf, table.topic_name, channel.table)
     report.replayed, report.other_messages = reading.replayed, reading.other_messages

@@ -73,7 +73,8 @@ class TableConfig(_Strict):
         None, description="watermark to start after (rows <= it are never sent; a time for a timestamp watermark, "
         "without an offset read as UTC); \"latest\": only rows committed "
         "after the first cut; unset: from 0, refusing to start if rows with watermark <= 0 exist (they would be "
-        "skipped silently)")
+        "skipped silently). Where a table with no progress starts: changed once it has progress, it changes nothing "
+        "(`rowrelay reset` moves a table)")
     envelope: bool = False
     topic_partitions: int = Field(1, ge=1, le=10_000)
     settle_seconds: float = Field(3.0, ge=0, le=3600, description="MariaDB/MySQL/SQLite: wait before a new "
