@@ -18,6 +18,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -324,17 +325,21 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
     from resources.source_database import SourceError
 
     tables = _tables(config, args.table)
-    try:
-        rows = [table_status(config, t) for t in tables]
-    except (SourceError, RelayError) as exc:
-        print(f"rowrelay: {exc}", file=sys.stderr)
+    rows, failed = [], 0
+    for t in tables:  # one table's error must not hide the others' status
+        try:
+            rows.append(table_status(config, t))
+        except (SourceError, RelayError) as exc:
+            print(f"rowrelay: {exc}", file=sys.stderr)
+            failed += 1
+    if not rows:
         return 1
     active = _active_runs(tables)
     for row in rows:
         row["active_runs"] = active.get(row["table"]) if active is not None else None
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return 1 if failed else 0
     from rich.console import Console
     from rich.table import Table
 
@@ -359,7 +364,7 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
                      cell(row["lag_seconds"]), basis[row["lag_basis"]], cell(row["last_commit_at"]),
                      cell(row["active_runs"]))
     Console(width=max(160, Console().width)).print(view)
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_pools(config: RelayConfig, args: argparse.Namespace) -> int:
@@ -609,18 +614,61 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                               tty=tty), contextlib.ExitStack() as cleanup:
             cleanup.callback(EARLY_READS.discard)  # chunks no run took (its first slice was another)
             for group in (todo[i:i + step] for i in range(0, len(todo), step)):
+                wait_for_running_runs(instance, job_name(table), table.table_id)
                 tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key, ASSET_PARTITION_RANGE_END_TAG: group[-1].key,
                         "rowrelay/backfill": "cli"}
                 result = job.execute_in_process(run_config=run_config, instance=instance, tags=tags,
                                                 raise_on_error=False)
                 if not result.success:
-                    print(f"rowrelay: run {result.run_id} for slices {group[0].key}...{group[-1].key} failed; see "
-                          "it in the Dagster UI. Slices before it stay committed; re-run backfill to continue.",
-                          file=sys.stderr)
+                    print(f"rowrelay: run {result.run_id} for slices {group[0].key}...{group[-1].key} failed: "
+                          f"{run_failure_text(instance, result)}", file=sys.stderr)
                     return 1
                 print(f"slices {group[0].key}...{group[-1].key}: committed (run {result.run_id})", flush=True)
     print(f"{table.table_id}: backfill done in {time.monotonic() - started:.1f} s", flush=True)
     return 0
+
+
+def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float = 1.0) -> None:
+    """Wait until no run of the table is starting or running. A backfill executes its runs in its own process,
+    outside the run queue where the table's pool (limit 1) is enforced: this is its part of the pool. A run that
+    starts meanwhile is still kept exactly once by fencing and the order check (one of the two stops as fenced)."""
+    from dagster import DagsterRunStatus, RunsFilter
+
+    running = [DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
+    told = False
+    while count := instance.get_runs_count(RunsFilter(job_name=job, statuses=running)):
+        if not told:
+            print(f"{table_id}: waiting for {count} running run(s) of the table to finish (one at a time per table)",
+                  flush=True)
+            told = True
+        time.sleep(poll_s)
+
+
+# What to do after a backfill's run stopped, by its stop reason (resources/kafka_io_manager.py STOP_REASONS and the
+# asset's own: source, schema_change, bad_row).
+NEXT_STEP = {
+    "schema_change": "the table's columns changed and `on_schema_change: fail` stops it: check the change, then "
+                     "`rowrelay schema accept --table ID --reason ...` and run backfill again",
+    "fenced": "another publisher of the table took over (the daemon's run or another backfill): it publishes the "
+              "slices; nothing is lost",
+    "bad_row": "fix the row (or list its watermark in `skip_watermarks`) and run backfill again",
+    "source": "fix what the message names and run backfill again",
+}
+
+
+def run_failure_text(instance: Any, result: Any) -> str:
+    """Why a backfill's run failed (its first step failure's message) and what to do next."""
+    from resources.kafka_io_manager import STOPPED_TAG
+
+    error = next((e.step_failure_data.error for e in result.all_events
+                  if e.is_step_failure and e.step_failure_data and e.step_failure_data.error), None)
+    while error is not None and error.cause is not None:  # the root cause names the problem; its wrappers do not
+        error = error.cause
+    reason = re.sub(r"^[\w.]+: ", "", error.message.strip()) if error is not None else "see its events"
+    run = instance.get_run_by_id(result.run_id)
+    stopped = run.tags.get(STOPPED_TAG) if run is not None else None
+    step = NEXT_STEP.get(stopped or "", "slices before it stay committed; run backfill again to continue")
+    return f"{reason.splitlines()[0][:500]} (details in the Dagster UI). Next: {step}"
 
 
 def reflect_table(config: RelayConfig, table: TableConfig) -> Any:
@@ -953,6 +1001,29 @@ def watermark_kind_error(table_id: str, timestamps: bool, flag: str, value: int)
             f"(the time would be read as {int(value)})")
 
 
+def user_error(exc: BaseException) -> str | None:
+    """The message for an error a user causes or fixes (a database or Kafka away, a table missing, DAGSTER_HOME
+    unset, a run's slices changed under it), instead of a traceback; None for anything else. Imported only here,
+    once something failed: the happy path does not import these modules for it."""
+    import sqlalchemy as sa
+    from dagster._core.errors import DagsterHomeNotSetError, DagsterInvalidInvocationError  # not exported publicly
+
+    from resources.exactly_once import RelayError
+    from resources.source_database import InnodbTrxStale, SourceError
+
+    if isinstance(exc, SourceError | RelayError | InnodbTrxStale):
+        return str(exc)
+    if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError):
+        return f"a database could not be reached or refused the request: {str(exc.orig).strip()}"
+    if isinstance(exc, DagsterHomeNotSetError):
+        return ("set DAGSTER_HOME to the directory holding rowrelay's dagster.yaml (this checkout): the command "
+                "records on the Dagster instance; nothing was done")
+    if isinstance(exc, DagsterInvalidInvocationError) and "partition" in str(exc).lower():
+        return ("the table's slices changed while this command ran (a `rowrelay reset` or another cut deleted "
+                f"them): {str(exc).splitlines()[0]}; what committed stays committed: run the command again")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1005,6 +1076,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None:
+            raise  # a defect: its traceback is what to report
+        print(f"rowrelay: {message}", file=sys.stderr)
+        return 1
     finally:
         if collecting:  # a backfill that ended before its runs (an error, --dry-run, nothing to do)
             gc.enable()

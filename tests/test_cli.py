@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,76 @@ def test_backfill_reads_early_only_the_slice_its_run_publishes_first(services, p
         if guessed:
             break
     assert guessed == [SliceRange(0, 500), SliceRange(500, 1000), SliceRange(1000, 1200)]
+
+
+def test_cli_errors_say_what_to_do_instead_of_a_traceback(services, pg_database, pg_engine, dagster_home,
+                                                          dagster_instance, spark, name, tmp_path, capsys,
+                                                          monkeypatch) -> None:
+    """Plausible mistakes ended in tracebacks (a table missing in `verify`, DAGSTER_HOME unset, a reset without a
+    reason), one bad table hid every other in `status`, and a failed backfill said only "re-run backfill", also
+    where re-running cannot help (a schema change the table is set to stop for)."""
+    import yaml
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(1, 20) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "on_schema_change": "fail"},
+        {"source": "src", "table": f"public.{name}_missing", "watermark": "id"}])
+    config_file = tmp_path / "rowrelay.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    good, missing = (t.table_id for t in cfg.tables)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["--config", str(config_file), *argv])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err, err
+        return code, out, err
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    code, _, err = run("pools")
+    assert code == 1 and "rowrelay: set DAGSTER_HOME to the directory holding rowrelay's dagster.yaml" in err
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    code, _, err = run("verify", "--table", missing)
+    assert code == 1 and f"rowrelay: table '{name}_missing' not found" in err
+    code, out, err = run("status", "--json")  # the good table still reported, the bad one named, exit 1
+    assert code == 1 and f"table '{name}_missing' not found" in err
+    assert [row["table"] for row in json.loads(out)] == [good]
+    code, _, err = run("reset", "--table", good, "--after", "5", "--reason", " ")
+    assert code == 1 and "a reset needs a reason" in err
+
+    assert run("backfill", "--table", good)[0] == 0
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {name} ADD COLUMN extra int"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(1, 5) g"))
+    code, _, err = run("backfill", "--table", good)
+    assert code == 1
+    assert "Next: the table's columns changed and `on_schema_change: fail` stops it" in err
+    assert "rowrelay schema accept" in err and "extra" in err, err
+
+
+def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name, capsys) -> None:
+    """Two `rowrelay backfill`s of one table ran at once (fencing stopped one): the table's pool is enforced in the
+    run queue, which a backfill's in-process runs bypass. Before each run a backfill now waits for the table's
+    running runs; other tables' runs do not hold it."""
+    import threading
+    import time
+
+    from dagster import DagsterRunStatus
+    from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
+
+    from orchestration.cli import wait_for_running_runs
+
+    job = f"relay_{name}"
+    running = create_run_for_test(dagster_instance, job_name=job, status=DagsterRunStatus.STARTED)
+    create_run_for_test(dagster_instance, job_name=f"{job}_other", status=DagsterRunStatus.STARTED)
+    finished = threading.Timer(1.5, lambda: dagster_instance.report_run_failed(running))
+    finished.start()
+    started = time.monotonic()
+    wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)
+    assert time.monotonic() - started >= 1.4
+    assert "src.public.t: waiting for 1 running run(s) of the table to finish" in capsys.readouterr().out
+    finished.join()
+    started = time.monotonic()
+    wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)  # nothing running: no wait
+    assert time.monotonic() - started < 1.0 and capsys.readouterr().out == ""
