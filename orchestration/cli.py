@@ -24,8 +24,9 @@ import sys
 import threading
 import time
 import uuid
+from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from math import ceil
 from typing import Any
@@ -176,9 +177,10 @@ class ResetSplit:
     before_start: int  # messages left out as sent before the reset
 
 
-def split_at_reset(reading: TopicWatermarks, reset: Any) -> ResetSplit:
+def split_at_reset(reading: TopicWatermarks, reset: Any, earlier_resets: Sequence[Any] = ()) -> ResetSplit:
     """What verify compares when the table's newest start is `reset` (a reset's progress record; None: none).
-    After a reset back, the re-sent rows follow higher ones sent before it: that seam is not an order violation."""
+    After a reset back, the re-sent rows follow higher ones sent before it: that seam is not an order violation,
+    at `reset` nor at any of `earlier_resets` (the table's older resets, whose positions cut the segments too)."""
     split = ResetSplit({}, [], [], 0)
     for p, wms in reading.partitions.items():
         offsets, end = reading.offsets[p], reset_position(reset, p)
@@ -189,7 +191,9 @@ def split_at_reset(reading: TopicWatermarks, reset: Any) -> ResetSplit:
         split.kept[p] = wms
         later = [w for w, o in zip(wms, offsets, strict=True) if end is None or o >= end]
         split.after_reset += later
-        split.segments += [wms] if end is None else [wms[:len(wms) - len(later)], later]
+        seams = sorted({e for e in (reset_position(r, p) for r in (*earlier_resets, reset)) if e is not None})
+        split.segments += [[w for w, o in zip(wms, offsets, strict=True) if bisect_right(seams, o) == i]
+                           for i in range(len(seams) + 1)]
     return split
 
 
@@ -237,7 +241,9 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
-    split = split_at_reset(reading, start_at if start_at and start_at.slice.startswith("reset-") else None)
+    resets = [r for r in history if r.slice.startswith("reset-")]
+    split = split_at_reset(reading, start_at if start_at and start_at.slice.startswith("reset-") else None,
+                           [r for r in resets if r is not start_at])
     report.before_start = split.before_start
     # Only a message written after the newest reset can belong to a slice committed since the progress was read.
     later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel),

@@ -324,6 +324,16 @@ def test_verify_splits_a_topic_at_the_newest_reset() -> None:
     unordered = TopicWatermarks(partitions={0: [4, 12, 11, 13]}, offsets={0: [0, 1, 2, 3]})
     assert split_at_reset(unordered, None).segments == [[4, 12, 11, 13]]  # no reset: one segment, 11 out of order
     assert split_at_reset(unordered, None).after_reset == [4, 12, 11, 13]
+    # Two resets back: 1..60 sent, reset to 10 at offset 60, 11..40 sent, reset to 30 at offset 90, 31..60 sent. Both
+    # seams (60 -> 11 and 40 -> 31) are resets', not order violations; verify used to exempt only the newest.
+    wms = [*range(1, 61), *range(11, 41), *range(31, 61)]
+    twice = TopicWatermarks(partitions={0: wms}, offsets={0: list(range(len(wms)))})
+    older = ProgressRecord("t", "reset-10", 10, 10, 0, 0, "", "topic", topic_ends={"0": 60})
+    newest = ProgressRecord("t", "reset-30", 30, 30, 0, 0, "", "topic", topic_ends={"0": 90})
+    split = split_at_reset(twice, newest, [older])
+    assert [seg == sorted(seg) for seg in split.segments] == [True, True, True]
+    assert [len(seg) for seg in split.segments] == [30, 10, 30]  # those <= 30 sent before reset-30 left out
+    assert [seg == sorted(seg) for seg in split_at_reset(twice, newest).segments] == [False, True]  # as before
 
 
 class _CommitFailsProducer:
