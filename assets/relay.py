@@ -100,7 +100,7 @@ class TableLag:
     source_max: int | None  # None: the source table is empty
     lag_rows: int  # source rows above committed progress
     lag_seconds: float | None  # None: nothing to measure it from (rows wait, nothing committed, no timestamp)
-    lag_basis: str  # oldest_unpublished_row | since_last_commit | caught_up | unknown
+    lag_basis: str  # oldest_unpublished_row | since_last_commit | caught_up | unknown | awaiting_baseline
     last_commit_at: str | None
     watermark_kind: str = "integer"  # integer | timestamp | timestamptz: the watermarks are then UTC microseconds
 
@@ -138,10 +138,14 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     shape = table_shape(source, table)
     hi = progress.hi if progress else start_after
     top = source.max_watermark(shape)
-    rows = source.count_rows(shape, hi, top) if top is not None and top > hi else 0
+    # `start_after: latest` before its baseline: the rows there now are never sent, so none of them is lag.
+    awaiting_baseline = progress is None and table.start_after == "latest"
+    rows = source.count_rows(shape, hi, top) if top is not None and top > hi and not awaiting_baseline else 0
     last = progress.committed_at if progress and progress.committed_at else None
     seconds: float | None
-    if rows == 0:
+    if awaiting_baseline:
+        seconds, basis = 0.0, "awaiting_baseline"
+    elif rows == 0:
         seconds, basis = 0.0, "caught_up"
     elif table.lag_timestamp_column or shape.timestamps:
         seconds, basis = _oldest_unpublished_age(source, table, shape, hi), "oldest_unpublished_row"

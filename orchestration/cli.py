@@ -356,7 +356,8 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
                                                              "active runs") else "left",
                         no_wrap=column in ("committed", "source max"))  # a time watermark reads whole
     basis = {"oldest_unpublished_row": "age of oldest unpublished row", "since_last_commit": "time since last commit",
-             "caught_up": "caught up", "unknown": "rows wait, nothing committed yet"}
+             "caught_up": "caught up", "unknown": "rows wait, nothing committed yet",
+             "awaiting_baseline": "start_after: latest, baseline not recorded yet"}
 
     def cell(value: Any) -> str:
         return "-" if value is None else str(value)

@@ -245,3 +245,24 @@ def test_after_a_reset_back_a_range_is_its_new_slices_not_the_old_ones(
     assert done["slices"] == [SliceRange(0, 100).key, SliceRange(100, 200).key]
     replayed = [m for m in read_topic(services.kafka_bootstrap, table.topic_name) if "rowrelay.replay" in m.headers]
     assert [m.value["v"] for m in replayed] == [f"NEW-{i}" for i in range(1, 201)]
+
+
+def test_status_of_a_latest_table_before_its_baseline_counts_no_lag(pg_database, pg_engine, name) -> None:
+    """`start_after: latest` before its first cut: the rows there are never sent (the first cut records them as the
+    baseline), yet status counted them as lag, and their age could trip the lag check."""
+    from assets.relay import measure_lag
+    from resources.config import TableConfig
+    from resources.source_database import SourceDatabaseResource
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, at timestamptz DEFAULT now())"))
+        conn.execute(text(f"INSERT INTO {name} (at) SELECT now() - interval '1 hour' FROM generate_series(1, 50)"))
+    source = SourceDatabaseResource(url=pg_database.render_as_string(hide_password=False))
+    try:
+        spec = {"source": "src", "table": f"public.{name}", "watermark": "id", "lag_timestamp_column": "at"}
+        lag = measure_lag(source, TableConfig(**spec, start_after="latest"), None)
+        assert (lag.lag_rows, lag.lag_seconds, lag.lag_basis, lag.source_max) == (0, 0.0, "awaiting_baseline", 50)
+        lag = measure_lag(source, TableConfig(**spec, start_after=0), None)  # from 0: all 50 wait, an hour old
+        assert (lag.lag_rows, lag.lag_basis) == (50, "oldest_unpublished_row") and lag.lag_seconds >= 3600
+    finally:
+        source.dispose()
