@@ -9,6 +9,7 @@ import math
 import re
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -344,7 +345,9 @@ class SourceDatabaseResource(ConfigurableResource):
 
     def reflect(self, schema: str | None, table: str) -> sa.Table:
         try:
-            return sa.Table(table, sa.MetaData(), schema=schema, autoload_with=self.engine)
+            with warnings.catch_warnings():  # a type the dialect does not know: table_shape refuses it by its name
+                warnings.filterwarnings("ignore", message="Did not recognize type", category=sa.exc.SAWarning)
+                return sa.Table(table, sa.MetaData(), schema=schema, autoload_with=self.engine)
         except NoSuchTableError:
             where = f"schema {schema!r} of " if schema else ""
             raise SourceError(f"table {table!r} not found in {where}source {self.safe_description}; "
