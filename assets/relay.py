@@ -264,10 +264,30 @@ def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: 
         table=table.table_id, watermark=at, column=column)
 
 
+# backfill_policy is a beta parameter: Dagster warns on every definitions load (twice per CLI command), noise for
+# users; rowrelay relies on it knowingly (one run per backfill). A filter installed once, not catch_warnings() around
+# the definition, which is not thread-safe.
+warnings.filterwarnings("ignore", category=BetaWarning, message=".*backfill_policy")
+
+
 def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> AssetsDefinition:
     channel = channel_for(table, transactional_id_prefix)
     source_key = source_resource_key(table.source)
 
+    @asset(
+        key=asset_key(table),
+        partitions_def=partitions_for(table),
+        pool=pool_name(table),
+        io_manager_key="kafka_io_manager",
+        required_resource_keys={"spark", source_key, "kafka_io_manager"},
+        group_name=table.source,
+        kinds={"spark", "kafka"},
+        description=f"Rows of {table.table} (source {table.source}) -> Kafka topic {channel.topic}, "
+                    f"one partition per watermark slice of {table.watermark}.",
+        metadata={**channel_metadata(channel), "rowrelay/watermark": table.watermark},
+        # A backfill of many slices is one run, not one per slice (worker start dominates small slices).
+        backfill_policy=BackfillPolicy.single_run(),
+    )
     def relay_table(context: AssetExecutionContext) -> TableSlices:
         # One slice, or a range of slices in one run (a backfill, a sensor's backlog): one worker, one
         # Spark session and one producer epoch for all of them, each slice still its own transaction.
@@ -306,26 +326,8 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
             context.log.info(f"{len(slices)} slice(s) already committed (progress at {at}); nothing to read")
         return result
 
-    # backfill_policy is a beta parameter: Dagster warns on every definitions load (twice per CLI command),
-    # noise for users; rowrelay relies on it knowingly (one run per backfill).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=BetaWarning, message=".*backfill_policy")
-        relay_asset = asset(
-            key=asset_key(table),
-            partitions_def=partitions_for(table),
-            pool=pool_name(table),
-            io_manager_key="kafka_io_manager",
-            required_resource_keys={"spark", source_key, "kafka_io_manager"},
-            group_name=table.source,
-            kinds={"spark", "kafka"},
-            description=f"Rows of {table.table} (source {table.source}) -> Kafka topic {channel.topic}, "
-                        f"one partition per watermark slice of {table.watermark}.",
-            metadata={**channel_metadata(channel), "rowrelay/watermark": table.watermark},
-            # A backfill of many slices is one run, not one per slice (worker start dominates small slices).
-            backfill_policy=BackfillPolicy.single_run(),
-        )(relay_table)
     # A run that fails at a later slice skips its checks: the hook checks the slices it committed before.
-    return relay_asset.with_hooks({build_parity_after_failure_hook(table, transactional_id_prefix)})
+    return relay_table.with_hooks({build_parity_after_failure_hook(table, transactional_id_prefix)})
 
 
 # -- asset checks: slice parity and lag ---------------------------------------------------------------------------

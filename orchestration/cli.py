@@ -641,12 +641,24 @@ def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float 
     starts meanwhile is still kept exactly once by fencing and the order check (one of the two stops as fenced)."""
     from dagster import DagsterRunStatus, RunsFilter
 
+    from orchestration.launcher import in_process_worker_gone
+
     running = [DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
     told = False
-    while count := instance.get_runs_count(RunsFilter(job_name=job, statuses=running)):
+    while runs := instance.get_runs(RunsFilter(job_name=job, statuses=running)):
+        alive = []
+        for run in runs:  # a run of an earlier backfill whose process died would be waited for forever
+            if (gone := in_process_worker_gone(run)) is not None:
+                instance.report_run_failed(run, f"{gone}; marked failed by rowrelay backfill")
+                print(f"{table_id}: run {run.run_id} was left running by a process that is gone: marked failed",
+                      flush=True)
+            else:
+                alive.append(run.run_id)
+        if not alive:
+            return
         if not told:
-            print(f"{table_id}: waiting for {count} running run(s) of the table to finish (one at a time per table)",
-                  flush=True)
+            print(f"{table_id}: waiting for run(s) {', '.join(alive)} of the table to finish (one at a time per "
+                  "table)", flush=True)
             told = True
         time.sleep(poll_s)
 
@@ -699,18 +711,20 @@ def watermark_is_timestamp(config: RelayConfig, table: TableConfig) -> bool:
         return False
 
 
-def reset_watermark_is_timestamp(config: RelayConfig, table: TableConfig, conf: dict[str, Any]) -> bool:
+def reset_watermark_is_timestamp(config: RelayConfig, table: TableConfig, conf: dict[str, Any]) -> bool | None:
     """Whether the table's watermark is a timestamp: from the source's columns, or where the source cannot say (a
-    dropped table, the source away) from the committed progress's slice key."""
+    dropped table, the source away) from the newest slice in its progress (resets and baselines have integer keys
+    either way); None when neither can tell."""
     try:
         return reflect_table(config, table).timestamps
     except Exception:  # noqa: BLE001 - a reset must stay possible with the table gone
         from assets.relay import channel_for
 
         with contextlib.suppress(Exception):
-            progress = read_committed_progress(conf, channel_for(table, config.kafka.transactional_id_prefix))
-            return progress is not None and is_timestamp_key(progress.slice)
-        return False
+            history = read_progress_history(conf, channel_for(table, config.kafka.transactional_id_prefix))
+            newest = next((r for r in reversed(history) if r.hi > r.lo), None)
+            return None if newest is None else is_timestamp_key(newest.slice)
+        return None
 
 
 def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
@@ -731,8 +745,9 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     (table,) = _tables(config, args.table)
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     conf = kafka_conf(config)
-    wrong_kind = watermark_kind_error(table.table_id, reset_watermark_is_timestamp(config, table, conf), "--after",
-                                      args.after)
+    timestamps = reset_watermark_is_timestamp(config, table, conf)
+    wrong_kind = None if timestamps is None else watermark_kind_error(table.table_id, timestamps, "--after",
+                                                                      args.after)
     if wrong_kind:
         print(f"rowrelay: {wrong_kind}; nothing was reset", file=sys.stderr)
         return 2
@@ -991,8 +1006,16 @@ def watermark(text: str) -> WatermarkArg:
         value = WatermarkArg(parse_watermark(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    value.text, value.is_time = text, not text.strip().lstrip("+-").isdigit()
+    value.text, value.is_time = text, not _is_integer(text)
     return value
+
+
+def _is_integer(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
 
 def watermark_kind_error(table_id: str, timestamps: bool, flag: str, value: int) -> str | None:
@@ -1001,9 +1024,12 @@ def watermark_kind_error(table_id: str, timestamps: bool, flag: str, value: int)
     if not isinstance(value, WatermarkArg) or value.is_time == timestamps:
         return None
     if timestamps:
+        try:
+            meaning = f"would be {micros_text(value)}"
+        except (OverflowError, ValueError):
+            meaning = "is past any time"
         return (f"{table_id}: {flag} {value.text} is an integer, but the table's watermark is a timestamp: give a "
-                f"time such as 2026-11-23T07:00:00Z (read as microseconds since 1970, {value.text} would be "
-                f"{micros_text(value)})")
+                f"time such as 2026-11-23T07:00:00Z (read as microseconds since 1970, {value.text} {meaning})")
     return (f"{table_id}: {flag} {value.text} is a time, but the table's watermark is an integer: give an integer "
             f"(the time would be read as {int(value)})")
 
@@ -1013,7 +1039,8 @@ def user_error(exc: BaseException) -> str | None:
     unset, a run's slices changed under it), instead of a traceback; None for anything else. Imported only here,
     once something failed: the happy path does not import these modules for it."""
     import sqlalchemy as sa
-    from dagster._core.errors import DagsterHomeNotSetError, DagsterInvalidInvocationError  # not exported publicly
+    from dagster import DagsterInvalidInvocationError
+    from dagster._core.errors import DagsterHomeNotSetError  # not exported publicly; what DagsterInstance.get raises
 
     from resources.exactly_once import RelayError
     from resources.source_database import InnodbTrxStale, SourceError

@@ -97,6 +97,24 @@ def process_start_ticks(pid: int) -> tuple[int, str] | None:
     return int(fields[19]), fields[0]
 
 
+def in_process_worker_gone(run: DagsterRun) -> str | None:
+    """Why a run executed in-process (`rowrelay backfill`, `dagster asset materialize`) has no live worker, or None.
+
+    Such a run's process tags it with its pid and host when the asset starts (assets/relay.py). If that process
+    died (kill -9, OOM, a closed terminal), the run stayed STARTED for good: no launcher tracks it, so run
+    monitoring never failed it, and it held the table's pool (every later run of the table queued behind it). Only
+    processes on this host are judged; a pid reused since by another process keeps the run (judged alive)."""
+    from assets.relay import WORKER_HOST_TAG, WORKER_PID_TAG
+
+    pid = run.tags.get(WORKER_PID_TAG)
+    if pid is None or run.tags.get(WORKER_HOST_TAG) != socket.gethostname():
+        return None
+    seen = process_start_ticks(int(pid))
+    if seen is not None and seen[1] != "Z":
+        return None
+    return f"the process that ran it in-process (pid {pid} on {socket.gethostname()}) is gone"
+
+
 def file_signatures(paths: Sequence[str]) -> dict[str, list[int]]:
     """(mtime_ns, size) per file; [-1, -1] for one that is missing (its appearance changes the fingerprint)."""
     out: dict[str, list[int]] = {}
@@ -530,8 +548,11 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
     def check_run_worker_health(self, run: DagsterRun) -> CheckRunHealthResult:
         worker = WarmWorker.from_run(run)
         if worker is None:
-            # Launched through the code server (fallback) or executed in-process (`dagster asset materialize`,
-            # `rowrelay backfill`): not ours to judge, as with Dagster's default launcher.
+            # Executed in-process (`rowrelay backfill`, `dagster asset materialize`): failed once its process is
+            # gone. Launched through the code server (fallback): not ours to judge, as with Dagster's default.
+            gone = in_process_worker_gone(run) if GRPC_INFO_TAG not in run.tags else None
+            if gone is not None:
+                return CheckRunHealthResult(WorkerStatus.FAILED, gone)
             return CheckRunHealthResult(WorkerStatus.RUNNING, "not launched by WarmRunLauncher; not tracked")
         status, message = worker.status()
         return CheckRunHealthResult(status, message, run_worker_id=str(worker.pid))

@@ -690,6 +690,14 @@ def read_records(kafka_conf: dict[str, Any], channel: TableChannel, *, since_ms:
         consumer.close()
 
 
+def _resets_after(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout: float
+                  ) -> list[ProgressRecord]:
+    """The resets and baselines (records without a range) at offsets [start, end), told by their keys: the other
+    records, one per slice, are read but not parsed."""
+    return [ProgressRecord.from_json(msg.value()) for msg in _read_range(consumer, tp, start, end, timeout)
+            if (msg.key() or b"").startswith((b"reset-", b"baseline-"))]
+
+
 def _first_at_or_after(consumer: Consumer, tp: TopicPartition, offset: int, end: int, timeout: float
                        ) -> tuple[int, ProgressRecord] | None:
     got = _scan(consumer, tp, offset, end, timeout, stop_at_hi=-(2**63))
@@ -700,10 +708,10 @@ def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Sli
                      timeout: float = 30.0) -> list[ProgressRecord]:
     """The committed progress records that tile `rng` (a slice or roll-up key), in order; [] if the range is not
     exactly covered by committed slices. Progress only grows between resets, so a binary search over the topic's
-    offsets finds the first record after `rng.lo` in ~log2(records) reads, then the topic is read from there to its
-    end, so that a later reset back below `rng.hi` is seen (`live_records`: the records it superseded are not the
-    range's, even where they tile it); if that does not tile, the whole topic is scanned. The range to the end is
-    short for what a run checks (its own slices, the newest)."""
+    offsets finds the first record after `rng.lo` in ~log2(records) reads, then the range is read forward. The rest
+    of the topic is looked through by key alone for a later reset back below `rng.hi` (`live_records`: the records
+    it superseded are not the range's, even where they tile it); after one, the records from the range on are read
+    again; if nothing tiles, the whole topic is scanned."""
     consumer = _consumer(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
@@ -718,8 +726,12 @@ def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Sli
                 lo_off = probe[0] + 1
             else:
                 hi_off = mid
-        found = live_records(r for _, r in _scan(consumer, tp, lo_off, high, timeout))
-        covered = tiling(rng, found)
+        scanned = _scan(consumer, tp, lo_off, high, timeout, stop_at_hi=rng.hi)
+        covered = tiling(rng, live_records(r for _, r in scanned))
+        after = scanned[-1][0] + 1 if scanned else lo_off
+        if covered is not None and any(r.hi < rng.hi for r in _resets_after(consumer, tp, after, high, timeout)):
+            # A reset back below the range's end came after these records: the range is what follows it.
+            covered = tiling(rng, live_records(r for _, r in _scan(consumer, tp, lo_off, high, timeout)))
         if covered is None:
             every = live_records(r for _, r in _scan(consumer, tp, low, high, timeout))
             latest = {(r.lo, r.hi): r for r in every}  # a range published again after a reset: its newest record

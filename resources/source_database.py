@@ -58,6 +58,11 @@ INNODB_TRX_READS = 14
 
 _log = logging.getLogger(__name__)
 
+# A type the dialect does not know is reflected as NullType with this warning; `table_shape` refuses such a column
+# by its database type name, so the warning is noise. Installed once, here: warnings.catch_warnings() around each
+# reflection is not thread-safe (the daemon's sensor threads reflect at once).
+warnings.filterwarnings("ignore", message="Did not recognize type", category=sa.exc.SAWarning)
+
 
 _Answer = TypeVar("_Answer", int, int | None)
 
@@ -345,9 +350,7 @@ class SourceDatabaseResource(ConfigurableResource):
 
     def reflect(self, schema: str | None, table: str) -> sa.Table:
         try:
-            with warnings.catch_warnings():  # a type the dialect does not know: table_shape refuses it by its name
-                warnings.filterwarnings("ignore", message="Did not recognize type", category=sa.exc.SAWarning)
-                return sa.Table(table, sa.MetaData(), schema=schema, autoload_with=self.engine)
+            return sa.Table(table, sa.MetaData(), schema=schema, autoload_with=self.engine)
         except NoSuchTableError:
             where = f"schema {schema!r} of " if schema else ""
             raise SourceError(f"table {table!r} not found in {where}source {self.safe_description}; "
@@ -647,9 +650,12 @@ class SourceDatabaseResource(ConfigurableResource):
                                              sa.text("CONNECTION_ID()"),
                                              sa.text("UTC_TIMESTAMP(6)" if coarse else "NULL")).select_from(t)).one()
                 clock = row[3]
-                waits = self._innodb_trx_open_since(conn, int(row[2])) if row[0] is not None else ()
+                # Running statements first, then open transactions: a statement that ends between the two reads
+                # has touched a row by then, so its transaction, if still open, is in the second (the other order
+                # missed one that ended in between with its transaction open).
                 if row[0] is not None and shape.timestamps:
                     earliest = self._earliest_running_write(conn, float(row[1]))
+                waits = self._innodb_trx_open_since(conn, int(row[2])) if row[0] is not None else ()
             else:
                 row, waits = (conn.execute(sa.select(sa.func.max(wm)).select_from(t)).scalar(), time.time()), ()
                 clock = None

@@ -407,6 +407,7 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     """Two `rowrelay backfill`s of one table ran at once (fencing stopped one): the table's pool is enforced in the
     run queue, which a backfill's in-process runs bypass. Before each run a backfill now waits for the table's
     running runs; other tables' runs do not hold it."""
+    import os
     import threading
     import time
 
@@ -423,8 +424,31 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     started = time.monotonic()
     wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)
     assert time.monotonic() - started >= 1.4
-    assert "src.public.t: waiting for 1 running run(s) of the table to finish" in capsys.readouterr().out
+    assert f"src.public.t: waiting for run(s) {running.run_id} of the table to finish" in capsys.readouterr().out
     finished.join()
     started = time.monotonic()
     wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)  # nothing running: no wait
     assert time.monotonic() - started < 1.0 and capsys.readouterr().out == ""
+
+    # A run left STARTED by a backfill whose process died (its pid tag names a process that is gone) was waited for
+    # forever, and held the table's pool: it is marked failed, here and by the launcher's health check.
+    import socket
+    import subprocess
+
+    from assets.relay import WORKER_HOST_TAG, WORKER_PID_TAG
+    from orchestration.launcher import WarmRunLauncher
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tags = {WORKER_PID_TAG: str(gone.pid), WORKER_HOST_TAG: socket.gethostname()}
+    stale = create_run_for_test(dagster_instance, job_name=job, status=DagsterRunStatus.STARTED, tags=tags)
+    health = WarmRunLauncher.check_run_worker_health(None, stale)  # type: ignore[arg-type]  # uses no launcher state
+    assert health.status.value == "FAILED" and f"pid {gone.pid}" in health.msg
+    alive = create_run_for_test(dagster_instance, job_name=f"{job}_alive", status=DagsterRunStatus.STARTED,
+                                tags={**tags, WORKER_PID_TAG: str(os.getpid())})
+    assert WarmRunLauncher.check_run_worker_health(None, alive).status.value == "RUNNING"  # type: ignore[arg-type]
+    started = time.monotonic()
+    wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)
+    assert time.monotonic() - started < 1.0
+    assert f"run {stale.run_id} was left running by a process that is gone: marked failed" in capsys.readouterr().out
+    assert dagster_instance.get_run_by_id(stale.run_id).status == DagsterRunStatus.FAILURE

@@ -266,6 +266,16 @@ def test_cli_reports_a_timestamp_watermark_as_times(services, pg_database, pg_en
     assert main(["--config", config_file, "verify", "--json"]) == 1  # scripts keep the integers, and the kind
     (report,) = json.loads(capsys.readouterr().out)
     assert report["committed_hi"] == hi - 1 and report["watermark_kind"] == "timestamptz", report
+    # An integer is no time here (1764547200 would be 1970-01-01T00:29Z: a reset back re-sending everything), also
+    # once the table is gone and its newest progress record is a reset (integer key): the kind then comes from the
+    # newest slice in the table's progress.
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {name}"))
+    assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", "1764547200"]) == 2
+    err = capsys.readouterr().err
+    assert "--after 1764547200 is an integer, but the table's watermark is a timestamp" in err, err
+    assert "would be 1970-01-01T00:29:24.547200Z" in err and "Traceback" not in err, err
+    assert h.progress(table).hi == hi - 1
 
 
 @pytest.mark.integration

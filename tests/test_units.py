@@ -424,3 +424,5 @@ def test_a_watermark_written_as_the_other_kind_is_refused() -> None:
     assert "would be 1970-01-01T00:29:24.547200Z" in watermark_kind_error("t", True, "--after", watermark("1764547200"))
     assert "read as 1767225600000000" in watermark_kind_error("t", False, "--to", watermark("2026-01-01"))
     assert watermark("-5") == -5 and not watermark("-5").is_time
+    assert watermark("1_000") == 1000 and not watermark("1_000").is_time  # what int() takes is an integer
+    assert "is past any time" in watermark_kind_error("t", True, "--after", watermark("300000000000000000"))
