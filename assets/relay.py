@@ -42,7 +42,7 @@ from resources.exactly_once import (
     read_committed_progress,
     tiles_by_range,
 )
-from resources.kafka_io_manager import COMMITTED_BEFORE_FAILURE_TAG, STOPPED_TAG, channel_metadata
+from resources.kafka_io_manager import COMMITTED_BEFORE_FAILURE_TAG, channel_metadata, stopped_tags
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange, watermark_text
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape, schema_change
@@ -314,7 +314,7 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
                                         committed.columns if committed else [])
         except SourceError as exc:
             reason = "schema_change" if isinstance(exc, SchemaChanged) else "source"
-            context.instance.add_run_tags(context.run_id, {STOPPED_TAG: reason})
+            context.instance.add_run_tags(context.run_id, stopped_tags(reason))
             raise Failure(description=str(exc), allow_retries=False) from exc
         if result.schema_change:
             context.log.warning(f"{table.table_id}: columns changed since the last committed slice: "

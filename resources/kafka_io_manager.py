@@ -37,6 +37,14 @@ if TYPE_CHECKING:
 
 # Set on a run that failed for a reason a retry cannot fix (bad row, source error, fenced): the sensor backs off.
 STOPPED_TAG = "rowrelay/stopped"
+# Dagster's documented run tag: a run that fails with it "false" is not re-executed by run retries
+# (dagster.yaml run_retries), which would otherwise repeat a stopped run five times.
+RETRY_ON_FAILURE_TAG = "dagster/retry_on_asset_or_op_failure"
+
+
+def stopped_tags(reason: str) -> dict[str, str]:
+    """The tags of a run stopped for `reason`: the sensor backs off, and Dagster's run retries leave it."""
+    return {STOPPED_TAG: reason, RETRY_ON_FAILURE_TAG: "false"}
 # On a run that failed at slice k: the first and last of the slices it committed before k, as
 # `<run id>/<first>...<last>` (keys in chain order), for the asset's failure hook, which checks their parity
 # (assets/relay.py). The run id: Dagster's retry of the run copies its tags, but not what it committed.
@@ -237,7 +245,7 @@ class KafkaIOManager(ConfigurableIOManager):
     def _mark_stopped(context: OutputContext, reason: str) -> None:
         """Tell the table's sensor to back off: a retry of this run would fail the same way."""
         step = context.step_context
-        step.instance.add_run_tags(step.run_id, {STOPPED_TAG: reason})
+        step.instance.add_run_tags(step.run_id, stopped_tags(reason))
 
     @staticmethod
     def slice_metadata(obj: TableSlices, result: PublishResult) -> dict[str, Any]:

@@ -156,6 +156,7 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
     assert f"row 2 (id) holds a {kind} value in column 'v' (reflected as {shown})" in message, message
     assert "skip_watermarks: [2]" in message, message
     assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "bad_row"
+    _assert_not_retried(dagster_instance, result.run_id)
     assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
     assert h.progress(table) is None
     with engine.begin() as conn:
@@ -239,3 +240,21 @@ def test_sqlite_columns_rowrelay_cannot_read_are_refused_at_the_table_check(tmp_
         assert message in str(info.value)
     finally:
         source.dispose()
+
+
+def _assert_not_retried(instance, run_id: str) -> None:
+    """A stopped run is left alone by Dagster's run retries (dagster.yaml: five), which repeated a bad row's run
+    five times per sensor resume: Dagster's own retry decision, as its event storage makes it when a run fails,
+    with five retries allowed, says no for it, and yes for the same run without rowrelay's tag."""
+    from dagster._core.events import RunFailureReason
+    from dagster._core.execution.retries import auto_reexecution_should_retry_run  # Dagster's retry rule
+    from dagster._core.storage.tags import MAX_RETRIES_TAG
+
+    from resources.kafka_io_manager import RETRY_ON_FAILURE_TAG
+
+    run = instance.get_run_by_id(run_id)
+    assert run.tags.get(RETRY_ON_FAILURE_TAG) == "false"
+    five = run.with_tags({**run.tags, MAX_RETRIES_TAG: "5"})
+    assert not auto_reexecution_should_retry_run(instance, five, RunFailureReason.STEP_FAILURE)
+    untagged = five.with_tags({k: v for k, v in five.tags.items() if k != RETRY_ON_FAILURE_TAG})
+    assert auto_reexecution_should_retry_run(instance, untagged, RunFailureReason.STEP_FAILURE)
