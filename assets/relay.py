@@ -102,7 +102,8 @@ class TableLag:
     source_max: int | None  # None: the source table is empty
     lag_rows: int  # source rows above committed progress
     lag_seconds: float | None  # None: nothing to measure it from (rows wait, nothing committed, no timestamp)
-    lag_basis: str  # oldest_unpublished_row | since_last_commit | caught_up | unknown | awaiting_baseline
+    lag_basis: str  # oldest_unpublished_row | since_last_commit | since_first_run | caught_up | unknown |
+    # awaiting_baseline
     last_commit_at: str | None
     watermark_kind: str = "integer"  # integer | timestamp | timestamptz: the watermarks are then UTC microseconds
 
@@ -134,9 +135,11 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
 
 
 def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: ProgressRecord | None,
-                start_after: int = 0) -> TableLag:
+                start_after: int = 0, first_run_at: datetime | None = None) -> TableLag:
     """Rows above the committed progress and how long they have waited: the age of the oldest of them when the
-    table has `lag_timestamp_column`, else the time since the last commit (an upper bound only while rows wait)."""
+    table has `lag_timestamp_column`, else the time since the last commit (an upper bound only while rows wait);
+    with nothing ever committed, the time since the table's first run (`first_run_at`, a lower bound: its rows
+    have waited at least that long), else unknown."""
     shape = table_shape(source, table)
     hi = progress.hi if progress else start_after
     top = source.max_watermark(shape)
@@ -154,6 +157,8 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     elif last is not None:
         seconds = max(0.0, (datetime.now(UTC) - datetime.fromisoformat(last)).total_seconds())
         basis = "since_last_commit"
+    elif first_run_at is not None:
+        seconds, basis = max(0.0, (datetime.now(UTC) - first_run_at).total_seconds()), "since_first_run"
     else:
         seconds, basis = None, "unknown"
     return TableLag(table=table.table_id, committed_hi=progress.hi if progress else None, source_max=top,
@@ -463,6 +468,14 @@ def _unevaluated(check_name: str, exc: Exception) -> AssetCheckResult:
     # A check that cannot be evaluated (broker away, source down) says so; it must not fail the run that published.
     return AssetCheckResult(check_name=check_name, passed=False, severity=AssetCheckSeverity.WARN,
                             description=f"could not be evaluated: {exc}", metadata={"error": str(exc)[:2000]})
+
+
+def unmeasured_lag(table: TableConfig, exc: Exception) -> AssetCheckResult:
+    """The lag check when the lag cannot be measured (the source or Kafka away, the table gone): a WARN saying
+    why, not the last outcome left standing."""
+    result = _unevaluated(LAG_CHECK, exc)
+    return AssetCheckResult(check_name=LAG_CHECK, passed=False, severity=AssetCheckSeverity.WARN,
+                            description=f"{table.table_id}: lag {result.description}", metadata=result.metadata)
 
 
 def build_table_checks(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> list[AssetChecksDefinition]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 from typing import Any
 
 from dagster import (
@@ -12,6 +13,7 @@ from dagster import (
     DagsterInstance,
     DefaultSensorStatus,
     Definitions,
+    RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SkipReason,
@@ -31,6 +33,7 @@ from assets.relay import (
     measure_lag,
     partitions_for,
     source_resource_key,
+    unmeasured_lag,
 )
 from orchestration.history import build_history_sensor
 from orchestration.sensors import build_group_slice_sensor, build_slice_sensor
@@ -59,9 +62,13 @@ def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChanne
              kafka_conf: dict[str, Any], last: dict[str, Any], now: float) -> tuple[dict[str, Any], str]:
     """One table's lag check between runs: recorded (a runless check evaluation) when its outcome changed or
     LAG_RECORD_EVERY_S passed. Returns (the table's new cursor, what happened)."""
-    # The process's long-lived progress reader (a new consumer per table and minute is ~60 ms each).
-    progress = read_progress_tail(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
-    result = lag_result(table, measure_lag(source, table, progress, channel.start_after))
+    try:
+        # The process's long-lived progress reader (a new consumer per table and minute is ~60 ms each).
+        progress = read_progress_tail(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
+        result = lag_result(table, measure_lag(source, table, progress, channel.start_after,
+                                               None if progress else first_run_at(instance, table)))
+    except Exception as exc:  # noqa: BLE001 - a lag that cannot be measured is a WARN, not a green check
+        result = unmeasured_lag(table, exc)
     outcome = "passed" if result.passed else str(result.severity.value)
     if last.get("outcome") == outcome and now - float(last.get("at", 0)) < LAG_RECORD_EVERY_S:
         return last, f"lag unchanged: {result.description}"
@@ -70,6 +77,13 @@ def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChanne
         severity=result.severity or AssetCheckSeverity.ERROR, description=result.description,
         metadata=result.metadata))
     return {"outcome": outcome, "at": now}, f"lag recorded: {result.description}"
+
+
+def first_run_at(instance: DagsterInstance, table: TableConfig) -> datetime | None:
+    """When the table's first run was created: a table that never committed has had rows waiting since (at
+    least) then. None without runs."""
+    records = instance.get_run_records(RunsFilter(job_name=job_name(table)), limit=1, ascending=True)
+    return records[0].create_timestamp if records else None
 
 
 def build_lag_sensor(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> SensorDefinition:

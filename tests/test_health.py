@@ -121,3 +121,48 @@ def test_lag_check_warns_while_rows_wait_and_passes_when_caught_up(services, pg_
     assert "lag recorded" in tick()
     recovered = _latest(dagster_instance, table, LAG_CHECK)
     assert recovered.passed and recovered.metadata["lag_rows"].value == 0
+
+
+def test_lag_goes_red_for_a_table_that_never_committed_and_warns_when_unmeasurable(
+        services, pg_database, pg_engine, dagster_instance, spark, name) -> None:
+    """Every run of a table failing before its first commit (a bad first row) left `lag` green: "rows waiting, lag
+    None s (unknown)". Its lag is now the time since the table's first run (a lower bound of the rows' wait). And a
+    lag sensor that could not measure (the table renamed away) only logged it, leaving the last outcome standing: it
+    now records a WARN saying why."""
+    import time
+
+    from dagster import DagsterRunStatus
+    from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
+
+    from orchestration.factory import job_name
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(1, 10) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "warn_lag_seconds": 1,
+         "error_lag_seconds": 2}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    sensor = h.defs.resolve_sensor_def(lag_sensor_name(table))
+
+    def tick() -> str:
+        with build_sensor_context(resources=h.defs.resources, definitions=h.defs, sensor_name=sensor.name,
+                                  instance=dagster_instance) as ctx:
+            return sensor.evaluate_tick(ctx).skip_message or ""
+
+    tick()  # no run yet: the rows' age is unknown, said so
+    assert _latest(dagster_instance, table, LAG_CHECK).metadata["lag_measured_as"].value == "unknown"
+    create_run_for_test(dagster_instance, job_name=job_name(table), status=DagsterRunStatus.FAILURE)
+    time.sleep(2.5)
+    assert "lag recorded" in tick()
+    red = _latest(dagster_instance, table, LAG_CHECK)
+    assert not red.passed and red.severity == AssetCheckSeverity.ERROR, red.description
+    assert red.metadata["lag_measured_as"].value == "since_first_run" and red.metadata["lag_rows"].value == 10
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {name} RENAME TO {name}_gone"))
+    assert "lag recorded" in tick()
+    unmeasured = _latest(dagster_instance, table, LAG_CHECK)
+    assert not unmeasured.passed and unmeasured.severity == AssetCheckSeverity.WARN
+    assert "lag could not be evaluated" in unmeasured.description and name in unmeasured.description
