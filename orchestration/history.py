@@ -174,12 +174,9 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
     if progress is None:
         result.skipped = "nothing committed"
         return result
-    if job_name is not None:
-        from orchestration.sensors import ACTIVE
-
-        if instance.get_runs_count(RunsFilter(job_name=job_name, statuses=ACTIVE)):
-            result.skipped = "runs active; later"
-            return result
+    if job_name is not None and table_runs_active(instance, table, job_name):
+        result.skipped = "runs active; later"
+        return result
     raw = all_keys(instance, name)
     result.keys_before = result.keys_after = len(raw)
     parsed: dict[str, SliceRange] = {}
@@ -197,6 +194,12 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
     records = read_records(kafka_conf, channel, since_ms=since)
     rollups = plan_rollups(keys, records, now, policy)
     key_of = {s: k for k, s in parsed.items()}
+    # A cut (the slice sensor's, in another thread; a CLI backfill's) appends keys: one appended since `raw` was
+    # read would end up before the keys re-added below, out of watermark order. Checked again at the last moment.
+    newest, _, _ = page_keys(instance, name, 1, ascending=False)
+    if newest != raw[-1:] or (job_name is not None and table_runs_active(instance, table, job_name)):
+        result.skipped = "keys or runs changed meanwhile; later"
+        return result
     for r in rollups:  # the roll-up key first: a crash after this leaves redundant keys, removed next time
         instance.report_runless_asset_event(AssetMaterialization(
             asset_key=asset_key(table), partition=r.range.key, metadata=rollup_metadata(r, channel.transactional_id),
@@ -216,6 +219,16 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
     result.keys_after = len(desired)
     result.seconds = time.monotonic() - started
     return result
+
+
+def table_runs_active(instance: DagsterInstance, table: TableConfig, job_name: str) -> bool:
+    """Whether a run of the table is queued or running: of its job, or any run whose asset selection holds the
+    table's asset (the UI's Materialize launches `__ASSET_JOB`). A roll-up deletes the keys such a run targets."""
+    from orchestration.sensors import ACTIVE
+
+    key = asset_key(table)
+    return any(run.job_name == job_name or key in (run.asset_selection or ())
+               for run in instance.get_runs(RunsFilter(statuses=ACTIVE)))
 
 
 def iter_compact(instance: DagsterInstance, tables: list[TableConfig], kafka_conf: dict[str, Any],

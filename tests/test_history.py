@@ -373,6 +373,49 @@ def test_history_compact_cli_rolls_up_and_verify_passes(services, pg_database, d
 
 
 @pytest.mark.integration
+def test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using(services, pg_database, dagster_instance,
+                                                           monkeypatch) -> None:
+    """A roll-up racing the slice sensor (another thread) re-added its keys after a key the sensor had just cut,
+    out of watermark order; and it deleted the keys a queued run of the UI's Materialize (`__ASSET_JOB`, not the
+    table's job) targeted, which then failed "Nonexistent partition keys". Both now make it wait for later."""
+    from dagster import DagsterRunStatus
+    from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
+
+    import orchestration.history as history
+    from assets.relay import asset_key, partitions_for
+    from bench.scale import seed_history
+    from orchestration.factory import job_name
+    from tests.conftest import unique
+    from tests.pipeline import relay_config, source_url
+
+    name = unique("race")
+    table = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                           "watermark": "id"}]).tables[0]
+    kafka = {"bootstrap.servers": services.kafka_bootstrap}
+    seed_history(dagster_instance, table, source_url(pg_database), kafka, 200, span_days=3)
+    partitions = partitions_for(table).name
+    before = dagster_instance.get_dynamic_partitions(partitions)
+
+    ui_run = create_run_for_test(dagster_instance, job_name="__ASSET_JOB", status=DagsterRunStatus.NOT_STARTED,
+                                 asset_selection=frozenset({asset_key(table)}))
+    result = history.compact_table(dagster_instance, table, kafka, full=True, job_name=job_name(table))
+    assert result.skipped == "runs active; later"
+    dagster_instance.report_run_canceled(ui_run)
+
+    reading = history.read_records
+    cut = SliceRange(200, 210).key
+
+    def read_records_while_a_cut_lands(*args, **kwargs):  # the sensor appends a key while compaction reads
+        dagster_instance.add_dynamic_partitions(partitions, [cut])
+        return reading(*args, **kwargs)
+
+    monkeypatch.setattr(history, "read_records", read_records_while_a_cut_lands)
+    result = history.compact_table(dagster_instance, table, kafka, full=True, job_name=job_name(table))
+    assert result.skipped == "keys or runs changed meanwhile; later"
+    assert dagster_instance.get_dynamic_partitions(partitions) == [*before, cut]  # untouched, in order
+
+
+@pytest.mark.integration
 def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_engine, dagster_instance) -> None:
     """min_slice_rows 5 / max_slice_delay_seconds 2: a table with 2 rows waits, a third row arriving meanwhile
     joins them, and the three are cut as one slice once the delay is over; a table with 5 rows is cut at once."""
