@@ -663,20 +663,9 @@ def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float 
         time.sleep(poll_s)
 
 
-# What to do after a backfill's run stopped, by its stop reason (resources/kafka_io_manager.py STOP_REASONS and the
-# asset's own: source, schema_change, bad_row).
-NEXT_STEP = {
-    "schema_change": "the table's columns changed and `on_schema_change: fail` stops it: check the change, then "
-                     "`rowrelay schema accept --table ID --reason ...` and run backfill again",
-    "fenced": "another publisher of the table took over (the daemon's run or another backfill): it publishes the "
-              "slices; nothing is lost",
-    "bad_row": "fix the row (or list its watermark in `skip_watermarks`) and run backfill again",
-    "source": "fix what the message names and run backfill again",
-}
-
-
 def run_failure_text(instance: Any, result: Any) -> str:
     """Why a backfill's run failed (its first step failure's message) and what to do next."""
+    from orchestration.sensors import NEXT_STEP
     from resources.kafka_io_manager import STOPPED_TAG
 
     error = next((e.step_failure_data.error for e in result.all_events
@@ -687,6 +676,7 @@ def run_failure_text(instance: Any, result: Any) -> str:
     run = instance.get_run_by_id(result.run_id)
     stopped = run.tags.get(STOPPED_TAG) if run is not None else None
     step = NEXT_STEP.get(stopped or "", "slices before it stay committed; run backfill again to continue")
+    step = step.replace("run it again", "run backfill again")
     return f"{reason.splitlines()[0][:500]} (details in the Dagster UI). Next: {step}"
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import sqlalchemy as sa
 from confluent_kafka import KafkaException
 from dagster import (
     DagsterInstance,
@@ -374,6 +375,21 @@ def stalled_slice(context: SensorEvaluationContext, job_name: str, chain: list[S
 
 TIMED_OUT = "transaction_timeout"  # the STOPPED_TAG value of a run whose transaction outlived its timeout
 
+# What to do after a run stopped, by its stop reason (resources/kafka_io_manager.py STOP_REASONS and the asset's
+# own: source, schema_change, bad_row), for the sensor's skip message and a failed `rowrelay backfill`.
+NEXT_STEP = {
+    "schema_change": "the table's columns changed and `on_schema_change: fail` stops it: check the change, then "
+                     "`rowrelay schema accept --table ID --reason ...` and run it again",
+    "fenced": "another publisher of the table took over (the daemon's run or a backfill): it publishes the "
+              "slices; nothing is lost",
+    "bad_row": "fix the row (or list its watermark in `skip_watermarks`) and run it again",
+    "source": "fix what the run's message names and run it again",
+    "rows_mismatch": "the source's rows changed under the read (see the run's message) and run it again",
+    "progress_missing": "see the runbook (progress missing) before anything runs again",
+    "producer_settings": "fix `kafka.producer` as the run's message says and run it again",
+    TIMED_OUT: "the sensor cuts the slice smaller and runs it again",
+}
+
 
 def runs_of_slice(context: SensorEvaluationContext, job_name: str, first: SliceRange) -> list[Any]:
     """Recent run records (newest first) whose slices include `first`."""
@@ -501,6 +517,19 @@ def tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: s
     `active_runs`: the table's queued/running runs if the caller fetched them already (a group sensor: one query
     for all its tables). `group`: run requests name their job and run keys carry it (a sensor's run keys are one
     namespace)."""
+    try:
+        return _tick_table(context, table, job_name, cursor, source, io_manager, active_runs, group)
+    except sa.exc.ProgrammingError:
+        # A statement on the cached shape failed (the table dropped or renamed, a column gone): reflect afresh,
+        # so the tick fails with the table check's own message and remedy, not the driver's, for up to a minute.
+        _SHAPES.pop((source.url, table.model_dump_json()), None)
+        cached_table_shape(source, table)
+        raise
+
+
+def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: str, cursor: str | None,
+                source: SourceDatabaseResource, io_manager: KafkaIOManager, active_runs: list[Any] | None,
+                group: bool) -> TableTick:
     partitions = partitions_for(table)
     instance = context.instance
     ensure_pool(instance, pool_name(table), cached=True)
@@ -547,9 +576,14 @@ def tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: s
     if chain and not resplit:
         # Slices cut earlier are not committed yet (a retry about to be queued, a slice stopped by bad
         # input): new slices would only fail "out of order" behind them.
-        return skip(f"{table.table_id}: slices after {watermark_text(committed_hi, chain[0].timestamps)} are not "
-                    "committed yet; waiting for "
-                    "their runs (or a resume)")
+        waiting = (f"{table.table_id}: slices after {watermark_text(committed_hi, chain[0].timestamps)} are not "
+                   "committed yet")
+        latest = runs_of_slice(context, job_name, chain[0])[:1]
+        reason = latest[0].dagster_run.tags.get(STOPPED_TAG) if latest else None
+        if reason is None:
+            return skip(f"{waiting}; waiting for their runs (or a resume)")
+        return skip(f"{waiting}: run {latest[0].dagster_run.run_id} stopped ({reason}); "
+                    f"{NEXT_STEP.get(reason, 'see the run')}. Resumed with a backoff (up to a minute)")
     keys = stored if stored is not None else [s.key for s in chain]
     try:
         plan = plan_cut(table, source, io_manager, progress, keys, state, heal=True, cut_while_pending=False,

@@ -199,9 +199,11 @@ class KafkaIOManager(ConfigurableIOManager):
             if key in timings and obj.schema_change:  # published by this run, with columns that changed
                 metadata["schema_change"] = MetadataValue.text(obj.schema_change)
             context.step_context.add_asset_metadata(metadata, partition_key=key)
-        context.add_output_metadata({"slices": len(obj.slices), "slices_published": len(obj.pending),
-                                     "rows_published": sum(r.progress.rows for r, _ in records.values()
-                                                           if not r.already_committed)})
+        # The run's figures: Dagster adds output metadata to each partition's materialization, so they are named
+        # as the run's (a 500-row slice showed "rows_published: 2000", and "slices" is a roll-up's own count).
+        context.add_output_metadata({"run_slices": len(obj.slices), "run_slices_published": len(obj.pending),
+                                     "run_rows_published": sum(r.progress.rows for r, _ in records.values()
+                                                               if not r.already_committed)})
 
     @staticmethod
     def committed_record(channel: TableChannel, rng: SliceRange, tiles: list[ProgressRecord]) -> ProgressRecord:

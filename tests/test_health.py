@@ -166,3 +166,22 @@ def test_lag_goes_red_for_a_table_that_never_committed_and_warns_when_unmeasurab
     unmeasured = _latest(dagster_instance, table, LAG_CHECK)
     assert not unmeasured.passed and unmeasured.severity == AssetCheckSeverity.WARN
     assert "lag could not be evaluated" in unmeasured.description and name in unmeasured.description
+
+
+def test_a_table_renamed_away_fails_the_sensor_tick_with_the_table_checks_message(
+        services, pg_database, pg_engine, dagster_instance, spark, name) -> None:
+    """The slice sensor keeps the table's reflected shape for a minute: a table renamed or dropped meanwhile failed
+    its ticks with the driver's UndefinedTable error until then. The tick now reflects afresh and says what to fix."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a')"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id"}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=1)  # the shape is cached now
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {name} RENAME TO {name}_old"))
+    with pytest.raises(Exception) as failed:
+        h.tick(table)
+    assert f"table '{name}' not found" in str(failed.value) and "check `table:` in rowrelay.yaml" in str(failed.value)

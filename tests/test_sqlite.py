@@ -157,6 +157,10 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
     assert "skip_watermarks: [2]" in message, message
     assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "bad_row"
     _assert_not_retried(dagster_instance, result.run_id)
+    # The table's sensor says why it waits, and what to do (it only said "waiting for their runs").
+    assert h.tick(table) == []  # within the backoff: no resume yet
+    said = h.skip_messages[table.table_id] or ""
+    assert f"run {result.run_id} stopped (bad_row); fix the row (or list its watermark in `skip_watermarks`)" in said
     assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
     assert h.progress(table) is None
     with engine.begin() as conn:
