@@ -106,6 +106,10 @@ def in_process_worker_gone(run: DagsterRun) -> str | None:
     processes on this host are judged; a pid reused since by another process keeps the run (judged alive)."""
     from assets.relay import WORKER_HOST_TAG, WORKER_PID_TAG
 
+    if WORKER_TAG in run.tags or GRPC_INFO_TAG in run.tags:
+        # Launched by this launcher or through a code server: their own health checks judge it. Its pid tag may
+        # still be its parent's (run retries copy tags) until its asset starts.
+        return None
     pid = run.tags.get(WORKER_PID_TAG)
     if pid is None or run.tags.get(WORKER_HOST_TAG) != socket.gethostname():
         return None
@@ -550,7 +554,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         if worker is None:
             # Executed in-process (`rowrelay backfill`, `dagster asset materialize`): failed once its process is
             # gone. Launched through the code server (fallback): not ours to judge, as with Dagster's default.
-            gone = in_process_worker_gone(run) if GRPC_INFO_TAG not in run.tags else None
+            gone = in_process_worker_gone(run)
             if gone is not None:
                 return CheckRunHealthResult(WorkerStatus.FAILED, gone)
             return CheckRunHealthResult(WorkerStatus.RUNNING, "not launched by WarmRunLauncher; not tracked")

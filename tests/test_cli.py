@@ -452,3 +452,9 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     assert time.monotonic() - started < 1.0
     assert f"run {stale.run_id} was left running by a process that is gone: marked failed" in capsys.readouterr().out
     assert dagster_instance.get_run_by_id(stale.run_id).status == DagsterRunStatus.FAILURE
+    # A retry launched by the warm launcher carries its parent's pid tag until its asset starts: not judged by it.
+    from orchestration.launcher import WORKER_TAG, in_process_worker_gone
+
+    retry = create_run_for_test(dagster_instance, job_name=f"{job}_retry", status=DagsterRunStatus.STARTED,
+                                tags={**tags, WORKER_TAG: "{}"})
+    assert in_process_worker_gone(retry) is None
