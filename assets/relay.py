@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -53,7 +54,35 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 WORKER_PID_TAG = "rowrelay/worker_pid"
+# Where that pid means the run's process: the host name, its boot and the pid namespace (containers on one host can
+# share a host name, not a pid namespace).
 WORKER_HOST_TAG = "rowrelay/worker_host"
+# The run that set them: run retries copy a run's tags, and a retry must not be judged by its parent's dead pid.
+WORKER_RUN_TAG = "rowrelay/worker_run"
+
+
+def this_host() -> str:
+    """This process's host, boot and pid namespace, as WORKER_HOST_TAG records them."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, namespace = "", 0
+    return f"{socket.gethostname()} boot:{boot} pidns:{namespace}"
+
+
+def worker_tags(run_id: str) -> dict[str, str]:
+    """The tags a run's process sets on its run when its asset starts."""
+    return {WORKER_PID_TAG: str(os.getpid()), WORKER_HOST_TAG: this_host(), WORKER_RUN_TAG: run_id}
+
+
+def local_worker_pid(run: Any) -> int | None:
+    """The pid of the process that ran `run`, where that process set the tags itself (not copied from a parent
+    run) and pids name the same processes here (this host, boot and pid namespace); None otherwise."""
+    pid = run.tags.get(WORKER_PID_TAG)
+    if pid is None or run.tags.get(WORKER_RUN_TAG) != run.run_id or run.tags.get(WORKER_HOST_TAG) != this_host():
+        return None
+    return int(pid)
 
 
 def run_start_timings(stats: Any) -> dict[str, float]:
@@ -298,8 +327,7 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         # Spark session and one producer epoch for all of them, each slice still its own transaction.
         slices = [SliceRange.from_key(k) for k in context.partition_keys]
         # Lets the table's sensor tell a run whose worker died (SIGKILL, OOM) from one still working.
-        context.instance.add_run_tags(context.run_id, {WORKER_PID_TAG: str(os.getpid()),
-                                                       WORKER_HOST_TAG: socket.gethostname()})
+        context.instance.add_run_tags(context.run_id, worker_tags(context.run_id))
         source: SourceDatabaseResource = getattr(context.resources, source_key)
         timings = run_start_timings(context.instance.get_run_stats(context.run_id))
         step = time.monotonic()

@@ -319,9 +319,17 @@ def table_status(config: RelayConfig, table: TableConfig) -> dict[str, Any]:
 
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     progress = read_committed_progress(kafka_conf(config), channel)
+    first_run = None
+    if progress is None and os.environ.get("DAGSTER_HOME"):  # as the lag check measures a table never committed
+        from dagster import DagsterInstance
+
+        from orchestration.factory import first_run_at
+
+        with DagsterInstance.get() as instance:
+            first_run = first_run_at(instance, table)
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
-        return measure_lag(source, table, progress, channel.start_after).as_dict()
+        return measure_lag(source, table, progress, channel.start_after, first_run).as_dict()
     finally:
         source.dispose()
 
@@ -357,7 +365,8 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
                         no_wrap=column in ("committed", "source max"))  # a time watermark reads whole
     basis = {"oldest_unpublished_row": "age of oldest unpublished row", "since_last_commit": "time since last commit",
              "caught_up": "caught up", "unknown": "rows wait, nothing committed yet",
-             "awaiting_baseline": "start_after: latest, baseline not recorded yet"}
+             "awaiting_baseline": "start_after: latest, baseline not recorded yet",
+             "since_first_run": "nothing committed; since the table's first run"}
 
     def cell(value: Any) -> str:
         return "-" if value is None else str(value)

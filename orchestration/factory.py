@@ -69,7 +69,9 @@ def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChanne
                                                None if progress else first_run_at(instance, table)))
     except Exception as exc:  # noqa: BLE001 - a lag that cannot be measured is a WARN, not a green check
         result = unmeasured_lag(table, exc)
-    outcome = "passed" if result.passed else str(result.severity.value)
+    # Its own outcome: a WARN "not measured" after a measured WARN (or back) is a change to record.
+    outcome = ("passed" if result.passed else str(result.severity.value)) + (
+        " unmeasured" if "error" in result.metadata else "")
     if last.get("outcome") == outcome and now - float(last.get("at", 0)) < LAG_RECORD_EVERY_S:
         return last, f"lag unchanged: {result.description}"
     instance.report_runless_asset_event(AssetCheckEvaluation(

@@ -104,16 +104,15 @@ def in_process_worker_gone(run: DagsterRun) -> str | None:
     died (kill -9, OOM, a closed terminal), the run stayed STARTED for good: no launcher tracks it, so run
     monitoring never failed it, and it held the table's pool (every later run of the table queued behind it). Only
     processes on this host are judged; a pid reused since by another process keeps the run (judged alive)."""
-    from assets.relay import WORKER_HOST_TAG, WORKER_PID_TAG
+    from assets.relay import local_worker_pid
 
     if WORKER_TAG in run.tags or GRPC_INFO_TAG in run.tags:
-        # Launched by this launcher or through a code server: their own health checks judge it. Its pid tag may
-        # still be its parent's (run retries copy tags) until its asset starts.
+        # Launched by this launcher or through a code server: their own health checks judge it.
         return None
-    pid = run.tags.get(WORKER_PID_TAG)
-    if pid is None or run.tags.get(WORKER_HOST_TAG) != socket.gethostname():
+    pid = local_worker_pid(run)  # its own process's pid, in this host's pid namespace; else not judged
+    if pid is None:
         return None
-    seen = process_start_ticks(int(pid))
+    seen = process_start_ticks(pid)
     if seen is not None and seen[1] != "Z":
         return None
     return f"the process that ran it in-process (pid {pid} on {socket.gethostname()}) is gone"

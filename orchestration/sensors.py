@@ -30,9 +30,8 @@ from dagster._core.storage.tags import (
 )
 
 from assets.relay import (
-    WORKER_HOST_TAG,
-    WORKER_PID_TAG,
     channel_for,
+    local_worker_pid,
     partitions_for,
     pool_name,
     source_resource_key,
@@ -435,8 +434,8 @@ def fail_dead_runs(context: SensorEvaluationContext, job_name: str, active: list
     started = ([r for r in active if r.status == DagsterRunStatus.STARTED] if active is not None else
                context.instance.get_runs(RunsFilter(job_name=job_name, statuses=[DagsterRunStatus.STARTED])))
     for run in started:
-        pid = run.tags.get(WORKER_PID_TAG)
-        if pid is None or run.tags.get(WORKER_HOST_TAG) != host or pid_alive(int(pid)):
+        pid = local_worker_pid(run)  # a retry's pid copied from its parent, or another namespace's: not judged
+        if pid is None or pid_alive(pid):
             continue
         context.instance.report_run_failed(run, f"run worker pid {pid} is gone (killed?); marked failed by {host}")
         failed.append(run.run_id)
@@ -519,9 +518,11 @@ def tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: s
     namespace)."""
     try:
         return _tick_table(context, table, job_name, cursor, source, io_manager, active_runs, group)
-    except sa.exc.ProgrammingError:
-        # A statement on the cached shape failed (the table dropped or renamed, a column gone): reflect afresh,
-        # so the tick fails with the table check's own message and remedy, not the driver's, for up to a minute.
+    except (sa.exc.ProgrammingError, sa.exc.OperationalError):
+        # A statement on the cached shape failed (the table dropped or renamed, a column gone: PostgreSQL says
+        # ProgrammingError, SQLite and MariaDB's unknown column OperationalError): reflect afresh, so the tick
+        # fails with the table check's own message and remedy, not the driver's, for up to a minute. A source
+        # that is down fails the reflection too, with its own error.
         _SHAPES.pop((source.url, table.model_dump_json()), None)
         cached_table_shape(source, table)
         raise

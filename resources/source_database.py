@@ -497,13 +497,17 @@ class SourceDatabaseResource(ConfigurableResource):
         """The filter must run on this source: a predicate that does not parse (or names a missing column) is a
         clear error at the table check, before anything is cut or read."""
         q = self._filtered(sa.select(sa.literal(1)).select_from(self._table(shape)), shape).limit(1)
-        try:
-            with self.engine.connect() as conn:
+        # A source that cannot be reached fails at connect, as itself: transient, retried like any read, not a
+        # predicate to fix (and stopping the table for it).
+        with self.engine.connect() as conn:
+            try:
                 conn.execute(q).first()
-        except sa.exc.DBAPIError as exc:
-            reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-            raise SourceError(f"{label}: `where: {shape.where}` does not run on source {self.safe_description}: "
-                              f"{reason}; fix the predicate in rowrelay.yaml (it is the source's SQL)") from None
+            except sa.exc.DBAPIError as exc:
+                if exc.connection_invalidated:  # the connection dropped mid-statement: the same
+                    raise
+                reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+                raise SourceError(f"{label}: `where: {shape.where}` does not run on source {self.safe_description}: "
+                                  f"{reason}; fix the predicate in rowrelay.yaml (it is the source's SQL)") from None
 
     # -- watermark queries (each one indexed query) ------------------------------------------------
 

@@ -286,6 +286,9 @@ def test_backfill_command_publishes_the_backlog_in_range_runs(services, pg_datab
         h = Harness(cfg, dagster_instance)
         keys = dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
         assert [h.materialization(table, k)["rows"] for k in keys] == [500] * 5  # per-slice metadata in range runs
+        # The run's own figures are named as the run's: a 500-row slice used to show "rows_published: 1500".
+        first = h.materialization(table, keys[0])
+        assert (first["run_slices"], first["run_rows_published"]) == (3, 1500) and "rows_published" not in first
         return cfg, table, config_file, [h.materialization(table, k).get("chunks_read_early") for k in keys]
 
     # The first three chunks (here one slice each) are read while Dagster loads (EarlyRead), the others by their
@@ -432,29 +435,36 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
 
     # A run left STARTED by a backfill whose process died (its pid tag names a process that is gone) was waited for
     # forever, and held the table's pool: it is marked failed, here and by the launcher's health check.
-    import socket
     import subprocess
+    import uuid
 
-    from assets.relay import WORKER_HOST_TAG, WORKER_PID_TAG
-    from orchestration.launcher import WarmRunLauncher
+    from assets.relay import WORKER_HOST_TAG, WORKER_PID_TAG, worker_tags
+    from orchestration.launcher import WORKER_TAG, WarmRunLauncher, in_process_worker_gone
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    tags = {WORKER_PID_TAG: str(gone.pid), WORKER_HOST_TAG: socket.gethostname()}
-    stale = create_run_for_test(dagster_instance, job_name=job, status=DagsterRunStatus.STARTED, tags=tags)
+
+    def run_of(pid: int, job_suffix: str = "", **extra: str):  # a STARTED run whose own process tagged it
+        run_id = str(uuid.uuid4())
+        tags = {**worker_tags(run_id), WORKER_PID_TAG: str(pid), **extra}
+        return create_run_for_test(dagster_instance, job_name=f"{job}{job_suffix}", run_id=run_id,
+                                   status=DagsterRunStatus.STARTED, tags=tags)
+
+    stale = run_of(gone.pid)
     health = WarmRunLauncher.check_run_worker_health(None, stale)  # type: ignore[arg-type]  # uses no launcher state
     assert health.status.value == "FAILED" and f"pid {gone.pid}" in health.msg
-    alive = create_run_for_test(dagster_instance, job_name=f"{job}_alive", status=DagsterRunStatus.STARTED,
-                                tags={**tags, WORKER_PID_TAG: str(os.getpid())})
+    alive = run_of(os.getpid(), "_alive")
     assert WarmRunLauncher.check_run_worker_health(None, alive).status.value == "RUNNING"  # type: ignore[arg-type]
     started = time.monotonic()
     wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)
     assert time.monotonic() - started < 1.0
     assert f"run {stale.run_id} was left running by a process that is gone: marked failed" in capsys.readouterr().out
     assert dagster_instance.get_run_by_id(stale.run_id).status == DagsterRunStatus.FAILURE
-    # A retry launched by the warm launcher carries its parent's pid tag until its asset starts: not judged by it.
-    from orchestration.launcher import WORKER_TAG, in_process_worker_gone
-
-    retry = create_run_for_test(dagster_instance, job_name=f"{job}_retry", status=DagsterRunStatus.STARTED,
-                                tags={**tags, WORKER_TAG: "{}"})
-    assert in_process_worker_gone(retry) is None
+    # Not judged: a retry launched by the warm launcher (its parent's pid tag, copied, until its asset starts); a
+    # run whose tags were copied from another run; a process of another pid namespace under the same host name.
+    assert in_process_worker_gone(run_of(gone.pid, "_warm", **{WORKER_TAG: "{}"})) is None
+    copied = create_run_for_test(dagster_instance, job_name=f"{job}_copied", status=DagsterRunStatus.STARTED,
+                                 tags=dict(stale.tags))
+    assert in_process_worker_gone(copied) is None
+    elsewhere = run_of(gone.pid, "_ns", **{WORKER_HOST_TAG: stale.tags[WORKER_HOST_TAG].rsplit(":", 1)[0] + ":1"})
+    assert in_process_worker_gone(elsewhere) is None

@@ -166,6 +166,14 @@ def test_lag_goes_red_for_a_table_that_never_committed_and_warns_when_unmeasurab
     unmeasured = _latest(dagster_instance, table, LAG_CHECK)
     assert not unmeasured.passed and unmeasured.severity == AssetCheckSeverity.WARN
     assert "lag could not be evaluated" in unmeasured.description and name in unmeasured.description
+    # Not measured after a measured WARN is a change of its own: recorded at once, not 5 minutes later.
+    from assets.relay import channel_for, source_resource_key
+    from orchestration.factory import lag_tick
+
+    _, note = lag_tick(dagster_instance, table, channel_for(table), h.defs.resources[source_resource_key(table.source)],
+                       {"bootstrap.servers": services.kafka_bootstrap}, {"outcome": "WARN", "at": time.time()},
+                       time.time())
+    assert note.startswith("lag recorded"), note
 
 
 def test_a_table_renamed_away_fails_the_sensor_tick_with_the_table_checks_message(

@@ -262,3 +262,26 @@ def _assert_not_retried(instance, run_id: str) -> None:
     assert not auto_reexecution_should_retry_run(instance, five, RunFailureReason.STEP_FAILURE)
     untagged = five.with_tags({k: v for k, v in five.tags.items() if k != RETRY_ON_FAILURE_TAG})
     assert auto_reexecution_should_retry_run(instance, untagged, RunFailureReason.STEP_FAILURE)
+
+
+def test_a_sqlite_table_renamed_away_fails_the_sensor_tick_with_the_table_checks_message(
+        services, dagster_instance, spark, name, tmp_path: Path) -> None:
+    """SQLite says a missing table with OperationalError, not ProgrammingError: the tick re-reflects on either, so
+    it names the table and the remedy, not "no such table" for up to a minute (the PostgreSQL case is in
+    tests/test_health.py)."""
+    path = tmp_path / "lite.db"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v TEXT)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a')"))
+    cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
+        {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=1)  # the shape is cached now
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {name} RENAME TO {name}_old"))
+    engine.dispose()
+    with pytest.raises(Exception) as failed:
+        h.tick(table)
+    assert f"table '{name}' not found" in str(failed.value) and "check `table:` in rowrelay.yaml" in str(failed.value)

@@ -50,6 +50,20 @@ def test_where_that_does_not_run_is_a_clear_error_and_publishes_nothing(services
     assert h.progress(table) is None
     assert table.topic_name not in _topics(services) or read_topic(services.kafka_bootstrap, table.topic_name) == []
 
+    # A source that cannot be reached is no predicate to fix: it fails as itself (transient, retried), not as a
+    # SourceError that stops the table's run with no retry.
+    import sqlalchemy as sa
+
+    from resources.source_database import SourceDatabaseResource, SourceError, TableShape
+
+    away = SourceDatabaseResource(url=pg_database.set(port=1).render_as_string(hide_password=False))
+    shape = TableShape(dialect="postgresql", schema="public", name=name, columns=(), watermark="id",
+                       where="status = 'a'")
+    with pytest.raises(sa.exc.OperationalError) as unreachable:
+        away.check_where(shape, name)
+    assert not isinstance(unreachable.value, SourceError)
+    away.dispose()
+
 
 def _topics(services) -> set[str]:
     from confluent_kafka.admin import AdminClient
