@@ -386,7 +386,8 @@ NEXT_STEP = {
     "rows_mismatch": "the source's rows changed under the read (see the run's message) and run it again",
     "progress_missing": "see the runbook (progress missing) before anything runs again",
     "producer_settings": "fix `kafka.producer` as the run's message says and run it again",
-    TIMED_OUT: "the sensor cuts the slice smaller and runs it again",
+    TIMED_OUT: "the table's sensor (with the daemon) cuts the slice smaller and runs it again; without it, lower "
+               "`slice_max_rows` or raise `transaction.timeout.ms`",
 }
 
 
