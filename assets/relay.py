@@ -155,9 +155,14 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
                           "fix `lag_timestamp_column:` in rowrelay.yaml")
     # "now" cast to the column's own type: naive columns compare in the session's time zone, aware ones in UTC.
     now = sa.cast(sa.func.current_timestamp(), ts.type)
+    wm = t.c[table.watermark]
+    # Only rows that will be sent: the table's `where:` and `skip_watermarks` apply, as to the rows counted (a
+    # draft row the filter leaves out sat above progress for good and made every later lag look hours old).
+    q = source.filtered(sa.select(sa.func.min(ts), now).where(wm > shape.watermark_param(after)), shape)
+    if table.skip_watermark_values:
+        q = q.where(wm.not_in([shape.watermark_param(w) for w in table.skip_watermark_values]))
     with source.engine.connect() as conn:
-        oldest, current = conn.execute(sa.select(sa.func.min(ts), now)
-                                       .where(t.c[table.watermark] > shape.watermark_param(after))).one()
+        oldest, current = conn.execute(q).one()
     if oldest is None:
         return None
     return max(0.0, (current - oldest).total_seconds())
@@ -174,7 +179,8 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     top = source.max_watermark(shape)
     # `start_after: latest` before its baseline: the rows there now are never sent, so none of them is lag.
     awaiting_baseline = progress is None and table.start_after == "latest"
-    rows = source.count_rows(shape, hi, top) if top is not None and top > hi and not awaiting_baseline else 0
+    rows = (source.count_rows(shape, hi, top, table.skip_watermark_values)
+            if top is not None and top > hi and not awaiting_baseline else 0)
     last = progress.committed_at if progress and progress.committed_at else None
     seconds: float | None
     if awaiting_baseline:

@@ -277,7 +277,16 @@ def _tables(config: RelayConfig, table_id: str | None) -> list[TableConfig]:
 
 
 def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
-    reports = [verify_table(config, t) for t in _tables(config, args.table)]
+    reports, failed = [], 0
+    for t in _tables(config, args.table):  # one table that cannot be verified must not hide the others' reports
+        try:
+            reports.append(verify_table(config, t))
+        except Exception as exc:
+            message = user_error(exc)
+            if message is None:
+                raise
+            print(f"rowrelay: {t.table_id} not verified: {message}", file=sys.stderr)
+            failed += 1
     if args.json:
         print(json.dumps([{**asdict(r), "ok": r.ok} for r in reports], indent=2))
     else:
@@ -294,7 +303,7 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
             for kind, values in r.examples.items():
                 shown = values if r.watermark_kind == "integer" else ", ".join(map(r.text, values))
                 print(f"  {kind}: e.g. watermarks {shown}")
-    return 0 if all(r.ok for r in reports) else 1
+    return 0 if all(r.ok for r in reports) and not failed else 1
 
 
 def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:

@@ -489,14 +489,15 @@ class SourceDatabaseResource(ConfigurableResource):
         return sa.table(shape.name, sa.column(shape.watermark), schema=shape.schema)
 
     @staticmethod
-    def _filtered(q: sa.Select, shape: TableShape) -> sa.Select:
-        """Counts, cuts and reads see the same rows: the table's `where:` (its own SQL), as one predicate."""
+    def filtered(q: sa.Select, shape: TableShape) -> sa.Select:
+        """Counts, cuts, reads and the lag's oldest row see the same rows: the table's `where:` (its own SQL), as
+        one predicate."""
         return q.where(sa.text(f"({shape.where})")) if shape.where else q
 
     def check_where(self, shape: TableShape, label: str) -> None:
         """The filter must run on this source: a predicate that does not parse (or names a missing column) is a
         clear error at the table check, before anything is cut or read."""
-        q = self._filtered(sa.select(sa.literal(1)).select_from(self._table(shape)), shape).limit(1)
+        q = self.filtered(sa.select(sa.literal(1)).select_from(self._table(shape)), shape).limit(1)
         # A source that cannot be reached fails at connect, as itself: transient, retried like any read, not a
         # predicate to fix (and stopping the table for it).
         with self.engine.connect() as conn:
@@ -514,7 +515,7 @@ class SourceDatabaseResource(ConfigurableResource):
     def max_watermark(self, shape: TableShape, upto: int | None = None, after: int | None = None) -> int | None:
         t = self._table(shape)
         wm = t.c[shape.watermark]
-        q = self._filtered(sa.select(sa.func.max(wm)).select_from(t), shape)
+        q = self.filtered(sa.select(sa.func.max(wm)).select_from(t), shape)
         if upto is not None:
             q = q.where(wm <= shape.watermark_param(upto))
         if after is not None:
@@ -529,7 +530,7 @@ class SourceDatabaseResource(ConfigurableResource):
         def ask() -> int | None:
             t = self._table(shape)
             wm = t.c[shape.watermark]
-            q = self._filtered(sa.select(wm).select_from(t).where(wm > shape.watermark_param(after),
+            q = self.filtered(sa.select(wm).select_from(t).where(wm > shape.watermark_param(after),
                                                                   wm <= shape.watermark_param(upto)), shape
                                ).order_by(wm).limit(1).offset(n - 1)
             with self.engine.connect() as conn:
@@ -545,7 +546,7 @@ class SourceDatabaseResource(ConfigurableResource):
         def ask() -> int:
             t = self._table(shape)
             wm = t.c[shape.watermark]
-            q = self._filtered(sa.select(sa.func.count()).select_from(t)
+            q = self.filtered(sa.select(sa.func.count()).select_from(t)
                                .where(wm > shape.watermark_param(after), wm <= shape.watermark_param(upto)), shape)
             if skip:
                 q = q.where(wm.not_in([shape.watermark_param(w) for w in skip]))
@@ -560,7 +561,7 @@ class SourceDatabaseResource(ConfigurableResource):
         `rowrelay verify`: the one full pass over the rows, never on the relay path)."""
         t = self._table(shape)
         wm = t.c[shape.watermark]
-        q = self._filtered(sa.select(wm).select_from(t).where(wm <= shape.watermark_param(upto)), shape)
+        q = self.filtered(sa.select(wm).select_from(t).where(wm <= shape.watermark_param(upto)), shape)
         if after is not None:
             q = q.where(wm > shape.watermark_param(after))
         if skip:

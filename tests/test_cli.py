@@ -389,10 +389,13 @@ def test_cli_errors_say_what_to_do_instead_of_a_traceback(services, pg_database,
     assert code == 1 and "rowrelay: set DAGSTER_HOME to the directory holding rowrelay's dagster.yaml" in err
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     code, _, err = run("verify", "--table", missing)
-    assert code == 1 and f"rowrelay: table '{name}_missing' not found" in err
+    assert code == 1 and f"rowrelay: {missing} not verified: table '{name}_missing' not found" in err
     code, out, err = run("status", "--json")  # the good table still reported, the bad one named, exit 1
     assert code == 1 and f"table '{name}_missing' not found" in err
     assert [row["table"] for row in json.loads(out)] == [good]
+    code, out, err = run("verify", "--json")  # likewise: the good table's report, the bad one named, exit 1
+    assert code == 1 and f"rowrelay: {missing} not verified: table '{name}_missing' not found" in err
+    assert [r["table"] for r in json.loads(out)] == [good]
     code, _, err = run("reset", "--table", good, "--after", "5", "--reason", " ")
     assert code == 1 and "a reset needs a reason" in err
 

@@ -264,5 +264,12 @@ def test_status_of_a_latest_table_before_its_baseline_counts_no_lag(pg_database,
         assert (lag.lag_rows, lag.lag_seconds, lag.lag_basis, lag.source_max) == (0, 0.0, "awaiting_baseline", 50)
         lag = measure_lag(source, TableConfig(**spec, start_after=0), None)  # from 0: all 50 wait, an hour old
         assert (lag.lag_rows, lag.lag_basis) == (50, "oldest_unpublished_row") and lag.lag_seconds >= 3600
+        # Rows `where:` leaves out (or skip_watermarks skips) are never sent, so they are no lag: the hour-old rows
+        # 1..49 left out and 50 skipped, one new row waits, seconds old (it used to be measured from the old rows).
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (at) VALUES (now())"))  # id 51
+        filtered = TableConfig(**spec, start_after=0, where="id > 49", skip_watermarks=[50])
+        lag = measure_lag(source, filtered, None)
+        assert (lag.lag_rows, lag.lag_basis) == (1, "oldest_unpublished_row") and lag.lag_seconds < 60, lag
     finally:
         source.dispose()
