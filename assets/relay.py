@@ -1,5 +1,6 @@
 """One Dagster asset per configured table, dynamically partitioned into watermark slices."""
 
+import functools
 import hashlib
 import os
 import socket
@@ -61,6 +62,7 @@ WORKER_HOST_TAG = "rowrelay/worker_host"
 WORKER_RUN_TAG = "rowrelay/worker_run"
 
 
+@functools.cache  # one process, one host, boot and pid namespace; asked for each run on every sensor tick
 def this_host() -> str:
     """This process's host, boot and pid namespace, as WORKER_HOST_TAG records them."""
     try:
@@ -158,9 +160,8 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
     wm = t.c[table.watermark]
     # Only rows that will be sent: the table's `where:` and `skip_watermarks` apply, as to the rows counted (a
     # draft row the filter leaves out sat above progress for good and made every later lag look hours old).
-    q = source.filtered(sa.select(sa.func.min(ts), now).where(wm > shape.watermark_param(after)), shape)
-    if table.skip_watermark_values:
-        q = q.where(wm.not_in([shape.watermark_param(w) for w in table.skip_watermark_values]))
+    q = source.filtered(sa.select(sa.func.min(ts), now).where(wm > shape.watermark_param(after)), shape, wm,
+                        table.skip_watermark_values)
     with source.engine.connect() as conn:
         oldest, current = conn.execute(q).one()
     if oldest is None:

@@ -276,17 +276,24 @@ def _tables(config: RelayConfig, table_id: str | None) -> list[TableConfig]:
     return tables
 
 
-def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
-    reports, failed = [], 0
-    for t in _tables(config, args.table):  # one table that cannot be verified must not hide the others' reports
+def each_table(tables: list[TableConfig], work: Callable[[TableConfig], Any], failing: str) -> tuple[list[Any], int]:
+    """`work` for each table, and how many failed: one table's error a user can act on (`user_error`) is printed
+    and must not hide the other tables' results; any other error is a defect and raised."""
+    results, failed = [], 0
+    for table in tables:
         try:
-            reports.append(verify_table(config, t))
+            results.append(work(table))
         except Exception as exc:
             message = user_error(exc)
             if message is None:
                 raise
-            print(f"rowrelay: {t.table_id} not verified: {message}", file=sys.stderr)
+            print(f"rowrelay: {table.table_id} {failing}: {message}", file=sys.stderr)
             failed += 1
+    return results, failed
+
+
+def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
+    reports, failed = each_table(_tables(config, args.table), lambda t: verify_table(config, t), "not verified")
     if args.json:
         print(json.dumps([{**asdict(r), "ok": r.ok} for r in reports], indent=2))
     else:
@@ -344,17 +351,8 @@ def table_status(config: RelayConfig, table: TableConfig) -> dict[str, Any]:
 
 
 def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
-    from resources.exactly_once import RelayError
-    from resources.source_database import SourceError
-
     tables = _tables(config, args.table)
-    rows, failed = [], 0
-    for t in tables:  # one table's error must not hide the others' status
-        try:
-            rows.append(table_status(config, t))
-        except (SourceError, RelayError) as exc:
-            print(f"rowrelay: {exc}", file=sys.stderr)
-            failed += 1
+    rows, failed = each_table(tables, lambda t: table_status(config, t), "no status")
     if not rows:
         return 1
     active = _active_runs(tables)
@@ -710,16 +708,7 @@ def reflect_table(config: RelayConfig, table: TableConfig) -> Any:
         source.dispose()
 
 
-def watermark_is_timestamp(config: RelayConfig, table: TableConfig) -> bool:
-    """Whether the table's watermark is a timestamp, from the source's columns; False if the source cannot say
-    (it only changes how values are shown)."""
-    try:
-        return reflect_table(config, table).timestamps
-    except Exception:  # noqa: BLE001 - a source that is down must not stop a reset; integers are shown instead
-        return False
-
-
-def reset_watermark_is_timestamp(config: RelayConfig, table: TableConfig, conf: dict[str, Any]) -> bool | None:
+def watermark_is_timestamp(config: RelayConfig, table: TableConfig) -> bool | None:
     """Whether the table's watermark is a timestamp: from the source's columns, or where the source cannot say (a
     dropped table, the source away) from the newest slice in its progress (resets and baselines have integer keys
     either way); None when neither can tell."""
@@ -729,7 +718,8 @@ def reset_watermark_is_timestamp(config: RelayConfig, table: TableConfig, conf: 
         from assets.relay import channel_for
 
         with contextlib.suppress(Exception):
-            history = read_progress_history(conf, channel_for(table, config.kafka.transactional_id_prefix))
+            history = read_progress_history(kafka_conf(config), channel_for(table,
+                                                                              config.kafka.transactional_id_prefix))
             newest = next((r for r in reversed(history) if r.hi > r.lo), None)
             return None if newest is None else is_timestamp_key(newest.slice)
         return None
@@ -753,9 +743,8 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     (table,) = _tables(config, args.table)
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     conf = kafka_conf(config)
-    timestamps = reset_watermark_is_timestamp(config, table, conf)
-    wrong_kind = None if timestamps is None else watermark_kind_error(table.table_id, timestamps, "--after",
-                                                                      args.after)
+    kind = watermark_is_timestamp(config, table)  # once: the refusal below and the texts after the reset
+    wrong_kind = None if kind is None else watermark_kind_error(table.table_id, kind, "--after", args.after)
     if wrong_kind:
         print(f"rowrelay: {wrong_kind}; nothing was reset", file=sys.stderr)
         return 2
@@ -778,7 +767,7 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         # A timestamp watermark's slices have times as keys: the texts below then name times, as --after takes them.
         timestamps = any(map(is_timestamp_key, keys)) or (before is not None and is_timestamp_key(before.slice))
         if not keys and (before is None or before.hi == before.lo):  # no slice to tell: the source's column does
-            timestamps = watermark_is_timestamp(config, table)
+            timestamps = bool(kind)
 
         def text(value: int) -> str:
             return watermark_text(value, timestamps)

@@ -62,16 +62,16 @@ def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChanne
              kafka_conf: dict[str, Any], last: dict[str, Any], now: float) -> tuple[dict[str, Any], str]:
     """One table's lag check between runs: recorded (a runless check evaluation) when its outcome changed or
     LAG_RECORD_EVERY_S passed. Returns (the table's new cursor, what happened)."""
+    measured = ""
     try:
         # The process's long-lived progress reader (a new consumer per table and minute is ~60 ms each).
         progress = read_progress_tail(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
         result = lag_result(table, measure_lag(source, table, progress, channel.start_after,
                                                None if progress else first_run_at(instance, table)))
     except Exception as exc:  # noqa: BLE001 - a lag that cannot be measured is a WARN, not a green check
-        result = unmeasured_lag(table, exc)
+        result, measured = unmeasured_lag(table, exc), " unmeasured"
     # Its own outcome: a WARN "not measured" after a measured WARN (or back) is a change to record.
-    outcome = ("passed" if result.passed else str(result.severity.value)) + (
-        " unmeasured" if "error" in result.metadata else "")
+    outcome = ("passed" if result.passed else str(result.severity.value)) + measured
     if last.get("outcome") == outcome and now - float(last.get("at", 0)) < LAG_RECORD_EVERY_S:
         return last, f"lag unchanged: {result.description}"
     instance.report_runless_asset_event(AssetCheckEvaluation(

@@ -348,15 +348,15 @@ def batched_requests(slices: list[SliceRange], max_per_run: int, job_label: str 
             for g in groups]
 
 
-def stalled_slice(context: SensorEvaluationContext, job_name: str, chain: list[SliceRange], committed_hi: int,
-                  max_per_run: int = 1, job_label: str | None = None) -> RunRequest | None:
+def stalled_slice(records: list[Any], chain: list[SliceRange], committed_hi: int, max_per_run: int = 1,
+                  job_label: str | None = None) -> RunRequest | None:
     """Self-healing: re-request the first uncommitted slice (and the ones after it, up to `max_per_run`) if no
     run covering it is active (retries exhausted, worker lost, daemon restarted). `chain`: the uncommitted
-    slices that continue Kafka's progress, in order (resources/slices.py `reconcile`)."""
+    slices that continue Kafka's progress, in order (resources/slices.py `reconcile`); `records`: the recent runs
+    of its first slice (`runs_of_slice`)."""
     if not chain or chain[0].lo != committed_hi:
         return None
     group = chain[:max_per_run]
-    records = runs_of_slice(context, job_name, group[0])
     if any(r.dagster_run.status in ACTIVE for r in records):
         return None
     ended = max((r.end_time or 0.0 for r in records), default=0.0)
@@ -397,9 +397,8 @@ def runs_of_slice(context: SensorEvaluationContext, job_name: str, first: SliceR
             if (span := run_slices(dict(r.dagster_run.tags))) is not None and span[0].lo <= first.lo <= span[1].lo]
 
 
-def last_stop_reason(context: SensorEvaluationContext, job_name: str, first: SliceRange) -> str | None:
-    """Why the latest run of the slice was stopped (STOPPED_TAG), if it was."""
-    records = runs_of_slice(context, job_name, first)
+def last_stop_reason(records: list[Any]) -> str | None:
+    """Why the latest of a slice's runs (`runs_of_slice`) was stopped (STOPPED_TAG), if it was."""
     return records[0].dagster_run.tags.get(STOPPED_TAG) if records else None
 
 
@@ -565,8 +564,9 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
         active = instance.get_runs_count(RunsFilter(job_name=job_name, statuses=ACTIVE))
     # Self-healing: the first uncommitted slice has no run (retries exhausted, worker lost) while later ones
     # may be queued; without this they would fail "out of order" and retry forever.
-    resplit = bool(chain) and not active and last_stop_reason(context, job_name, chain[0]) == TIMED_OUT
-    resume = None if resplit else stalled_slice(context, job_name, chain, committed_hi, table.max_slices_per_run,
+    slice_runs = runs_of_slice(context, job_name, chain[0]) if chain else []  # one query for the three uses below
+    resplit = bool(chain) and not active and last_stop_reason(slice_runs) == TIMED_OUT
+    resume = None if resplit else stalled_slice(slice_runs, chain, committed_hi, table.max_slices_per_run,
                                                 job_label=job_label)
     if resume is not None:
         return TableTick([resume], [], state.to_cursor())
@@ -580,11 +580,10 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
         # input): new slices would only fail "out of order" behind them.
         waiting = (f"{table.table_id}: slices after {watermark_text(committed_hi, chain[0].timestamps)} are not "
                    "committed yet")
-        latest = runs_of_slice(context, job_name, chain[0])[:1]
-        reason = latest[0].dagster_run.tags.get(STOPPED_TAG) if latest else None
+        reason = last_stop_reason(slice_runs)
         if reason is None:
             return skip(f"{waiting}; waiting for their runs (or a resume)")
-        return skip(f"{waiting}: run {latest[0].dagster_run.run_id} stopped ({reason}); "
+        return skip(f"{waiting}: run {slice_runs[0].dagster_run.run_id} stopped ({reason}); "
                     f"{NEXT_STEP.get(reason, 'see the run')}. Resumed with a backoff (up to a minute)")
     keys = stored if stored is not None else [s.key for s in chain]
     try:

@@ -489,10 +489,15 @@ class SourceDatabaseResource(ConfigurableResource):
         return sa.table(shape.name, sa.column(shape.watermark), schema=shape.schema)
 
     @staticmethod
-    def filtered(q: sa.Select, shape: TableShape) -> sa.Select:
+    def filtered(q: sa.Select, shape: TableShape, watermark: sa.ColumnElement | None = None,
+                 skip: list[int] | None = None) -> sa.Select:
         """Counts, cuts, reads and the lag's oldest row see the same rows: the table's `where:` (its own SQL), as
-        one predicate."""
-        return q.where(sa.text(f"({shape.where})")) if shape.where else q
+        one predicate, and, given the `watermark` column, none whose watermark is in `skip`."""
+        if shape.where:
+            q = q.where(sa.text(f"({shape.where})"))
+        if skip and watermark is not None:
+            q = q.where(watermark.not_in([shape.watermark_param(w) for w in skip]))
+        return q
 
     def check_where(self, shape: TableShape, label: str) -> None:
         """The filter must run on this source: a predicate that does not parse (or names a missing column) is a
@@ -547,9 +552,8 @@ class SourceDatabaseResource(ConfigurableResource):
             t = self._table(shape)
             wm = t.c[shape.watermark]
             q = self.filtered(sa.select(sa.func.count()).select_from(t)
-                               .where(wm > shape.watermark_param(after), wm <= shape.watermark_param(upto)), shape)
-            if skip:
-                q = q.where(wm.not_in([shape.watermark_param(w) for w in skip]))
+                              .where(wm > shape.watermark_param(after), wm <= shape.watermark_param(upto)), shape,
+                              wm, skip)
             with self.engine.connect() as conn:
                 return int(conn.execute(q).scalar())
 
@@ -561,11 +565,9 @@ class SourceDatabaseResource(ConfigurableResource):
         `rowrelay verify`: the one full pass over the rows, never on the relay path)."""
         t = self._table(shape)
         wm = t.c[shape.watermark]
-        q = self.filtered(sa.select(wm).select_from(t).where(wm <= shape.watermark_param(upto)), shape)
+        q = self.filtered(sa.select(wm).select_from(t).where(wm <= shape.watermark_param(upto)), shape, wm, skip)
         if after is not None:
             q = q.where(wm > shape.watermark_param(after))
-        if skip:
-            q = q.where(wm.not_in([shape.watermark_param(w) for w in skip]))
         with self.engine.connect().execution_options(stream_results=True, yield_per=50_000) as conn:
             for (value,) in conn.execute(q):
                 yield shape.watermark_value(value)
