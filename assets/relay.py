@@ -44,7 +44,12 @@ from resources.exactly_once import (
     read_committed_progress,
     tiles_by_range,
 )
-from resources.kafka_io_manager import COMMITTED_BEFORE_FAILURE_TAG, channel_metadata, stopped_tags
+from resources.kafka_io_manager import (
+    COMMITTED_BEFORE_FAILURE_TAG,
+    channel_metadata,
+    inherited_stop_cleared,
+    stopped_tags,
+)
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange, watermark_text
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape, schema_change
@@ -334,7 +339,10 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         # Spark session and one producer epoch for all of them, each slice still its own transaction.
         slices = [SliceRange.from_key(k) for k in context.partition_keys]
         # Lets the table's sensor tell a run whose worker died (SIGKILL, OOM) from one still working.
-        context.instance.add_run_tags(context.run_id, worker_tags(context.run_id))
+        # A re-execution of a stopped run starts with its parent's stop tags: cleared, since this run has not stopped.
+        context.instance.add_run_tags(context.run_id, {
+            **worker_tags(context.run_id),
+            **inherited_stop_cleared(context.run.tags, context.instance.run_retries_retry_on_asset_or_op_failure)})
         source: SourceDatabaseResource = getattr(context.resources, source_key)
         timings = run_start_timings(context.instance.get_run_stats(context.run_id))
         step = time.monotonic()

@@ -363,7 +363,7 @@ def stalled_slice(records: list[Any], chain: list[SliceRange], committed_hi: int
     # A slice stopped by bad input (a row too large, a source error, fenced) is retried with a growing backoff,
     # capped at a minute so the table recovers soon after the cause is fixed; one that failed transiently
     # (worker killed, broker away, retries exhausted) is resumed soon.
-    stopped = sum(1 for r in records if STOPPED_TAG in r.dagster_run.tags)
+    stopped = sum(1 for r in records if r.dagster_run.tags.get(STOPPED_TAG))  # empty: a cleared copy
     # 15 s: time for the run-retry daemon to queue its own retry, which would make a resume a wasted run.
     wait = min(60.0, 5.0 * 2 ** min(stopped - 1, 4)) if stopped else 15.0
     if records and time.time() - ended < wait:
@@ -399,7 +399,7 @@ def runs_of_slice(context: SensorEvaluationContext, job_name: str, first: SliceR
 
 def last_stop_reason(records: list[Any]) -> str | None:
     """Why the latest of a slice's runs (`runs_of_slice`) was stopped (STOPPED_TAG), if it was."""
-    return records[0].dagster_run.tags.get(STOPPED_TAG) if records else None
+    return (records[0].dagster_run.tags.get(STOPPED_TAG) or None) if records else None
 
 
 def cancel_committed_runs(context: SensorEvaluationContext, job_name: str, committed_hi: int) -> list[str]:

@@ -2,7 +2,7 @@
 
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dagster import AssetMaterialization, ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
@@ -45,6 +45,16 @@ RETRY_ON_FAILURE_TAG = "dagster/retry_on_asset_or_op_failure"
 def stopped_tags(reason: str) -> dict[str, str]:
     """The tags of a run stopped for `reason`: the sensor backs off, and Dagster's run retries leave it."""
     return {STOPPED_TAG: reason, RETRY_ON_FAILURE_TAG: "false"}
+
+
+def inherited_stop_cleared(tags: Mapping[str, str], retry_default: bool) -> dict[str, str]:
+    """Tags that undo a stop a run copied from the run it re-executes (the UI's Re-execute copies the parent's
+    tags): the run has not stopped, so the sensor must not back off from it as stopped, and Dagster's run retries
+    treat it as the instance says (`retry_default`: dagster.yaml run_retries.retry_on_asset_or_op_failure). Dagster
+    cannot delete a run tag; an empty STOPPED_TAG means not stopped. Empty when nothing was copied."""
+    if not tags.get(STOPPED_TAG):
+        return {}
+    return {STOPPED_TAG: "", RETRY_ON_FAILURE_TAG: "true" if retry_default else "false"}
 # On a run that failed at slice k: the first and last of the slices it committed before k, as
 # `<run id>/<first>...<last>` (keys in chain order), for the asset's failure hook, which checks their parity
 # (assets/relay.py). The run id: Dagster's retry of the run copies its tags, but not what it committed.

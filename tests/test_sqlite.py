@@ -170,6 +170,42 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3])
 
 
+def test_a_re_execution_of_a_stopped_run_is_not_taken_for_stopped(services, dagster_instance, spark, name,
+                                                                 tmp_path: Path) -> None:
+    """The UI's Re-execute copies the parent run's tags, so a re-execution of a run stopped as bad_row carried the
+    stop (and `retry_on_asset_or_op_failure: false`) from its first moment: had it then failed for any other
+    reason, the sensor would have named the old bad row and Dagster's run retries would have left it. The asset
+    clears the copied stop when it starts."""
+    from dagster import RunsFilter
+    from dagster._core.storage.tags import PARENT_RUN_ID_TAG, ROOT_RUN_ID_TAG
+
+    from assets.relay import WORKER_PID_TAG
+    from orchestration.factory import job_name
+    from orchestration.sensors import last_stop_reason
+    from resources.kafka_io_manager import RETRY_ON_FAILURE_TAG, STOPPED_TAG
+
+    path = tmp_path / f"{name}.db"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v INTEGER)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 1), (2, 2.5), (3, 3)"))
+    h, table, stopped = _run_first_slice(services, dagster_instance, path, name)
+    parent = dagster_instance.get_run_by_id(stopped.run_id)
+    assert parent.tags[STOPPED_TAG] == "bad_row" and parent.tags[RETRY_ON_FAILURE_TAG] == "false"
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {name} SET v = 2 WHERE id = 2"))
+    engine.dispose()
+    copied = {k: v for k, v in parent.tags.items() if not k.startswith("dagster/partition")}
+    child = h.defs.resolve_job_def(job_name(table)).execute_in_process(
+        partition_key=parent.tags["dagster/partition"], instance=dagster_instance,
+        tags={**copied, PARENT_RUN_ID_TAG: parent.run_id, ROOT_RUN_ID_TAG: parent.run_id})
+    run = dagster_instance.get_run_by_id(child.run_id)
+    assert run.tags[WORKER_PID_TAG]  # the asset started and set its own tags with the cleared ones
+    assert run.tags[STOPPED_TAG] == "" and run.tags[RETRY_ON_FAILURE_TAG] == "true"  # the instance's default
+    assert last_stop_reason(dagster_instance.get_run_records(RunsFilter(run_ids=[child.run_id]))) is None
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3])
+
+
 def test_sqlite_values_that_fit_their_declared_type_are_relayed(services, dagster_instance, spark, name,
                                                                 tmp_path: Path) -> None:
     """No false stop: reals a decimal's scale holds (19.99 in DECIMAL(38,18), 0.1 in DECIMAL(10,2), 12.5 in a
