@@ -304,17 +304,29 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     delete = ledger.orphans if heal else []
     max_rows = slice_rows_limit(table.slice_max_rows, recent, transaction_timeout_ms(conf))
     chain, frontier = ledger.chain, ledger.frontier
+    too_long: tuple[SliceRange, int] | None = None
     if resplit and chain:
-        too_long = source.count_rows(shape, chain[0].lo, chain[0].hi)
-        max_rows = min(max_rows, max(1, too_long // 4))
+        rows = source.count_rows(shape, chain[0].lo, chain[0].hi)
+        too_long = chain[0], rows
+        max_rows = min(max_rows, max(1, rows // 4))
         # The slices' end was final when they were cut: cut again up to it at once (already-final candidate),
         # not after the open transactions of this moment, or a busy source would re-cut them at full size.
+        kept = CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps)
         state = SensorState([WatermarkCandidate(chain[-1].hi, float("-inf")), *state.pending], state.chain,
                             state.waiting_since)
         delete, chain, frontier = delete + chain, [], committed_hi
     if chain and not cut_while_pending:
         return CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps)
     tick = plan_tick(source, table, frontier, state, limit=limit, max_rows=max_rows)
+    if too_long is not None and tick.slices[:1] == [too_long[0]]:
+        # Its rows share one watermark value, which a slice never splits: cut again it would be the same slice,
+        # timing out again for as long as the timeout allows, forever. Kept as it is, for a human.
+        slice_range, rows = too_long
+        kept.waiting = (f"slice {slice_range.key} outlived transaction.timeout.ms and cannot be cut smaller: its "
+                        f"{rows} rows share one {table.watermark} value. Raise kafka.producer transaction.timeout.ms "
+                        "(up to the broker's transaction.max.timeout.ms), then run it again (`rowrelay backfill "
+                        f"--table {table.table_id}` or Materialize in the UI)")
+        return kept
     return CutPlan(committed_hi, delete, tick.slices, chain + tick.slices, tick.state, timestamps=shape.timestamps)
 
 
@@ -605,8 +617,14 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
                             f"progress ({plan.text(plan.committed_hi)}) and can never commit: deleted, range cut again")
     requests = batched_requests(plan.add, table.max_slices_per_run, job_label=job_label)
     partition_requests: list[Any] = []
-    if plan.delete:
-        partition_requests.append(partitions.build_delete_request([s.key for s in plan.delete]))
+    # A re-cut can give a deleted slice again (the same range). Dagster refuses one key deleted and added by one
+    # tick, and a kept key would keep its old place in the partitions' order, breaking a range run over the new
+    # ones: such keys are deleted now, and added back below in their new place.
+    again = {s.key for s in plan.delete} & {s.key for s in plan.add}
+    for key in again:
+        instance.delete_dynamic_partition(partitions.name, key)
+    if deleted := [s.key for s in plan.delete if s.key not in again]:
+        partition_requests.append(partitions.build_delete_request(deleted))
     if plan.add:
         partition_requests.append(partitions.build_add_request([s.key for s in plan.add]))
     after = SensorState(plan.state.pending, plan.chain, plan.state.waiting_since).to_cursor()

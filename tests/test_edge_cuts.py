@@ -326,19 +326,20 @@ def test_slice_that_outlives_the_transaction_timeout_is_cut_again_smaller(servic
                                                                           dagster_instance, spark, name,
                                                                           monkeypatch) -> None:
     """A slice whose transaction outlives `transaction.timeout.ms` can never commit as cut: its run stops with
-    "transaction timed out" (not "fenced") and the sensor cuts the range again at a quarter of its rows."""
+    "transaction timed out" (not "fenced") and the sensor cuts the range again at a quarter of its rows. A later
+    slice the re-cut gives again stays (deleting and adding one key in a tick failed the tick, every tick)."""
     from dagster import RunsFilter
 
     from orchestration.factory import job_name
     from resources.kafka_io_manager import STOPPED_TAG
 
-    _pg_table(pg_engine, name, 4000)
+    _pg_table(pg_engine, name, 4100)
     cfg = relay_config(services, {"src": pg_database}, [_table_cfg(name, slice_max_rows=4000)],
                        producer={"transaction.timeout.ms": "2000"})
     h = Harness(cfg, dagster_instance)
     table = h.table()
-    (key,) = h.cut(table)
-    assert key == SliceRange(0, 4000).key
+    key, tail = SliceRange(0, 4000).key, SliceRange(4000, 4100).key
+    assert h.cut(table) == [f"{key}...{tail}"]
     # Longer than the 2 s timeout plus the broker's 2 s check for timed-out transactions (stack/local.py).
     monkeypatch.setenv("ROWRELAY_FAILPOINT", "sleep:rows_produced:5.5")
     result = h.run(table, key, raise_on_error=False)
@@ -352,12 +353,50 @@ def test_slice_that_outlives_the_transaction_timeout_is_cut_again_smaller(servic
     with pg_engine.connect() as busy:
         busy.execute(text(f"CREATE TEMP TABLE busy_{name} (x int)"))
         busy.execute(text(f"INSERT INTO busy_{name} VALUES (1)"))
-        assert h.tick(table) == [f"{SliceRange(0, 1000).key}...{SliceRange(3000, 4000).key}"]
+        assert h.tick(table) == [f"{SliceRange(0, 1000).key}...{tail}"]
         busy.rollback()
     keys = dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
-    assert keys == [SliceRange(lo, lo + 1000).key for lo in range(0, 4000, 1000)]
-    h.drain(table, until_hi=4000, timeout=60)
-    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 4001)))
+    assert sorted(keys) == [SliceRange(lo, lo + 1000).key for lo in range(0, 4000, 1000)] + [tail]
+    h.drain(table, until_hi=4100, timeout=60)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 4101)))
+
+
+def test_a_slice_of_one_watermark_value_that_outlives_the_timeout_waits_for_a_human(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, monkeypatch) -> None:
+    """A slice whose rows share one watermark value cannot be cut smaller (a slice never splits a value): the
+    re-cut after a timeout was the same slice, which timed out again, for as long as the timeout each time, forever.
+    The sensor now keeps it and says what to do; a run with a larger timeout publishes it."""
+    from orchestration.cli import main
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (batch bigint NOT NULL, v text)"))
+        conn.execute(text(f"INSERT INTO {name} SELECT 1, 'r' || g FROM generate_series(1, 3000) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "batch", "key": "none"}],
+        producer={"transaction.timeout.ms": "2000"})
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    (key,) = h.cut(table)
+    assert key == SliceRange(0, 1).key
+    monkeypatch.setenv("ROWRELAY_FAILPOINT", "sleep:rows_produced:5.5")
+    assert not h.run(table, key, raise_on_error=False).success
+    monkeypatch.delenv("ROWRELAY_FAILPOINT")
+    for _ in range(2):  # no run, the same message, tick after tick
+        assert h.tick(table) == []
+        said = h.skip_messages[table.table_id] or ""
+        assert (f"slice {key} outlived transaction.timeout.ms and cannot be cut smaller: its 3000 rows share one "
+                "batch value. Raise kafka.producer transaction.timeout.ms") in said, said
+        assert f"`rowrelay backfill --table {table.table_id}`" in said, said
+    assert dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == [key]
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
+    # As the message says: the timeout raised, the backfill publishes the slice.
+    raised = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "batch", "key": "none"}])
+    path = Harness(raised, dagster_instance).config_file()
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    assert main(["--config", str(path), "backfill", "--table", table.table_id]) == 0
+    assert len(read_topic(services.kafka_bootstrap, table.topic_name)) == 3000
+    assert h.progress(table).hi == 1
 
 
 def test_settled_rows_are_asked_about_once_and_a_recount_asks_again(services, pg_database, pg_engine, name) -> None:
