@@ -139,6 +139,10 @@ MYSQL_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (raw value for S
     "mysql_datetime": ("CASE WHEN 1 = 0 THEN {c} END", "DATE_FORMAT({c}, '%Y-%m-%dT%H:%i:%s.%f')"),
     # The raw column as it is (a CASE would reach the driver as another type); the driver reads the zero as null.
     "mysql_timestamp": ("{c}", "CASE WHEN {c} = 0 THEN '0000-00-00T00:00:00.000000+00:00' END"),
+    # A FLOAT (32-bit) reaches the driver as the server's text of 6 significant digits (123456792 as 1.23457e8):
+    # as a double instead, whose text is exact, read back as a 32-bit float by Spark (custom_schema_for) and
+    # rendered as PostgreSQL's real is. No text of the source's own.
+    "mysql_float": ("({c} + 0e0)", "CAST(NULL AS CHAR)"),
 }
 
 
@@ -445,8 +449,8 @@ class SourceDatabaseResource(ConfigurableResource):
     def _source_text(self, col_type: Any) -> str:
         """The PG_/MYSQL_TEXT_RENDERING kind of a column the source renders as text, or ""."""
         if self.dialect == "mysql":
-            return {"DATE": "mysql_date", "DATETIME": "mysql_datetime",
-                    "TIMESTAMP": "mysql_timestamp"}.get(type(col_type).__name__, "")
+            return {"DATE": "mysql_date", "DATETIME": "mysql_datetime", "TIMESTAMP": "mysql_timestamp",
+                    "FLOAT": "mysql_float"}.get(type(col_type).__name__, "")
         if self.dialect != "postgresql":
             return ""
         if isinstance(col_type, sa.DateTime):

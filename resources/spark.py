@@ -89,7 +89,8 @@ def custom_schema_for(shape: TableShape) -> str:
     on): any of them may hold 'NaN' (and, from PostgreSQL 14, 'Infinity'), which the driver cannot make a
     BigDecimal of, so the read failed; the text is the same string the decimal gave otherwise. PostgreSQL real
     (float4) through Java 17's Float.toString is not the shortest text, so read PostgreSQL's own text and cast to
-    double. Decided from the reflected types, which saves Spark a second schema round trip.
+    double. A MariaDB FLOAT is selected as an exact double and read back as a 32-bit float. Decided from the
+    reflected types, which saves Spark a second schema round trip.
 
     SQLite stores every integer in up to 8 bytes, but its driver reports a column declared INTEGER (or INT,
     SMALLINT...) as 32-bit, and Spark wrapped values above 2^31-1: such a watermark fell out of its own slice's range.
@@ -107,7 +108,9 @@ def custom_schema_for(shape: TableShape) -> str:
     pg = shape.dialect == "postgresql"
     as_text = [c.name for c in shape.columns if exceeds_spark_decimal(c.type_name) or (pg and (
         c.type_name == "REAL" or (_DECIMAL_TYPE.match(c.type_name) and c.name != shape.tie_break)))]
-    return ", ".join(f"`{c}` STRING" for c in as_text)
+    # MariaDB FLOAT, selected as its exact double (MYSQL_TEXT_RENDERING): back to the 32-bit float it is.
+    floats = [c.name for c in shape.columns if c.source_text == "mysql_float" and c.name != shape.tie_break]
+    return ", ".join([f"`{c}` STRING" for c in as_text] + [f"`{c}` FLOAT" for c in floats])
 
 
 # The Spark type each SQLite affinity is read as where the driver's own mapping is not exact (absent: its own). The

@@ -313,6 +313,34 @@ def test_mariadb_dates_arrive_as_stored(services, mariadb_database, mariadb_engi
     ]
 
 
+@pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
+def test_mariadb_float_arrives_as_stored(services, mariadb_database, mariadb_engine, dagster_instance, spark, name,
+                                         spark_remote: bool) -> None:
+    """A MariaDB FLOAT reached the driver as the server's text of 6 significant digits: 123456789 (stored as
+    123456792) arrived as 1.23457E8, 1.0000001 as 1.0, all silently. Each now arrives as the 32-bit float stored."""
+    import numpy as np
+
+    values = [("123456789", "1234567.891"), ("16777217", "0.001"), ("1.0000001", "9999999.999"),
+              ("3.4e38", "-0.5"), ("1.4e-45", "1"), ("-2.5", "2.25"), ("0.1", "0.1"), ("NULL", "NULL")]
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, f FLOAT, "
+                          "f3 FLOAT(10,3), d DOUBLE)"))
+        for v, v3 in values:
+            conn.execute(text(f"INSERT INTO {name} (f, f3, d) VALUES ({v}, {v3}, {v})"))
+    with mariadb_engine.connect() as conn:  # the stored 32-bit values, exactly, as doubles
+        stored = [tuple(r) for r in conn.execute(text(f"SELECT f + 0e0, f3 + 0e0, d FROM {name} ORDER BY id"))]
+    got = _run_table(services, mariadb_database, dagster_instance, name, len(values), spark_remote)
+    for row, (f, f3, d) in zip(got, stored, strict=True):
+        for column, want in (("f", f), ("f3", f3)):
+            sent = row[column]
+            assert (sent is None) == (want is None), (column, sent, want)
+            if want is not None:
+                assert isinstance(sent, float) and np.float32(sent) == np.float32(want), (column, sent, want)
+        assert row["d"] == d  # a DOUBLE was exact already
+    assert np.float32(got[0]["f"]) == np.float32(123456792) and got[0]["f"] != 123457000.0
+    assert got[2]["f"] != 1.0 and np.float32(got[2]["f"]) == np.float32(1.0000001)
+
+
 def test_mariadb_uuid_column_is_refused_at_the_table_check(mariadb_database, mariadb_engine, name) -> None:
     """MariaDB's UUID type (10.7+) passed the table check and failed every read in Spark ("Unrecognized SQL type");
     it is refused by name before anything is cut, with the remedy."""
