@@ -2,13 +2,15 @@
 
     rowrelay verify [--table ID] [--json]   # duplicates, missing, extra, order violations; exit 1 on any
     rowrelay status [--table ID] [--json]   # committed progress, source max, lag (rows, seconds), active runs
-    rowrelay pools                          # create each table's pool (limit 1) on the Dagster instance
+    rowrelay pools [--table ID]             # create each table's pool (limit 1) on the Dagster instance
     rowrelay backfill --table ID            # cut the backlog into slices and run them now, in this process
     rowrelay reset --table ID --after W     # deliberate new baseline: rows after W are sent, the rest never
     rowrelay replay --table ID --from A --to B [--topic T]
                                             # republish committed slices (A, B] once more, marked rowrelay.replay
     rowrelay history compact [--table ID] [--full]
                                             # roll up old committed slices now (hour, then day): fewer partitions
+    rowrelay schema accept --table ID --reason TEXT
+                                            # accept a table's changed columns (on_schema_change: fail stopped it)
 """
 
 from __future__ import annotations
@@ -605,6 +607,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                 time.sleep(0.5)
             # One indexed count for the bar's total, on the cut's connection and shape (reflected moments ago).
             total_rows = (source.count_rows(cached_table_shape(source, table), plan.committed_hi, plan.chain[-1].hi,
+                                            table.skip_watermarks_in(plan.committed_hi, plan.chain[-1].hi) or None,
                                             settled=True)
                           if plan.chain and not args.dry_run else 0)
         except (SourceError, RelayError, InnodbTrxStale) as exc:  # any other error keeps its traceback
@@ -622,6 +625,15 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         todo = plan.chain
         print(f"{table.table_id}: committed up to {plan.text(plan.committed_hi)}; {len(plan.add)} new slice(s) cut; "
               f"{len(todo)} slice(s) to publish" + (f" ({plan.waiting})" if plan.waiting else ""), flush=True)
+        if not plan.add and plan.state.pending:  # the wait ran out with rows still not final
+            frontier = plan.chain[-1].hi if plan.chain else plan.committed_hi
+            newest = max(c.watermark for c in plan.state.pending)
+            print(f"rowrelay: {table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) are "
+                  f"not final after {args.settle_timeout:g} s: a transaction that may still write below them is "
+                  "open (or settle_seconds has not passed), so they were not cut. Run backfill again once it "
+                  "ends, or raise --settle-timeout", file=sys.stderr, flush=True)
+            if not todo:
+                return 1
         if args.dry_run or not todo:
             return 0
         job = defs.resolve_job_def(job_name(table))
@@ -630,9 +642,9 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         step = table.max_slices_per_run
         channel = channel_for(table, io_manager.transactional_id_prefix)
         tty = sys.stdout.isatty()
-        # On a terminal the bar tells the story; Dagster's step-by-step DEBUG lines would scroll it away (they
-        # stay in the run's event log).
-        run_config = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}} if tty else None
+        # The bar (or, without a terminal, a line per run) and a failed run's `rowrelay:` line with its cause tell
+        # the story; Dagster's step-by-step lines and a failure's stack traces stay in the run's event log (UI).
+        run_config = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
         with BackfillProgress(table.table_id, io_manager.kafka_conf(), channel, todo, plan.committed_hi, total_rows,
                               tty=tty), contextlib.ExitStack() as cleanup:
             cleanup.callback(EARLY_READS.discard)  # chunks no run took (its first slice was another)
@@ -693,7 +705,7 @@ def run_failure_text(instance: Any, result: Any) -> str:
     stopped = run.tags.get(STOPPED_TAG) if run is not None else None
     step = NEXT_STEP.get(stopped or "", "slices before it stay committed; run backfill again to continue")
     step = step.replace("run it again", "run backfill again")
-    return f"{reason.splitlines()[0][:500]} (details in the Dagster UI). Next: {step}"
+    return f"{reason.splitlines()[0]} (details in the Dagster UI). Next: {step}"
 
 
 def reflect_table(config: RelayConfig, table: TableConfig) -> Any:
@@ -1060,8 +1072,18 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("verify", "status", "pools", "backfill", "reset", "replay", "history", "schema"):
-        p = sub.add_parser(name)
+    summaries = {
+        "verify": "compare a topic with its source table: duplicates, missing, extra, order; exit 1 on any",
+        "status": "committed progress, source max, lag and active runs of each table",
+        "pools": "create each table's pool (limit 1) on the Dagster instance",
+        "backfill": "cut the backlog into slices and run them now, in this process",
+        "reset": "set a deliberate new baseline: rows after it are sent, the rest never",
+        "replay": "republish committed slices once more, marked rowrelay.replay",
+        "history": "roll up old committed slices now: fewer partitions",
+        "schema": "accept a table's changed columns after on_schema_change: fail stopped it",
+    }
+    for name, summary in summaries.items():
+        p = sub.add_parser(name, help=summary, description=summary)
         if name == "schema":
             p.add_argument("action", choices=["accept"], help="accept: record the table's current columns after a "
                            "change stopped it (on_schema_change: fail)")
@@ -1074,7 +1096,7 @@ def main(argv: list[str] | None = None) -> int:
                            "of an existing deployment); default: the last few days")
         elif name == "replay":
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
-            p.add_argument("--from", dest="from_", required=True, type=watermark,
+            p.add_argument("--from", dest="from_", metavar="FROM", required=True, type=watermark,
                            help="lower bound (exclusive): a committed slice's lower bound (a time for a timestamp "
                            "watermark, e.g. 2026-11-23T07:00:00Z)")
             p.add_argument("--to", required=True, type=watermark,
@@ -1090,7 +1112,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
             p.add_argument("--dry-run", action="store_true", help="cut and add the slices, run nothing")
             p.add_argument("--settle-timeout", type=float, default=60.0,
-                           help="seconds to wait for the newest rows to become final")
+                           help="seconds to wait, beyond the table's settle_seconds, for the newest rows to become "
+                           "final (open transactions end); default 60")
         else:
             p.add_argument("--table", help="<source>.<schema>.<table> (default: all)")
         if name in ("verify", "status", "replay", "history"):

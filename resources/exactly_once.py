@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -47,6 +48,35 @@ from resources.arrow_produce import RowProducer
 from resources.slices import SliceRange, is_timestamp_key, watermark_text
 
 _log = logging.getLogger(__name__)
+
+
+class _RepeatsDropped(logging.Filter):
+    """Drops a line that repeats one let through in the last `window_s` (numbers aside). A broker that is away
+    made every client log each reconnect attempt: ~390 lines in 11 s before the one error that says what is wrong."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.seen: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = re.sub(r"\d+", "#", f"{record.name} {record.getMessage()}")
+        now = time.monotonic()
+        with self.lock:
+            if now - self.seen.get(key, float("-inf")) < self.window_s:
+                return False
+            if len(self.seen) > 1000:  # many distinct lines: forget the old ones
+                self.seen = {k: t for k, t in self.seen.items() if now - t < self.window_s}
+            self.seen[key] = now
+            return True
+
+
+_log.addFilter(_RepeatsDropped())
+# librdkafka's own log lines (connection failures and the like), through Python logging with the same filter: a
+# client with an error_cb still logs each failed connect itself.
+_librdkafka_log = logging.getLogger("rowrelay.librdkafka")
+_librdkafka_log.addFilter(_RepeatsDropped())
 
 
 class RelayError(Exception):
@@ -415,7 +445,7 @@ def _error_cb(bootstrap: str) -> Callable[[KafkaError], None]:
 
 def with_error_cb(conf: dict[str, Any]) -> dict[str, Any]:
     """A client's settings plus the error_cb `unreachable` reads (unless the caller set its own)."""
-    return {"error_cb": _error_cb(str(conf.get("bootstrap.servers"))), **conf}
+    return {"error_cb": _error_cb(str(conf.get("bootstrap.servers"))), "logger": _librdkafka_log, **conf}
 
 
 def unreachable(client: Any, kafka_conf: dict[str, Any], what: str) -> RelayError:
@@ -614,6 +644,21 @@ def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, t
         return _last_record(consumer, tp, low, high, timeout)
     finally:
         consumer.close()
+
+
+def progress_under_other_prefix(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
+                                ) -> tuple[str, ProgressRecord] | None:
+    """A progress topic of the same table under another transactional_id_prefix that holds a committed record:
+    (its name, its last record), else None. One listing of the cluster's topics (~10 ms with 2,500 topics)."""
+    admin = AdminClient(base_conf(kafka_conf))
+    suffix = f".progress.{channel.table}"
+    names = sorted(n for n in list_topics(admin, kafka_conf, timeout=timeout).topics
+                   if n.startswith("_") and n.endswith(suffix) and n != channel.progress_topic)
+    for name in names:
+        record = read_committed_progress(kafka_conf, replace(channel, progress_topic=name), timeout)
+        if record is not None:
+            return name, record
+    return None
 
 
 def _last_record(consumer: Consumer, tp: TopicPartition, low: int, high: int, timeout: float
@@ -1163,6 +1208,18 @@ class SlicePublisher:
                 f"deliberately ({in_topic} is the last watermark of this table already in the topic; a lower value "
                 "sends rows again: only for a re-created table whose ids restarted)",
                 table=ch.table, topic_watermark=in_topic)
+        if in_topic is None and (elsewhere := progress_under_other_prefix(self.kafka_conf, ch)) is not None:
+            # The prefix and the topic changed together: the new topic is empty, but the table has committed
+            # progress under the old prefix.
+            name, record = elsewhere
+            raise ProgressMissing(
+                f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
+                f"{ch.transactional_id}), but progress topic {name} holds this table's committed progress up to "
+                f"watermark {record.hi} (its rows went to topic {record.topic}): publishing would send them again. "
+                "Restore the transactional_id_prefix that wrote it if it was changed, or run `rowrelay reset "
+                f"--table {ch.table} --after {record.hi}` to continue from there under this prefix (a lower value, "
+                "`--after 0` included, sends rows again deliberately: another deployment of the same table)",
+                table=ch.table, topic_watermark=record.hi)
         self._topic_checked = True
 
     def _raise_if_timed_out(self, slice_range: SliceRange, exc: BaseException) -> None:

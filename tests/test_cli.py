@@ -407,6 +407,42 @@ def test_cli_errors_say_what_to_do_instead_of_a_traceback(services, pg_database,
     assert code == 1
     assert "Next: the table's columns changed and `on_schema_change: fail` stops it" in err
     assert "rowrelay schema accept" in err and "extra" in err, err
+    # Only rowrelay's own line: Dagster's step-by-step log and the failure's stack traces stay in the run's log
+    # (80 lines of them came before it, a terminal or not).
+    assert "dagster - " not in err and "STEP_FAILURE" not in err, err
+
+
+def test_a_backfill_says_when_its_rows_are_not_final_and_counts_only_rows_it_sends(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """A backfill whose wait for final rows ran out (a transaction still open below them) printed "0 slice(s) to
+    publish" and exited 0, rows waiting; and its progress total counted rows `skip_watermarks` leaves out (it ended
+    at 99/100 rows)."""
+    import yaml
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(1, 10) g"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "skip_watermarks": [4]}])
+    config_file = tmp_path / "rowrelay.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    table_id = cfg.tables[0].table_id
+    assert main(["--config", str(config_file), "backfill", "--table", table_id]) == 0
+    out = capsys.readouterr().out
+    assert "10/10 rows" not in out and "9/9 rows (100%)" in out, out
+
+    with pg_engine.connect() as open_below:  # takes id 11 and stays open: 12..13 wait for it
+        open_below.execute(text(f"INSERT INTO {name} (v) VALUES ('open')"))
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b')"))
+        code = main(["--config", str(config_file), "backfill", "--table", table_id, "--settle-timeout", "1"])
+        open_below.rollback()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"rowrelay: {table_id}: rows above 10 (up to 13) are not final after 1 s" in err, err
+    assert "raise --settle-timeout" in err, err
 
 
 def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name, capsys) -> None:

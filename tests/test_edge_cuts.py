@@ -186,8 +186,8 @@ def test_new_prefix_refuses_to_resend_and_reset_sets_a_baseline(services, pg_dat
     _pg_table(pg_engine, name, 3)
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
 
-    def config_file(prefix: str) -> str:
-        cfg = relay_config(services, {"src": pg_database}, [_table_cfg(name)])
+    def config_file(prefix: str, **table: str) -> str:
+        cfg = relay_config(services, {"src": pg_database}, [_table_cfg(name, **table)])
         data = cfg.model_dump(mode="json", exclude_none=True)
         data["kafka"]["transactional_id_prefix"] = prefix
         path = tmp_path / f"{prefix}.yaml"
@@ -206,6 +206,15 @@ def test_new_prefix_refuses_to_resend_and_reset_sets_a_baseline(services, pg_dat
     conf = {"bootstrap.servers": services.kafka_bootstrap}
     renamed = channel_for(table, "renamed")
     assert read_committed_progress(conf, renamed) is None
+    # The prefix and the topic changed together: the new topic holds nothing to tell, but the old progress topic does.
+    moved = config_file("moved", topic=f"{name}_moved")
+    capsys.readouterr()
+    assert main(["--config", moved, "backfill", "--table", table_id]) == 1
+    said = capsys.readouterr().err
+    assert (f"progress topic _rowrelay.progress.{table_id} holds this table's committed progress up to watermark 3 "
+            f"(its rows went to topic {table.topic_name})") in said, said
+    assert f"`rowrelay reset --table {table_id} --after 3`" in said, said
+    assert read_topic(services.kafka_bootstrap, f"{name}_moved", timeout=3.0) == []
 
     assert main(["--config", new, "reset", "--table", table_id, "--after", "3", "--reason", "prefix renamed"]) == 0
     assert "progress reset to 3" in capsys.readouterr().out

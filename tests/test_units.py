@@ -426,3 +426,24 @@ def test_a_watermark_written_as_the_other_kind_is_refused() -> None:
     assert watermark("-5") == -5 and not watermark("-5").is_time
     assert watermark("1_000") == 1000 and not watermark("1_000").is_time  # what int() takes is an integer
     assert "is past any time" in watermark_kind_error("t", True, "--after", watermark("300000000000000000"))
+
+
+def test_a_repeated_kafka_log_line_is_let_through_once_per_window(monkeypatch) -> None:
+    """A broker that was away made every client log each reconnect attempt: ~390 lines before the one error
+    that says what is wrong. A line repeating one let through in the last 30 s (numbers aside) is dropped."""
+    import logging
+
+    from resources import exactly_once
+
+    clock = [100.0]
+    monkeypatch.setattr(exactly_once.time, "monotonic", lambda: clock[0])
+    repeats = exactly_once._RepeatsDropped(window_s=30.0)
+
+    def passes(message: str) -> bool:
+        return repeats.filter(logging.LogRecord("rowrelay.librdkafka", logging.ERROR, "", 0, message, None, None))
+
+    assert passes("FAIL: Connect to 127.0.0.1:19099 failed (after 0ms in state CONNECT)")
+    assert not passes("FAIL: Connect to 127.0.0.1:19099 failed (after 1ms in state CONNECT)")  # numbers aside
+    assert passes("another line")
+    clock[0] += 31.0
+    assert passes("FAIL: Connect to 127.0.0.1:19099 failed (after 0ms in state CONNECT)")  # once per window
