@@ -12,7 +12,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
@@ -281,21 +281,27 @@ class SchemaChange:
     added: list[str]
     dropped: list[str]
     retyped: list[str]  # "name: OLD -> NEW"
+    # The columns both have, in their new order, where it changed (`columns:` reordered, a MariaDB `ALTER ...
+    # AFTER`): each message's fields come in column order, and a hash_row key hashes them as they come.
+    reordered: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.dropped or self.retyped)
+        return bool(self.added or self.dropped or self.retyped or self.reordered)
 
     def describe(self) -> str:
         parts = [f"{label} {', '.join(names)}" for label, names in
-                 (("added", self.added), ("dropped", self.dropped), ("retyped", self.retyped)) if names]
+                 (("added", self.added), ("dropped", self.dropped), ("retyped", self.retyped),
+                  ("reordered to", self.reordered)) if names]
         return "; ".join(parts)
 
 
 def schema_change(before: list[list[str]], after: list[list[str]]) -> SchemaChange:
-    """Columns added, dropped or retyped from `before` to `after` ([name, type] pairs)."""
+    """Columns added, dropped, retyped or reordered from `before` to `after` ([name, type] pairs)."""
     old, new = dict((n, t) for n, t in before), dict((n, t) for n, t in after)
+    kept_before, kept_after = [n for n in old if n in new], [n for n in new if n in old]
     return SchemaChange(added=[n for n in new if n not in old], dropped=[n for n in old if n not in new],
-                        retyped=[f"{n}: {old[n]} -> {t}" for n, t in new.items() if n in old and old[n] != t])
+                        retyped=[f"{n}: {old[n]} -> {t}" for n, t in new.items() if n in old and old[n] != t],
+                        reordered=kept_after if kept_after != kept_before else [])
 
 
 class SourceDatabaseResource(ConfigurableResource):

@@ -447,3 +447,18 @@ def test_a_repeated_kafka_log_line_is_let_through_once_per_window(monkeypatch) -
     assert passes("another line")
     clock[0] += 31.0
     assert passes("FAIL: Connect to 127.0.0.1:19099 failed (after 0ms in state CONNECT)")  # once per window
+
+
+def test_a_change_of_column_order_is_a_schema_change() -> None:
+    """Reordered columns (`columns:` reordered, a MariaDB `ALTER ... AFTER`) change every message's field order
+    and a hash_row key for the same data, but passed unnoticed, even with `on_schema_change: fail`."""
+    from resources.source_database import schema_change
+
+    before = [["id", "BIGINT"], ["a", "TEXT"], ["b", "TEXT"]]
+    assert not schema_change(before, before)
+    change = schema_change(before, [["b", "TEXT"], ["a", "TEXT"], ["id", "BIGINT"]])
+    assert change and change.describe() == "reordered to b, a, id"
+    # Added or dropped columns alone are not a reorder of the rest.
+    assert schema_change(before, [["id", "BIGINT"], ["x", "INT"], ["b", "TEXT"]]).describe() == "added x; dropped a"
+    assert schema_change(before, [["id", "BIGINT"], ["b", "TEXT"], ["a", "TEXT"], ["c", "INT"]]).describe() == (
+        "added c; reordered to id, b, a")
