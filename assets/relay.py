@@ -305,8 +305,9 @@ def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: 
     return BadRowError(
         f"{table.table_id}: row {shape.watermark_text(at)} ({table.watermark}) holds a {kind} value in column "
         f"{column!r} (reflected as {shape.column(column).type_name}): {value}. SQLite keeps it, but its driver would "
-        "convert it, so it would not arrive as stored; nothing of the slice is sent. Fix the value or the column's "
-        f"declared type (REAL for fractions, TEXT for text, BLOB for anything){skip}; then re-run the slice.",
+        "convert it (or, beyond the column's precision, the read would fail), so it would not arrive as stored; "
+        "nothing of the slice is sent. Fix the value or the column's declared type (REAL for fractions, TEXT for "
+        f"text, BLOB for anything){skip}; then re-run the slice.",
         table=table.table_id, watermark=at, column=column)
 
 

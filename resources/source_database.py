@@ -807,7 +807,7 @@ class SourceDatabaseResource(ConfigurableResource):
 
 
 # A declared type's (precision[, scale]): the driver reports that scale (0 without one) to Spark.
-_SQLITE_PRECISION = re.compile(r"\(\s*\d+\s*(?:,\s*(\d+)\s*)?\)")
+_SQLITE_PRECISION = re.compile(r"\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)")
 # The scale Spark reads a SQLite numeric column at when its type names none (NUMERIC, DECIMAL, NUMBER...): its
 # DecimalType.SYSTEM_DEFAULT, decimal(38, 18).
 SQLITE_DEFAULT_SCALE = 18
@@ -866,11 +866,14 @@ def _sqlite_misfit_sql(declared: str, c: str, t: str) -> str:
         return f"typeof({c}) = 'blob'"
     if affinity == "boolean":
         return f"NOT (typeof({c}) = 'null' OR (typeof({c}) = 'integer' AND {c} IN (0, 1)))"
-    # Numeric, read as a decimal: integers, or reals its scale holds exactly.
+    # Numeric, read as a decimal(p, s): integers, or reals its scale holds exactly, below 10^(p - s) (Spark's read
+    # of a larger one failed, naming neither row nor column).
     precision = _SQLITE_PRECISION.search(declared)
-    scale = int(precision.group(1) or 0) if precision else SQLITE_DEFAULT_SCALE
+    digits = min(int(precision.group(1)), 38) if precision else 38
+    scale = int(precision.group(2) or 0) if precision else SQLITE_DEFAULT_SCALE
     fits = _sqlite_real_fits_sql(c, t, scale)
-    return f"NOT (typeof({c}) IN ('integer', 'null') OR (typeof({c}) = 'real' AND {fits}))"
+    return (f"NOT (typeof({c}) = 'null' OR (abs({c}) < 1e{max(digits - scale, 0)} AND "
+            f"(typeof({c}) = 'integer' OR (typeof({c}) = 'real' AND {fits}))))")
 
 
 def _innodb_trx_key(row: sa.Row) -> str:

@@ -134,7 +134,8 @@ def test_sqlite_dates_and_floats_arrive_as_stored(services, dagster_instance, sp
     ("INTEGER", "1.5", "real"), ("INTEGER", "'12abc'", "text"), ("REAL", "'abc'", "text"),
     ("TEXT", "X'FF00'", "blob"), ("DECIMAL(10,2)", "123.456", "real"), ("BOOLEAN", "'yes'", "text"),
     ("NUMERIC", "12.345678901234567", "real"), ("DECIMAL(16,2)", "12345678901234.56", "real"),
-    ("DECIMAL(10)", "1.5", "real")])
+    ("DECIMAL(10)", "1.5", "real"), ("NUMERIC", "1e20", "real"), ("DECIMAL(10,2)", "123456789", "integer"),
+    ("DECIMAL(10,2)", "100000000.5", "real")])
 def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services, dagster_instance, spark, name,
                                                                        tmp_path: Path, declared: str, value: str,
                                                                        kind: str) -> None:
