@@ -291,10 +291,11 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
                    if skipped and rows else rows)
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
-                          first_watermark=first, signature=signature, rows_to_send=to_send)
+                          first_watermark=first, signature=signature, rows_to_send=to_send, skipped=skipped)
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
-                       columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed)
+                       columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed,
+                       where=table.where or "")
 
 
 def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: str, kind: str, value: str

@@ -138,17 +138,68 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
     return out
 
 
+@dataclass(frozen=True)
+class FilterPiece:
+    """A watermark range (lo, hi] whose rows were chosen by one row filter: `where` ("" or None: none) and the
+    watermarks `skip` left out."""
+
+    lo: int | None
+    hi: int
+    where: str | None
+    skip: tuple[int, ...]
+
+
+def filter_pieces(start: int | None, upto: int, slices: list[Any], where: str | None,
+                  skip: list[int]) -> list[FilterPiece]:
+    """(start, upto] in pieces by the row filter that chose their rows: each slice's as its progress record says
+    (`where`, `skipped`: a `where:` or `skip_watermarks` changed since must not make its rows look extra or
+    missing), consecutive ones with one `where` merged; a slice recorded before rowrelay kept its filter, and any
+    range no slice covers, by today's (`where`, `skip`). `slices`: the live slice records, oldest first."""
+    pieces: list[FilterPiece] = []
+
+    def add(lo: int | None, hi: int, piece_where: str | None, piece_skip: list[int]) -> None:
+        if lo is not None and hi <= lo:
+            return
+        inside = tuple(w for w in piece_skip if (lo is None or w > lo) and w <= hi)
+        last = pieces[-1] if pieces else None
+        if last is not None and last.hi == lo and (last.where or "") == (piece_where or ""):
+            pieces[-1] = FilterPiece(last.lo, hi, last.where, last.skip + inside)
+        else:
+            pieces.append(FilterPiece(lo, hi, piece_where, inside))
+
+    at = start
+    for record in sorted(slices, key=lambda r: r.lo):
+        if (at is not None and record.hi <= at) or record.lo >= upto:
+            continue  # before the compared range, or after it
+        if at is None or record.lo > at:
+            add(at, record.lo, where, skip)  # a gap no slice covers: today's filter
+        lo, hi = record.lo if at is None else max(record.lo, at), min(record.hi, upto)
+        if record.where is None:  # recorded before rowrelay kept the filter
+            add(lo, hi, where, skip)
+        else:
+            add(lo, hi, record.where, record.skipped or [])
+        at = hi
+    add(at, upto, where, skip)
+    return pieces
+
+
 def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None,
-                      upto: int) -> tuple[Counter[int], str]:
-    """The source's rows in (start, upto] counted per watermark, and the watermark's kind."""
+                      upto: int, slices: list[Any] | None = None) -> tuple[Counter[int], str]:
+    """The source's rows in (start, upto] counted per watermark, each slice's by the row filter it was published
+    with (`filter_pieces`), and the watermark's kind."""
+    from dataclasses import replace
+
     from assets.relay import table_shape
     from resources.source_database import SourceDatabaseResource
 
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
         shape = table_shape(source, table)
-        return Counter(source.iter_watermarks(shape, start, upto, skip=table.skip_watermark_values)), \
-            shape.watermark_kind
+        counts: Counter[int] = Counter()
+        for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_watermark_values):
+            counts.update(source.iter_watermarks(replace(shape, where=piece.where or None), piece.lo, piece.hi,
+                                                 skip=list(piece.skip)))
+        return counts, shape.watermark_kind
     finally:
         source.dispose()
 
@@ -237,7 +288,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     hi = progress.hi if progress else (start or 0)
     report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None,
                           compared_from=start or 0, compared_from_record=record)
-    source, report.watermark_kind = source_watermarks(config, table, start, hi)
+    source, report.watermark_kind = source_watermarks(config, table, start, hi, slices)
     reading = topic_watermarks(conf, table.topic_name, channel.table)
     report.replayed, report.other_messages = reading.replayed, reading.other_messages
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and

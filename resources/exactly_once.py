@@ -292,6 +292,10 @@ class ProgressRecord:
     # no topic yet). Messages below them were sent before the reset (`rowrelay verify` leaves those at or below the
     # reset out). None on other records, and on resets recorded by versions before it.
     topic_ends: dict[str, int] | None = None
+    # The row filter the slice was read with: `where:` ("" none) and the `skip_watermarks` inside it, so that
+    # `rowrelay verify` expects each slice's rows as chosen then, not by today's settings. None on older records.
+    where: str | None = None
+    skipped: list[int] | None = None
 
     def to_json(self) -> bytes:
         # A shallow dict: the fields are JSON values already, and `asdict` deep-copied each of them first (a
@@ -1062,11 +1066,13 @@ class SlicePublisher:
     def publish(self, slice_range: SliceRange,
                 batches: Callable[[], Iterable[MessageBatch | Sequence[OutgoingMessage]]], *,
                 columns: list[list[str]] | None = None, schema_fingerprint: str = "",
-                expected_rows: int | None = None) -> PublishResult:
+                expected_rows: int | None = None, where: str | None = None,
+                skipped: list[int] | None = None) -> PublishResult:
         """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them. `columns` and
         `schema_fingerprint` (the columns the rows were read with) go into the slice's progress record.
         `expected_rows`: the rows the source counts in the slice; a read that yields another number is aborted
-        (SliceRowsMismatch) instead of committed."""
+        (SliceRowsMismatch) instead of committed. `where` and `skipped`: the row filter the rows were chosen by
+        (`where:`, "" for none, and the skip_watermarks in the slice), kept in the progress record."""
         started = time.monotonic()
         committed = self._progress_after_fence()
         self.on_stage("progress_read")
@@ -1088,7 +1094,7 @@ class SlicePublisher:
             attempt += 1
             try:
                 record = self._transaction(slice_range, batches(), columns or [], schema_fingerprint,
-                                           expected_rows)
+                                           expected_rows, where, skipped)
                 self._own_progress = record
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
                                      attempts=attempt, phases=dict(self.last_phases))
@@ -1250,7 +1256,8 @@ class SlicePublisher:
 
     def _transaction(self, slice_range: SliceRange, batches: Iterable[MessageBatch | Sequence[OutgoingMessage]],
                      columns: list[list[str]], schema_fingerprint: str,
-                     expected_rows: int | None = None) -> ProgressRecord:
+                     expected_rows: int | None = None, where: str | None = None,
+                     skipped: list[int] | None = None) -> ProgressRecord:
         ch = self.channel
         offsets: dict[int, list[int]] = {}
         errors: list[tuple[KafkaError, int | None]] = []
@@ -1419,7 +1426,7 @@ class SlicePublisher:
             offsets={str(p): span for p, span in sorted(offsets.items())},
             transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
             transaction_s=round(time.monotonic() - self._txn_began, 3) if self._txn_began is not None else 0.0,
-            columns=columns, schema_fingerprint=schema_fingerprint,
+            columns=columns, schema_fingerprint=schema_fingerprint, where=where, skipped=skipped,
         )
         self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None)
         self.on_stage("before_commit")

@@ -159,7 +159,8 @@ class KafkaIOManager(ConfigurableIOManager):
 
                     result = publisher.publish(slice_range, batches, columns=obj.columns,
                                                schema_fingerprint=obj.schema_fingerprint,
-                                               expected_rows=frame.rows_to_send)
+                                               expected_rows=frame.rows_to_send, where=obj.where,
+                                               skipped=frame.skipped)
                     if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
                         ahead.skip(frame)
                     steps["transaction_s"] = result.progress.transaction_s

@@ -181,6 +181,8 @@ class SliceFrame:
     # The rows the slice must publish (in (lo, hi], admitted by `where:`, minus skip_watermarks), checked before
     # its commit; None: not known, not checked.
     rows_to_send: int | None = None
+    # The skip_watermarks inside the slice (left out of its read), recorded with its progress.
+    skipped: list[int] = field(default_factory=list)
     # What the read depends on (source, table settings, reflected shape, Spark settings, slice, rows): chunks
     # fetched under the same signature are the same rows in the same messages (see EarlyRead). "": not shareable.
     signature: str = ""
@@ -428,3 +430,4 @@ class TableSlices:
     columns: list[list[str]] = field(default_factory=list)
     schema_fingerprint: str = ""
     schema_change: str = ""
+    where: str = ""  # the table's `where:` ("" none), recorded with each slice's progress

@@ -462,3 +462,24 @@ def test_a_change_of_column_order_is_a_schema_change() -> None:
     assert schema_change(before, [["id", "BIGINT"], ["x", "INT"], ["b", "TEXT"]]).describe() == "added x; dropped a"
     assert schema_change(before, [["id", "BIGINT"], ["b", "TEXT"], ["a", "TEXT"], ["c", "INT"]]).describe() == (
         "added c; reordered to id, b, a")
+
+
+def test_verify_expects_each_slice_by_the_row_filter_it_was_published_with() -> None:
+    """`rowrelay verify` applied today's `where:` and `skip_watermarks` to all history: after adding a filter the
+    rows sent before it looked extra, after removing a skip its row looked missing. Each slice's rows are now
+    expected as its progress record says they were chosen; older records and uncovered ranges by today's."""
+    from orchestration.cli import FilterPiece, filter_pieces
+
+    def rec(lo: int, hi: int, where: str | None, skipped: list[int] | None = None) -> ProgressRecord:
+        return ProgressRecord("t", SliceRange(lo, hi).key, lo, hi, 1, 1, "", "topic", where=where, skipped=skipped)
+
+    history = [rec(0, 40, ""), rec(40, 100, "", [55]), rec(100, 150, "s <> 'draft'"), rec(150, 160, None)]
+    assert filter_pieces(0, 170, history, "s <> 'draft'", [5, 155]) == [
+        FilterPiece(0, 100, "", (55,)),  # no filter then; 55 skipped then
+        # The filter since; an old record and the range no slice covers yet take today's (its skip inside them).
+        FilterPiece(100, 170, "s <> 'draft'", (155,)),
+    ]
+    # The compared range cuts records; a gap between records takes today's filter (here none, as the slice before).
+    assert filter_pieces(20, 120, [rec(0, 40, ""), rec(60, 150, "x")], None, [50]) == [
+        FilterPiece(20, 60, "", (50,)), FilterPiece(60, 120, "x", ())]
+    assert filter_pieces(None, 10, [], "w", [3, 12]) == [FilterPiece(None, 10, "w", (3,))]
