@@ -146,6 +146,21 @@ class TableLag:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def source_behind(self) -> str | None:
+        """Why the source's newest row is below committed progress, if it is: in an append-only table that means
+        it was re-created (ids restarted) or emptied, and its new rows up to the progress would count as sent."""
+        if self.committed_hi is None or (self.source_max is not None and self.source_max >= self.committed_hi):
+            return None
+        def text(value: int) -> str:
+            return watermark_text(value, self.watermark_kind != "integer")
+
+        top = "the source table is empty" if self.source_max is None else \
+            f"the source's newest row ({text(self.source_max)}) is below committed progress"
+        return (f"{self.table}: {top} ({text(self.committed_hi)}): was the table re-created or its rows deleted? "
+                "Its new rows up to the progress would count as sent and never be published: see the runbook, "
+                "\"A table dropped and re-created\" (`rowrelay reset`)")
+
 
 def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, shape: TableShape, after: int
                             ) -> float | None:
@@ -430,6 +445,9 @@ def lag_result(table: TableConfig, lag: TableLag) -> AssetCheckResult:
                                 "source_max": lag.source_max or 0, "warn_lag_seconds": table.warn_lag_seconds,
                                 "error_lag_seconds": table.error_lag_seconds}
     summary = f"{table.table_id}: {lag.lag_rows} row(s) waiting, lag {seconds} s ({lag.lag_basis})"
+    if (behind := lag.source_behind) is not None:
+        return AssetCheckResult(check_name=LAG_CHECK, passed=False, severity=AssetCheckSeverity.WARN,
+                                description=behind, metadata=metadata)
     if seconds is None or seconds <= table.warn_lag_seconds:
         return AssetCheckResult(check_name=LAG_CHECK, passed=True, description=summary, metadata=metadata)
     severity = AssetCheckSeverity.ERROR if seconds > table.error_lag_seconds else AssetCheckSeverity.WARN

@@ -382,7 +382,7 @@ def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:
                 for t in tables}
 
 
-def table_status(config: RelayConfig, table: TableConfig) -> dict[str, Any]:
+def table_status(config: RelayConfig, table: TableConfig) -> Any:
     from assets.relay import channel_for, measure_lag
     from resources.source_database import SourceDatabaseResource
 
@@ -398,19 +398,23 @@ def table_status(config: RelayConfig, table: TableConfig) -> dict[str, Any]:
             first_run = first_run_at(instance, table)
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
-        return measure_lag(source, table, progress, channel.start_after, first_run).as_dict()
+        return measure_lag(source, table, progress, channel.start_after, first_run)
     finally:
         source.dispose()
 
 
 def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
     tables = _tables(config, args.table)
-    rows, failed = each_table(tables, lambda t: table_status(config, t), "no status")
-    if not rows:
+    lags, failed = each_table(tables, lambda t: table_status(config, t), "no status")
+    if not lags:
         return 1
+    rows = [lag.as_dict() for lag in lags]
     active = _active_runs(tables)
     for row in rows:
         row["active_runs"] = active.get(row["table"]) if active is not None else None
+    for lag in lags:
+        if (behind := lag.source_behind) is not None:
+            print(f"rowrelay: warning: {behind}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 1 if failed else 0

@@ -483,3 +483,27 @@ def test_verify_expects_each_slice_by_the_row_filter_it_was_published_with() -> 
     assert filter_pieces(20, 120, [rec(0, 40, ""), rec(60, 150, "x")], None, [50]) == [
         FilterPiece(20, 60, "", (50,)), FilterPiece(60, 120, "x", ())]
     assert filter_pieces(None, 10, [], "w", [3, 12]) == [FilterPiece(None, 10, "w", (3,))]
+
+
+def test_a_source_below_its_committed_progress_is_flagged() -> None:
+    """A table re-created (ids restarted) before the runbook's reset: `status` said "caught up" and the lag check
+    passed, while its new rows up to the old progress would count as sent and never be published."""
+    from dagster import AssetCheckSeverity
+
+    from assets.relay import TableLag, lag_result
+    from resources.config import TableConfig
+
+    table = TableConfig(source="src", table="public.orders", watermark="id")
+
+    def lag(committed: int | None, top: int | None) -> TableLag:
+        return TableLag(table=table.table_id, committed_hi=committed, source_max=top, lag_rows=0, lag_seconds=0.0,
+                        lag_basis="caught_up", last_commit_at=None)
+
+    assert lag(231, 231).source_behind is None and lag(None, 5).source_behind is None
+    assert lag_result(table, lag(231, 300)).passed
+    behind = lag(231, 150)
+    assert "the source's newest row (150) is below committed progress (231)" in (behind.source_behind or "")
+    result = lag_result(table, behind)
+    assert not result.passed and result.severity == AssetCheckSeverity.WARN
+    assert "re-created" in (result.description or "") and "rowrelay reset" in (result.description or "")
+    assert "the source table is empty (231)" in (lag(231, None).source_behind or "")
