@@ -6,6 +6,7 @@ connection is made (see `resolve_env`).
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from datetime import datetime
@@ -222,9 +223,14 @@ class RelayConfig(_Strict):
 
 def _format_error(exc: ValidationError) -> str:
     lines = []
+    known = {name for model in _Strict.__subclasses__() for name in model.model_fields}
     for err in exc.errors():
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
-        lines.append(f"  {loc or '(top level)'}: {err['msg']}")
+        hint = ""
+        if err["type"] == "extra_forbidden" and err["loc"] and isinstance(err["loc"][-1], str):
+            close = difflib.get_close_matches(err["loc"][-1], sorted(known), n=1)  # a typo: name the key meant
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        lines.append(f"  {loc or '(top level)'}: {err['msg']}{hint}")
     return "\n".join(lines)
 
 
@@ -244,7 +250,8 @@ def config_path() -> Path:
 def load_config(path: str | Path | None = None) -> RelayConfig:
     p = Path(path) if path is not None else config_path()
     if not p.exists():
-        raise ConfigError(f"configuration file {p} not found (set ROWRELAY_CONFIG to its path)")
+        hint = "" if path is not None else " (set ROWRELAY_CONFIG to its path, or pass --config)"
+        raise ConfigError(f"configuration file {p} not found{hint}")
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:

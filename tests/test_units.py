@@ -102,6 +102,9 @@ def test_config_defaults_and_names() -> None:
     (lambda c: c["tables"][0].update(key="random"), "tables[0].key"),
     (lambda c: c["tables"][0].update(topic="bad topic!"), "not a valid Kafka topic name"),
     (lambda c: c["tables"][0].update(colour="red"), "tables[0].colour: Extra inputs are not permitted"),
+    # A typo names the key meant.
+    (lambda c: c["tables"][0].update(slice_max_row=5), "tables[0].slice_max_row: Extra inputs are not permitted "
+     "(did you mean 'slice_max_rows'?)"),
     (lambda c: c["sources"]["shop"].update(url="oracle://x"), "unsupported database 'oracle'"),
     (lambda c: c.pop("kafka"), "kafka: Field required"),
     (lambda c: c["tables"].append(dict(c["tables"][0])), "configured twice"),
