@@ -610,6 +610,10 @@ def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, s
         broker_max_transaction_timeout_ms(io_manager.kafka_conf())
 
 
+NO_DAGSTER_HOME = ("set DAGSTER_HOME to the directory holding rowrelay's dagster.yaml (this checkout): the command "
+                   "records on the Dagster instance; nothing was done")
+
+
 def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     """Cut the table's backlog (up to its safe high watermark) into slices, add them as partitions and run every
     uncommitted slice in this process: one run per `max_slices_per_run` slices, recorded on the Dagster instance
@@ -628,6 +632,9 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError
 
     (table,) = _tables(config, args.table)
+    if not os.environ.get("DAGSTER_HOME"):  # before the early read: it would create the table's topics
+        print(f"rowrelay: {NO_DAGSTER_HOME}", file=sys.stderr)
+        return 1
     defs = build_definitions(config)
     io_manager: KafkaIOManager = defs.resources["kafka_io_manager"]  # type: ignore[assignment]
     early_started = threading.Event()
@@ -683,12 +690,11 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         if not plan.add and plan.state.pending:  # the wait ran out with rows still not final
             frontier = plan.chain[-1].hi if plan.chain else plan.committed_hi
             newest = max(c.watermark for c in plan.state.pending)
-            print(f"rowrelay: {table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) are "
-                  f"not final after {args.settle_timeout:g} s: a transaction that may still write below them is "
-                  "open (or settle_seconds has not passed), so they were not cut. Run backfill again once it "
+            # Not a failure: what could be cut safely is published; the rest waits for the next backfill or tick.
+            print(f"rowrelay: warning: {table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) "
+                  f"are not final after {args.settle_timeout:g} s: a transaction that may still write below them "
+                  "is open (or settle_seconds has not passed), so they were not cut. Run backfill again once it "
                   "ends, or raise --settle-timeout", file=sys.stderr, flush=True)
-            if not todo:
-                return 1
         if args.dry_run or not todo:
             return 0
         job = defs.resolve_job_def(job_name(table))
@@ -975,9 +981,8 @@ def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
 
     (table,) = _tables(config, args.table)
     if not os.environ.get("DAGSTER_HOME"):
-        print("rowrelay: set DAGSTER_HOME: a replay is recorded on the Dagster instance (nothing was produced)",
-              file=sys.stderr)
-        return 2
+        print(f"rowrelay: {NO_DAGSTER_HOME}", file=sys.stderr)
+        return 1
     from dagster import AssetObservation, DagsterInstance
 
     from assets.relay import asset_key
@@ -1114,8 +1119,7 @@ def user_error(exc: BaseException) -> str | None:
     if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError):
         return f"a database could not be reached or refused the request: {str(exc.orig).strip()}"
     if isinstance(exc, DagsterHomeNotSetError):
-        return ("set DAGSTER_HOME to the directory holding rowrelay's dagster.yaml (this checkout): the command "
-                "records on the Dagster instance; nothing was done")
+        return NO_DAGSTER_HOME
     if isinstance(exc, DagsterInvalidInvocationError) and "partition" in str(exc).lower():
         return ("the table's slices changed while this command ran (a `rowrelay reset` or another cut deleted "
                 f"them): {str(exc).splitlines()[0]}; what committed stays committed: run the command again")

@@ -8,6 +8,7 @@ zone), dates, binary as base64, JSON columns embedded, NULL as null.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import deque
@@ -17,8 +18,8 @@ from dataclasses import dataclass, field
 from math import ceil
 from typing import TYPE_CHECKING
 
-from resources.exactly_once import MessageBatch, TableChannel
-from resources.slices import SliceRange
+from resources.exactly_once import BadRowError, MessageBatch, TableChannel
+from resources.slices import SliceRange, watermark_text
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -109,6 +110,45 @@ def json_object_expr(fields: list[StructField], json_columns: set[str], texts: d
     return F.concat(F.lit("{"), F.concat_ws(",", *parts), F.lit("}"))
 
 
+# How a row whose text is not valid UTF-8 stops the read (raise_error in Spark), for SliceFrame.fetch to name it.
+BAD_UTF8 = "rowrelay-bad-utf8"
+_BAD_UTF8_AT = re.compile(BAD_UTF8 + r"\[(-?\d+)\] column (\"(?:[^\"\\]|\\.)*\")")
+
+
+def utf8_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShape
+                 ) -> tuple[DataFrame, dict[str, StructField]]:
+    """The columns read as bytes (`ColumnInfo.utf8_bytes`) as text, checked: bytes that are not valid UTF-8 stop
+    the read naming the row and the column (BAD_UTF8), where the JDBC driver replaced them with U+FFFD."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType, StructField
+
+    wm = F.col(f"`{shape.frame_watermark}`").cast("long").cast("string")
+    checked = {}
+    for c in shape.columns:
+        if c.utf8_bytes and c.name in fields:
+            text = F.col(f"`{c.name}`").cast("string")  # the bytes as they are: no decoding, no replacement
+            stop = F.raise_error(F.concat(F.lit(f"{BAD_UTF8}["), wm, F.lit(f"] column {json.dumps(c.name)}")))
+            checked[c.name] = F.when(text.isNull() | F.is_valid_utf8(text), text).otherwise(stop)
+    if not checked:
+        return df, fields
+    return df.withColumns(checked), {**fields, **{n: StructField(n, StringType(), fields[n].nullable)
+                                                 for n in checked}}
+
+
+def bad_utf8_error(table: str, message: str, timestamps: bool) -> BadRowError | None:
+    """The BadRowError for a read stopped by `utf8_checked`, from the error's message; None for any other."""
+    found = _BAD_UTF8_AT.search(message)
+    if found is None:
+        return None
+    at, column = int(found.group(1)), json.loads(found.group(2))
+    row = watermark_text(at, timestamps)
+    return BadRowError(
+        f"{table}: row {row} holds text that is not valid UTF-8 in column {column!r} (MariaDB accepts an encoded "
+        "surrogate such as the bytes ED A0 80 in a utf8 column); the JDBC driver would replace it with U+FFFD, so "
+        "it would not arrive as stored; nothing of the slice is sent. Fix the value, or leave the row out with "
+        f"skip_watermarks: [{row}]; then re-run the slice.", table=table, watermark=at, column=column)
+
+
 def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: bool, table: str,
                     slice_key: str, schema: list[StructField] | None = None) -> DataFrame:
     """key, value, watermark and its text per row, in the input's order (pure Spark; no Python per row).
@@ -118,6 +158,7 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
 
     json_cols = set(shape.json_columns)
     fields = {f.name: f for f in (schema if schema is not None else df.schema.fields)}
+    df, fields = utf8_checked(df, fields, shape)
     texts = {name: text for name, text in shape.source_texts.items() if text in fields}
     data = json_object_expr([fields[c] for c in shape.column_names], json_cols, texts)
     if envelope:
@@ -212,6 +253,9 @@ class SliceFrame:
         try:
             return self.read_chunk(sub, expected_rows).toArrow()
         except Exception as exc:
+            bad = bad_utf8_error(self.channel.table, str(exc), sub.timestamps)
+            if bad is not None:
+                raise bad from exc
             cause = jvm_cause(exc)
             summary = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if cause is None or cause in summary:

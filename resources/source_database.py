@@ -166,6 +166,9 @@ class ColumnInfo:
     is_json: bool
     is_integer: bool
     source_text: str = ""  # a PG_/MYSQL_TEXT_RENDERING kind: the source renders the column's JSON text
+    # MariaDB/MySQL text in a UTF-8 charset, read as its bytes and checked in Spark (messages.py): the JDBC driver
+    # replaced bytes that are not valid UTF-8 (an encoded surrogate, which MariaDB accepts) with U+FFFD, silently.
+    utf8_bytes: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,13 +240,16 @@ class TableShape:
 
         Each rendered column also comes raw where its text does not serve (`source_rendering`), so the JDBC driver
         skips parsing the others; the watermark and tie_break stay whole (the read filters and sorts on them)."""
-        if not any(c.source_text for c in self.columns):
+        if not any(c.source_text or c.utf8_bytes for c in self.columns):
             return None
         whole = {self.watermark, self.tie_break}
         items: list[str] = []
         texts: list[str] = []
         for i, c in enumerate(self.columns):
             q = quote(c.name)
+            if c.utf8_bytes and c.name not in whole:
+                items.append(f"CAST({q} AS BINARY) AS {q}")
+                continue
             if not c.source_text:
                 items.append(q)
                 continue
@@ -423,6 +429,7 @@ class SourceDatabaseResource(ConfigurableResource):
             raise SourceError(f"{label}: key columns {missing_key} do not exist (columns: {list(t.c.keys())}); fix "
                               "`key:` in rowrelay.yaml")
         infos = []
+        utf8 = self._utf8_columns(schema, table) if self.dialect == "mysql" else set()
         for name in wanted:
             col_type = t.c[name].type
             if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
@@ -442,7 +449,11 @@ class SourceDatabaseResource(ConfigurableResource):
                                   "references cannot carry; leave it out with `columns:` or rename it in a view")
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer),
-                                    source_text=self._source_text(col_type)))
+                                    source_text=self._source_text(col_type),
+                                    utf8_bytes=name in utf8 and name not in (watermark, tie_break)
+                                    and isinstance(col_type, sa.String)
+                                    and not isinstance(col_type, sa.JSON | sa.Enum)
+                                    and type(col_type).__name__ != "SET"))
         shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
                            where=where, watermark_kind=kind, tie_break=tie_break,
                            watermark_unit=self._watermark_unit(wm_type) if kind != "integer" else 1)
@@ -451,6 +462,24 @@ class SourceDatabaseResource(ConfigurableResource):
         if getattr(wm_type, "unsigned", False) and isinstance(wm_type, sa.BigInteger):
             self.check_watermark_range(shape)  # one indexed max query, only for BIGINT UNSIGNED watermarks
         return shape
+
+    def _utf8_columns(self, schema: str | None, table: str) -> set[str]:
+        """MariaDB/MySQL: the table's text columns stored in a UTF-8 charset (utf8mb3, utf8mb4), but JSON: MariaDB's
+        JSON is LONGTEXT with a json_valid() check, which the driver reports as json (spliced into messages as
+        it is) only while it is read as text."""
+        columns = ("SELECT c.COLUMN_NAME FROM information_schema.COLUMNS c WHERE c.TABLE_SCHEMA = "
+                   "COALESCE(:schema, DATABASE()) AND c.TABLE_NAME = :table AND c.DATA_TYPE <> 'json' "
+                   "AND c.CHARACTER_SET_NAME IN ('utf8', 'utf8mb3', 'utf8mb4')")
+        json_checks = (" AND NOT EXISTS (SELECT 1 FROM information_schema.CHECK_CONSTRAINTS k WHERE "
+                       "k.CONSTRAINT_SCHEMA = c.TABLE_SCHEMA AND k.TABLE_NAME = c.TABLE_NAME AND "
+                       "k.CHECK_CLAUSE LIKE CONCAT('%json_valid(`', c.COLUMN_NAME, '`)%'))")
+        params = {"schema": schema, "table": table}
+        with self.engine.connect() as conn:
+            try:
+                return {r[0] for r in conn.execute(sa.text(columns + json_checks), params)}
+            except sa.exc.ProgrammingError:  # MySQL's CHECK_CONSTRAINTS has no TABLE_NAME; its JSON is a type
+                conn.rollback()
+                return {r[0] for r in conn.execute(sa.text(columns), params)}
 
     def _source_text(self, col_type: Any) -> str:
         """The PG_/MYSQL_TEXT_RENDERING kind of a column the source renders as text, or ""."""

@@ -341,6 +341,45 @@ def test_mariadb_float_arrives_as_stored(services, mariadb_database, mariadb_eng
     assert got[2]["f"] != 1.0 and np.float32(got[2]["f"]) == np.float32(1.0000001)
 
 
+@pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
+def test_mariadb_text_that_is_not_utf8_stops_its_slice(services, mariadb_database, mariadb_engine, dagster_instance,
+                                                       spark, name, spark_remote: bool) -> None:
+    """MariaDB accepts an encoded surrogate (ED A0 80) in a utf8 column; the JDBC driver replaced it with U+FFFD and
+    the slice committed, silently. Now the slice stops as bad_row naming the row and the column, nothing sent;
+    with the row in `skip_watermarks` the rest arrive exactly (emoji, latin1 text included)."""
+    from resources.kafka_io_manager import STOPPED_TAG
+    from tests.test_errors import failure_text
+
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, "
+                          "s VARCHAR(20) CHARACTER SET utf8mb4, m TEXT CHARACTER SET utf8mb3, "
+                          "l VARCHAR(20) CHARACTER SET latin1)"))
+        conn.execute(text("SET SESSION sql_mode = ''"))
+        conn.execute(text("SET NAMES binary"))
+        conn.execute(text(f"INSERT INTO {name} (s, m, l) VALUES (X'6F6BC3A9', X'C3A9', X'E9'), "
+                          "(X'61EDA080', X'6D', X'61'), (X'F09F9880', NULL, X'80')"))
+    base = {"source": "src", "table": name, "watermark": "id", "settle_seconds": 0.5}
+    h = Harness(relay_config(services, {"src": mariadb_database}, [base], spark_remote=spark_remote),
+                dagster_instance)
+    table = h.table()
+    (key,) = h.cut(table)
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success
+    said = result.output if spark_remote else failure_text(result)
+    assert f"{table.table_id}: row 2 holds text that is not valid UTF-8 in column 's'" in said, said[-3000:]
+    assert "skip_watermarks: [2]" in said, said[-3000:]
+    if not spark_remote:
+        assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "bad_row"
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
+    assert h.progress(table) is None
+    skipping = Harness(relay_config(services, {"src": mariadb_database}, [{**base, "skip_watermarks": [2]}],
+                                    spark_remote=spark_remote), dagster_instance)
+    skipping.drain(skipping.table(), until_hi=3)
+    got = [m.value for m in read_topic(services.kafka_bootstrap, table.topic_name)]
+    assert got == [{"id": 1, "s": "ok\u00e9", "m": "\u00e9", "l": "\u00e9"},
+                   {"id": 3, "s": "\U0001f600", "m": None, "l": "\u20ac"}]  # latin1 0x80 is the euro sign
+
+
 def test_mariadb_uuid_column_is_refused_at_the_table_check(mariadb_database, mariadb_engine, name) -> None:
     """MariaDB's UUID type (10.7+) passed the table check and failed every read in Spark ("Unrecognized SQL type");
     it is refused by name before anything is cut, with the remedy."""
