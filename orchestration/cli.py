@@ -759,7 +759,9 @@ def run_failure_text(instance: Any, result: Any) -> str:
 
     error = next((e.step_failure_data.error for e in result.all_events
                   if e.is_step_failure and e.step_failure_data and e.step_failure_data.error), None)
-    while error is not None and error.cause is not None:  # the root cause names the problem; its wrappers do not
+    # Past Dagster's wrappers ("Error occurred while executing op ..."): the first error below them names the
+    # problem (rowrelay's own says what to change; the librdkafka or driver error under it, less).
+    while error is not None and error.cause is not None and error.cls_name.startswith("Dagster"):
         error = error.cause
     reason = re.sub(r"^[\w.]+: ", "", error.message.strip()) if error is not None else "see its events"
     run = instance.get_run_by_id(result.run_id)
