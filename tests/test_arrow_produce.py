@@ -85,12 +85,17 @@ def _watermarks(messages: list[Raw]) -> list[int]:
     return [int(dict(headers)["rowrelay.watermark"]) for _, _, headers in messages]
 
 
-def _publish(services, table: str, topic: str, rows: int, **producer: str) -> tuple[list[Raw], str]:
-    """Publish rows (0, rows] of table `arrow.public.<table>` to `topic` (its own progress and transactional id)."""
+def _publish(services, table: str, topic: str, rows: int, again: bool = False, **producer: str
+             ) -> tuple[list[Raw], str]:
+    """Publish rows (0, rows] of table `arrow.public.<table>` to `topic` (its own progress and transactional id).
+    `again`: the table is published under another prefix already; this deployment sends it again deliberately
+    (a baseline at 0, as `rowrelay reset --after 0` records), or publishing would be refused."""
     conf = {"bootstrap.servers": services.kafka_bootstrap, **producer}
     channel = TableChannel.for_table(f"arrow.public.{table}", topic, prefix=f"rowrelay-{topic}")
     publisher = SlicePublisher(channel, conf)
     try:
+        if again:
+            publisher.publish_reset(0, "a second deployment of the table, for the comparison")
         result = publisher.publish(SliceRange(0, rows), _batches(0, rows))
     finally:
         publisher.close()
@@ -125,7 +130,7 @@ def test_c_loop_produces_the_messages_confluent_kafka_would(services, name, monk
 
     calls.clear()
     monkeypatch.setattr(RowProducer, "attach", classmethod(lambda cls, *args: None))  # as without the library
-    python, python_checksum = _publish(services, name, f"{name}_py", rows)
+    python, python_checksum = _publish(services, name, f"{name}_py", rows, again=True)
     assert calls == []
 
     assert native == python
