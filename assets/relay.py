@@ -8,7 +8,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,21 +142,30 @@ class TableLag:
     # awaiting_baseline
     last_commit_at: str | None
     watermark_kind: str = "integer"  # integer | timestamp | timestamptz: the watermarks are then UTC microseconds
+    # The newest row's watermark whatever `where:` says, where committed progress ends at a published slice (a
+    # baseline or reset may rightly sit above every row); else None: nothing to compare.
+    newest_row: int | None = None
+    newest_checked: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """`rowrelay status --json`'s fields (the newest-row check speaks through `source_behind`)."""
+        out = asdict(self)
+        del out["newest_row"], out["newest_checked"]
+        return out
 
     @property
     def source_behind(self) -> str | None:
         """Why the source's newest row is below committed progress, if it is: in an append-only table that means
         it was re-created (ids restarted) or emptied, and its new rows up to the progress would count as sent."""
-        if self.committed_hi is None or (self.source_max is not None and self.source_max >= self.committed_hi):
+        newest = self.newest_row
+        if not self.newest_checked or self.committed_hi is None or (newest is not None and newest >= self.committed_hi):
             return None
+
         def text(value: int) -> str:
             return watermark_text(value, self.watermark_kind != "integer")
 
-        top = "the source table is empty" if self.source_max is None else \
-            f"the source's newest row ({text(self.source_max)}) is below committed progress"
+        top = "the source table is empty" if newest is None else \
+            f"the source's newest row ({text(newest)}) is below committed progress"
         return (f"{self.table}: {top} ({text(self.committed_hi)}): was the table re-created or its rows deleted? "
                 "Its new rows up to the progress would count as sent and never be published: see the runbook, "
                 "\"A table dropped and re-created\" (`rowrelay reset`)")
@@ -217,9 +226,14 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
         seconds, basis = max(0.0, (datetime.now(UTC) - first_run_at).total_seconds()), "since_first_run"
     else:
         seconds, basis = None, "unknown"
+    # Progress at a published slice, yet the newest row below it: the table was re-created or emptied. Every row
+    # counts here (`where:` aside: a row it leaves out still exists), so one more query only where it filters.
+    checked = progress is not None and progress.hi > progress.lo and progress.rows > 0
+    newest = (top if not shape.where else source.max_watermark(replace(shape, where=None))) if checked else None
     return TableLag(table=table.table_id, committed_hi=progress.hi if progress else None, source_max=top,
                     lag_rows=rows, lag_seconds=None if seconds is None else round(seconds, 1), lag_basis=basis,
-                    last_commit_at=last, watermark_kind=shape.watermark_kind)
+                    last_commit_at=last, watermark_kind=shape.watermark_kind, newest_row=newest,
+                    newest_checked=checked)
 
 
 def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed_hi: int) -> list[SliceRange]:
@@ -411,8 +425,13 @@ def parity_result(table: TableConfig, source: SourceDatabaseResource, records: l
     shape = table_shape(source, table)
     mismatches: list[dict[str, Any]] = []
     for r in records:
-        skipped = table.skip_watermarks_in(r.lo, r.hi)
-        counted = source.count_rows(shape, r.lo, r.hi, skip=skipped)
+        # The row filter the slice was published with, where its record keeps it (`where:` or skip_watermarks
+        # changed since must not make an old slice look wrong); older records: today's.
+        if r.where is None:
+            skipped, counted_shape = table.skip_watermarks_in(r.lo, r.hi), shape
+        else:
+            skipped, counted_shape = r.skipped or [], replace(shape, where=r.where or None)
+        counted = source.count_rows(counted_shape, r.lo, r.hi, skip=skipped)
         read = published_checksums.get(r.slice)
         if counted != r.rows:
             mismatches.append({"slice": r.slice, "what": "rows", "progress_record": r.rows, "source_now": counted})

@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from math import ceil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # numpy's OpenBLAS starts a thread per core at import, and they spin: ~0.1 CPU-s of a backfill on two cores for
 # linear algebra rowrelay never does. Before anything imports numpy (the publisher does, below).
@@ -40,8 +40,16 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
-from resources.exactly_once import live_records, read_committed_progress, read_progress_history  # noqa: E402
+from resources.exactly_once import (  # noqa: E402
+    ProgressRecord,
+    live_records,
+    read_committed_progress,
+    read_progress_history,
+)
 from resources.slices import is_timestamp_key, micros_text, parse_watermark, watermark_text  # noqa: E402
+
+if TYPE_CHECKING:
+    from assets.relay import TableLag
 
 
 @dataclass
@@ -149,7 +157,7 @@ class FilterPiece:
     skip: tuple[int, ...]
 
 
-def filter_pieces(start: int | None, upto: int, slices: list[Any], where: str | None,
+def filter_pieces(start: int | None, upto: int, slices: list[ProgressRecord], where: str | None,
                   skip: list[int]) -> list[FilterPiece]:
     """(start, upto] in pieces by the row filter that chose their rows: each slice's as its progress record says
     (`where`, `skipped`: a `where:` or `skip_watermarks` changed since must not make its rows look extra or
@@ -184,7 +192,7 @@ def filter_pieces(start: int | None, upto: int, slices: list[Any], where: str | 
 
 
 def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None,
-                      upto: int, slices: list[Any] | None = None) -> tuple[Counter[int], str]:
+                      upto: int, slices: list[ProgressRecord] | None = None) -> tuple[Counter[int], str]:
     """The source's rows in (start, upto] counted per watermark, each slice's by the row filter it was published
     with (`filter_pieces`), and the watermark's kind."""
     from dataclasses import replace
@@ -382,7 +390,7 @@ def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:
                 for t in tables}
 
 
-def table_status(config: RelayConfig, table: TableConfig) -> Any:
+def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
     from assets.relay import channel_for, measure_lag
     from resources.source_database import SourceDatabaseResource
 

@@ -304,29 +304,28 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     delete = ledger.orphans if heal else []
     max_rows = slice_rows_limit(table.slice_max_rows, recent, transaction_timeout_ms(conf))
     chain, frontier = ledger.chain, ledger.frontier
-    too_long: tuple[SliceRange, int] | None = None
     if resplit and chain:
-        rows = source.count_rows(shape, chain[0].lo, chain[0].hi)
-        too_long = chain[0], rows
-        max_rows = min(max_rows, max(1, rows // 4))
+        too_long = chain[0]
+        # Settled answers (a cut slice's rows never change): asked once per process, not every tick.
+        if source.nth_watermark(shape, too_long.lo, 1, too_long.hi, settled=True) == too_long.hi:
+            # Its rows share one watermark value, which a slice never splits: cut again it would be the same slice,
+            # timing out again for as long as the timeout allows, forever. Kept as it is, for a human (one indexed
+            # row per tick while it waits).
+            rows = source.count_rows(shape, too_long.lo, too_long.hi, settled=True)
+            return CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps, waiting=(
+                f"slice {too_long.key} outlived transaction.timeout.ms and cannot be cut smaller: its {rows} rows "
+                f"share one {table.watermark} value. Raise kafka.producer transaction.timeout.ms (up to the "
+                "broker's transaction.max.timeout.ms), then run it again (`rowrelay backfill --table "
+                f"{table.table_id}` or Materialize in the UI)"))
+        max_rows = min(max_rows, max(1, source.count_rows(shape, too_long.lo, too_long.hi, settled=True) // 4))
         # The slices' end was final when they were cut: cut again up to it at once (already-final candidate),
         # not after the open transactions of this moment, or a busy source would re-cut them at full size.
-        kept = CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps)
         state = SensorState([WatermarkCandidate(chain[-1].hi, float("-inf")), *state.pending], state.chain,
                             state.waiting_since)
         delete, chain, frontier = delete + chain, [], committed_hi
     if chain and not cut_while_pending:
         return CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps)
     tick = plan_tick(source, table, frontier, state, limit=limit, max_rows=max_rows)
-    if too_long is not None and tick.slices[:1] == [too_long[0]]:
-        # Its rows share one watermark value, which a slice never splits: cut again it would be the same slice,
-        # timing out again for as long as the timeout allows, forever. Kept as it is, for a human.
-        slice_range, rows = too_long
-        kept.waiting = (f"slice {slice_range.key} outlived transaction.timeout.ms and cannot be cut smaller: its "
-                        f"{rows} rows share one {table.watermark} value. Raise kafka.producer transaction.timeout.ms "
-                        "(up to the broker's transaction.max.timeout.ms), then run it again (`rowrelay backfill "
-                        f"--table {table.table_id}` or Materialize in the UI)")
-        return kept
     return CutPlan(committed_hi, delete, tick.slices, chain + tick.slices, tick.state, timestamps=shape.timestamps)
 
 

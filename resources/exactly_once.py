@@ -50,6 +50,9 @@ from resources.slices import SliceRange, is_timestamp_key, watermark_text
 _log = logging.getLogger(__name__)
 
 
+_ATTEMPT_NUMBERS = re.compile(r"\b\d+ms\b|(?<=#producer-)\d+|(?<=#consumer-)\d+|(?<=#admin-)\d+|\b\d+(?=/\d+ brokers)")
+
+
 class _RepeatsDropped(logging.Filter):
     """Drops a line that repeats one let through in the last `window_s` (numbers aside). A broker that is away
     made every client log each reconnect attempt: ~390 lines in 11 s before the one error that says what is wrong."""
@@ -61,7 +64,8 @@ class _RepeatsDropped(logging.Filter):
         self.lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = re.sub(r"\d+", "#", f"{record.name} {record.getMessage()}")
+        # Numbers that change from one attempt to the next only (a table or host name keeps its digits).
+        key = _ATTEMPT_NUMBERS.sub("#", f"{record.name} {record.getMessage()}")
         now = time.monotonic()
         with self.lock:
             if now - self.seen.get(key, float("-inf")) < self.window_s:
@@ -659,7 +663,10 @@ def progress_under_other_prefix(kafka_conf: dict[str, Any], channel: TableChanne
     names = sorted(n for n in list_topics(admin, kafka_conf, timeout=timeout).topics
                    if n.startswith("_") and n.endswith(suffix) and n != channel.progress_topic)
     for name in names:
-        record = read_committed_progress(kafka_conf, replace(channel, progress_topic=name), timeout)
+        try:
+            record = read_committed_progress(kafka_conf, replace(channel, progress_topic=name), timeout)
+        except (KafkaException, RelayError):  # not ours to read (ACLs: another deployment's topic)
+            continue
         if record is not None:
             return name, record
     return None
@@ -1218,12 +1225,13 @@ class SlicePublisher:
             # The prefix and the topic changed together: the new topic is empty, but the table has committed
             # progress under the old prefix.
             name, record = elsewhere
+            at = watermark_text(record.hi, is_timestamp_key(record.slice))
             raise ProgressMissing(
                 f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
                 f"{ch.transactional_id}), but progress topic {name} holds this table's committed progress up to "
-                f"watermark {record.hi} (its rows went to topic {record.topic}): publishing would send them again. "
+                f"watermark {at} (its rows went to topic {record.topic}): publishing would send them again. "
                 "Restore the transactional_id_prefix that wrote it if it was changed, or run `rowrelay reset "
-                f"--table {ch.table} --after {record.hi}` to continue from there under this prefix (a lower value, "
+                f"--table {ch.table} --after {at}` to continue from there under this prefix (a lower value, "
                 "`--after 0` included, sends rows again deliberately: another deployment of the same table)",
                 table=ch.table, topic_watermark=record.hi)
         self._topic_checked = True

@@ -140,9 +140,10 @@ MYSQL_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (raw value for S
     # The raw column as it is (a CASE would reach the driver as another type); the driver reads the zero as null.
     "mysql_timestamp": ("{c}", "CASE WHEN {c} = 0 THEN '0000-00-00T00:00:00.000000+00:00' END"),
     # A FLOAT (32-bit) reaches the driver as the server's text of 6 significant digits (123456792 as 1.23457e8):
-    # as a double instead, whose text is exact, read back as a 32-bit float by Spark (custom_schema_for) and
-    # rendered as PostgreSQL's real is. No text of the source's own.
-    "mysql_float": ("({c} + 0e0)", "CAST(NULL AS CHAR)"),
+    # as a double instead, whose text is exact, read back as a 32-bit float by Spark (custom_schema_for). No text
+    # of the source's own (a string beside it would widen the float to a double in the message: 0.1 as
+    # 0.10000000149011612).
+    "mysql_float": ("({c} + 0e0)", ""),
 }
 
 
@@ -233,7 +234,8 @@ class TableShape:
     @property
     def source_texts(self) -> dict[str, str]:
         """Column name -> its source-rendered text column, for the columns the source renders."""
-        return {c.name: self.text_column(i) for i, c in enumerate(self.columns) if c.source_text}
+        return {c.name: self.text_column(i) for i, c in enumerate(self.columns) if c.source_text
+                and source_rendering(c.source_text, "")[1]}
 
     def rendered_select(self, quote: Callable[[str], str]) -> str | None:
         """The select list of a slice read where the source renders some columns' text (None: none does).
@@ -255,7 +257,8 @@ class TableShape:
                 continue
             raw, text = source_rendering(c.source_text, q)
             items.append(q if c.name in whole else f"{raw} AS {q}")
-            texts.append(f"{text} AS {quote(self.text_column(i))}")
+            if text:  # "": the source renders no text of its own, only the raw value
+                texts.append(f"{text} AS {quote(self.text_column(i))}")
         return ", ".join(items + texts)
 
     @property
@@ -472,12 +475,12 @@ class SourceDatabaseResource(ConfigurableResource):
                    "AND c.CHARACTER_SET_NAME IN ('utf8', 'utf8mb3', 'utf8mb4')")
         json_checks = (" AND NOT EXISTS (SELECT 1 FROM information_schema.CHECK_CONSTRAINTS k WHERE "
                        "k.CONSTRAINT_SCHEMA = c.TABLE_SCHEMA AND k.TABLE_NAME = c.TABLE_NAME AND "
-                       "k.CHECK_CLAUSE LIKE CONCAT('%json_valid(`', c.COLUMN_NAME, '`)%'))")
+                       "LOCATE(CONCAT('json_valid(`', c.COLUMN_NAME, '`)'), k.CHECK_CLAUSE) > 0)")
         params = {"schema": schema, "table": table}
         with self.engine.connect() as conn:
             try:
                 return {r[0] for r in conn.execute(sa.text(columns + json_checks), params)}
-            except sa.exc.ProgrammingError:  # MySQL's CHECK_CONSTRAINTS has no TABLE_NAME; its JSON is a type
+            except sa.exc.DBAPIError:  # MySQL: CHECK_CONSTRAINTS without TABLE_NAME (or none); its JSON is a type
                 conn.rollback()
                 return {r[0] for r in conn.execute(sa.text(columns), params)}
 
@@ -901,7 +904,8 @@ def _sqlite_misfit_sql(declared: str, c: str, t: str) -> str:
     digits = min(int(precision.group(1)), 38) if precision else 38
     scale = int(precision.group(2) or 0) if precision else SQLITE_DEFAULT_SCALE
     fits = _sqlite_real_fits_sql(c, t, scale)
-    return (f"NOT (typeof({c}) = 'null' OR (abs({c}) < 1e{max(digits - scale, 0)} AND "
+    bound = f"1e{max(digits - scale, 0)}"  # not abs(): it overflows on the smallest integer
+    return (f"NOT (typeof({c}) = 'null' OR ({c} > -{bound} AND {c} < {bound} AND "
             f"(typeof({c}) = 'integer' OR (typeof({c}) = 'real' AND {fits}))))")
 
 

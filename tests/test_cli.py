@@ -418,6 +418,15 @@ def test_cli_errors_say_what_to_do_instead_of_a_traceback(services, pg_database,
     # (80 lines of them came before it, a terminal or not).
     assert "dagster - " not in err and "STEP_FAILURE" not in err, err
 
+    # A misspelled producer setting: rowrelay's own error, not the librdkafka error under it.
+    typo = cfg.model_dump(mode="json", exclude_none=True)
+    typo["kafka"]["producer"] = {"mesage.max.bytes": 2000000}
+    typo["tables"] = [{**typo["tables"][0], "on_schema_change": "follow"}]
+    config_file.write_text(yaml.safe_dump(typo))
+    code, _, err = run("backfill", "--table", good)
+    assert code == 1 and 'kafka.producer: No such configuration property: "mesage.max.bytes"' in err, err
+    assert "KafkaError{" not in err and "Next: fix `kafka.producer`" in err, err
+
 
 def test_a_backfill_says_when_its_rows_are_not_final_and_counts_only_rows_it_sends(
         services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
