@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -77,6 +78,16 @@ def _relayed_values(services, dagster_instance, path: Path, name: str, until_hi:
     return [m.value for m in read_topic(services.kafka_bootstrap, h.table().topic_name)]
 
 
+def _sqlite_table(tmp_path: Path, name: str, columns: str, rows: str) -> tuple[Path, Any]:
+    """A SQLite file holding table `name` (id INTEGER PRIMARY KEY, `columns`) with `rows`: (its path, an engine)."""
+    path = tmp_path / f"{name}.db"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, {columns})"))
+        conn.execute(text(f"INSERT INTO {name} VALUES {rows}"))
+    return path, engine
+
+
 def _run_first_slice(services, dagster_instance, path: Path, name: str, **table: object):
     """Cut the SQLite table's first slice and run it, expecting the run to fail: (harness, table, result)."""
     cfg = relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [
@@ -146,11 +157,7 @@ def test_a_sqlite_value_its_declared_type_cannot_carry_stops_the_slice(services,
     from resources.kafka_io_manager import STOPPED_TAG
     from tests.test_errors import failure_text
 
-    path = tmp_path / f"{name}.db"
-    engine = create_engine(f"sqlite:///{path}")
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v {declared})"))
-        conn.execute(text(f"INSERT INTO {name} VALUES (1, NULL), (2, {value}), (3, NULL)"))
+    path, engine = _sqlite_table(tmp_path, name, f"v {declared}", f"(1, NULL), (2, {value}), (3, NULL)")
     h, table, result = _run_first_slice(services, dagster_instance, path, name)
     message = failure_text(result)
     shown = declared.replace(",", ", ")  # as SQLAlchemy reflects it
@@ -185,11 +192,7 @@ def test_a_re_execution_of_a_stopped_run_is_not_taken_for_stopped(services, dags
     from orchestration.sensors import last_stop_reason
     from resources.kafka_io_manager import RETRY_ON_FAILURE_TAG, STOPPED_TAG
 
-    path = tmp_path / f"{name}.db"
-    engine = create_engine(f"sqlite:///{path}")
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v INTEGER)"))
-        conn.execute(text(f"INSERT INTO {name} VALUES (1, 1), (2, 2.5), (3, 3)"))
+    path, engine = _sqlite_table(tmp_path, name, "v INTEGER", "(1, 1), (2, 2.5), (3, 3)")
     h, table, stopped = _run_first_slice(services, dagster_instance, path, name)
     parent = dagster_instance.get_run_by_id(stopped.run_id)
     assert parent.tags[STOPPED_TAG] == "bad_row" and parent.tags[RETRY_ON_FAILURE_TAG] == "false"
