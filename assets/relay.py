@@ -425,13 +425,10 @@ def parity_result(table: TableConfig, source: SourceDatabaseResource, records: l
     shape = table_shape(source, table)
     mismatches: list[dict[str, Any]] = []
     for r in records:
-        # The row filter the slice was published with, where its record keeps it (`where:` or skip_watermarks
-        # changed since must not make an old slice look wrong); older records: today's.
-        if r.where is None:
-            skipped, counted_shape = table.skip_watermarks_in(r.lo, r.hi), shape
-        else:
-            skipped, counted_shape = r.skipped or [], replace(shape, where=r.where or None)
-        counted = source.count_rows(counted_shape, r.lo, r.hi, skip=skipped)
+        # By the row filter the slice was published with (`where:` or skip_watermarks changed since must not make
+        # an old slice look wrong).
+        where, skipped = r.row_filter(table.where, table.skip_watermark_values)
+        counted = source.count_rows(replace(shape, where=where or None), r.lo, r.hi, skip=skipped)
         read = published_checksums.get(r.slice)
         if counted != r.rows:
             mismatches.append({"slice": r.slice, "what": "rows", "progress_record": r.rows, "source_now": counted})

@@ -148,12 +148,12 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
 
 @dataclass(frozen=True)
 class FilterPiece:
-    """A watermark range (lo, hi] whose rows were chosen by one row filter: `where` ("" or None: none) and the
+    """A watermark range (lo, hi] whose rows were chosen by one row filter: `where` ("": none) and the
     watermarks `skip` left out."""
 
     lo: int | None
     hi: int
-    where: str | None
+    where: str
     skip: tuple[int, ...]
 
 
@@ -165,29 +165,27 @@ def filter_pieces(start: int | None, upto: int, slices: list[ProgressRecord], wh
     range no slice covers, by today's (`where`, `skip`). `slices`: the live slice records, oldest first."""
     pieces: list[FilterPiece] = []
 
-    def add(lo: int | None, hi: int, piece_where: str | None, piece_skip: list[int]) -> None:
+    def add(lo: int | None, hi: int, piece_where: str, piece_skip: list[int]) -> None:
         if lo is not None and hi <= lo:
             return
         inside = tuple(w for w in piece_skip if (lo is None or w > lo) and w <= hi)
         last = pieces[-1] if pieces else None
-        if last is not None and last.hi == lo and (last.where or "") == (piece_where or ""):
+        if last is not None and last.hi == lo and last.where == piece_where:
             pieces[-1] = FilterPiece(last.lo, hi, last.where, last.skip + inside)
         else:
             pieces.append(FilterPiece(lo, hi, piece_where, inside))
 
+    today = where or ""
     at = start
     for record in sorted(slices, key=lambda r: r.lo):
         if (at is not None and record.hi <= at) or record.lo >= upto:
             continue  # before the compared range, or after it
         if at is None or record.lo > at:
-            add(at, record.lo, where, skip)  # a gap no slice covers: today's filter
+            add(at, record.lo, today, skip)  # a gap no slice covers: today's filter
         lo, hi = record.lo if at is None else max(record.lo, at), min(record.hi, upto)
-        if record.where is None:  # recorded before rowrelay kept the filter
-            add(lo, hi, where, skip)
-        else:
-            add(lo, hi, record.where, record.skipped or [])
+        add(lo, hi, *record.row_filter(where, skip))
         at = hi
-    add(at, upto, where, skip)
+    add(at, upto, today, skip)
     return pieces
 
 

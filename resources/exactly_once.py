@@ -301,6 +301,13 @@ class ProgressRecord:
     where: str | None = None
     skipped: list[int] | None = None
 
+    def row_filter(self, where: str | None, skip: list[int]) -> tuple[str, list[int]]:
+        """The `where:` ("" none) and skipped watermarks that chose this slice's rows: as recorded, else (a record
+        of an older version) today's `where` and the `skip` watermarks inside the slice."""
+        if self.where is not None:
+            return self.where, list(self.skipped or [])
+        return where or "", [w for w in skip if self.lo < w <= self.hi]
+
     def to_json(self) -> bytes:
         # A shallow dict: the fields are JSON values already, and `asdict` deep-copied each of them first (a
         # 300k-slice history seed spent about half its time there).

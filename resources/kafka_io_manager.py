@@ -55,6 +55,8 @@ def inherited_stop_cleared(tags: Mapping[str, str], retry_default: bool) -> dict
     if not tags.get(STOPPED_TAG):
         return {}
     return {STOPPED_TAG: "", RETRY_ON_FAILURE_TAG: "true" if retry_default else "false"}
+
+
 # On a run that failed at slice k: the first and last of the slices it committed before k, as
 # `<run id>/<first>...<last>` (keys in chain order), for the asset's failure hook, which checks their parity
 # (assets/relay.py). The run id: Dagster's retry of the run copies its tags, but not what it committed.

@@ -249,7 +249,7 @@ class TableShape:
         texts: list[str] = []
         for i, c in enumerate(self.columns):
             q = quote(c.name)
-            if c.utf8_bytes and c.name not in whole:
+            if c.utf8_bytes:  # never the watermark or tie_break (table_shape)
                 items.append(f"CAST({q} AS BINARY) AS {q}")
                 continue
             if not c.source_text:
@@ -453,9 +453,9 @@ class SourceDatabaseResource(ConfigurableResource):
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer),
                                     source_text=self._source_text(col_type),
+                                    # the watermark and tie_break stay whole: the read filters and sorts on them
                                     utf8_bytes=name in utf8 and name not in (watermark, tie_break)
-                                    and isinstance(col_type, sa.String)
-                                    and not isinstance(col_type, sa.JSON | sa.Enum)
+                                    and isinstance(col_type, sa.String) and not isinstance(col_type, sa.Enum)
                                     and type(col_type).__name__ != "SET"))
         shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
                            where=where, watermark_kind=kind, tie_break=tie_break,
