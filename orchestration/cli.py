@@ -106,7 +106,7 @@ class TopicWatermarks:
 
 def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0) -> TopicWatermarks:
     """Read the topic to its end: the table's own messages' watermarks (`TopicWatermarks`)."""
-    from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER, base_conf
+    from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER, base_conf, partition_watermarks
 
     consumer = Consumer({**base_conf(conf), "group.id": f"rowrelay-verify-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
@@ -120,7 +120,7 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
             return out
         for p in sorted(meta.partitions):
             tp = TopicPartition(topic, p)
-            low, high = consumer.get_watermark_offsets(tp, timeout=timeout)
+            low, high = partition_watermarks(consumer, tp, timeout, conf)  # a new topic's leader may still move
             wms, offsets = out.partitions.setdefault(p, []), out.offsets.setdefault(p, [])
             if high <= low:
                 continue

@@ -606,7 +606,7 @@ def read_progress_history(kafka_conf: dict[str, Any], channel: TableChannel, tim
     consumer = _consumer(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
-        low, high = _watermarks(consumer, tp, timeout, kafka_conf)
+        low, high = partition_watermarks(consumer, tp, timeout, kafka_conf)
         return [ProgressRecord.from_json(m.value()) for m in _read_range(consumer, tp, low, high, timeout)]
     finally:
         consumer.close()
@@ -615,7 +615,7 @@ def read_progress_history(kafka_conf: dict[str, Any], channel: TableChannel, tim
 _LEADER_MOVING = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE)
 
 
-def _watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_conf: dict[str, Any]
+def partition_watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_conf: dict[str, Any]
                 ) -> tuple[int, int]:
     """(low, high) offsets of a partition; (0, 0) if its topic does not exist yet.
 
@@ -655,7 +655,7 @@ def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, t
     consumer = _consumer(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
-        low, high = _watermarks(consumer, tp, timeout, kafka_conf)
+        low, high = partition_watermarks(consumer, tp, timeout, kafka_conf)
         return _last_record(consumer, tp, low, high, timeout)
     finally:
         consumer.close()
@@ -743,7 +743,7 @@ def read_records(kafka_conf: dict[str, Any], channel: TableChannel, *, since_ms:
     consumer = _consumer(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
-        low, high = _watermarks(consumer, tp, timeout, kafka_conf)
+        low, high = partition_watermarks(consumer, tp, timeout, kafka_conf)
         start = low
         if since_ms is not None and high > low:
             found = consumer.offsets_for_times([TopicPartition(tp.topic, 0, since_ms)], timeout=timeout)[0].offset
@@ -778,7 +778,7 @@ def records_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Sli
     consumer = _consumer(kafka_conf)
     try:
         tp = TopicPartition(channel.progress_topic, 0)
-        low, high = _watermarks(consumer, tp, timeout, kafka_conf)
+        low, high = partition_watermarks(consumer, tp, timeout, kafka_conf)
         lo_off, hi_off = low, high
         while lo_off < hi_off:  # first offset whose record ends above rng.lo
             mid = (lo_off + hi_off) // 2
@@ -872,7 +872,7 @@ class ProgressTail:
         if self.consumer is None:
             self.consumer = _consumer(self.kafka_conf)
         if self.seen is None:  # first read (or after an error): the topic may not exist yet
-            low, high = _watermarks(self.consumer, self.tp, timeout, self.kafka_conf)
+            low, high = partition_watermarks(self.consumer, self.tp, timeout, self.kafka_conf)
             if (low, high) == (0, 0):
                 return None  # no topic or empty: asked again next time (metadata each time until it exists)
         else:
@@ -949,7 +949,7 @@ def topic_end_offsets(kafka_conf: dict[str, Any], topic: str, timeout: float = 3
                 raise KafkaUnavailable(f"{topic}: no partition metadata on {kafka_conf.get('bootstrap.servers')} "
                                        f"({meta.error})")
             time.sleep(0.2)
-        return {str(p): _watermarks(consumer, TopicPartition(topic, p), timeout, kafka_conf)[1]
+        return {str(p): partition_watermarks(consumer, TopicPartition(topic, p), timeout, kafka_conf)[1]
                 for p in sorted(meta.partitions)}
     finally:
         consumer.close()
@@ -974,7 +974,7 @@ def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChan
         highest: int | None = None
         for partition in sorted(topic.partitions):
             tp = TopicPartition(channel.topic, partition)
-            low, end = _watermarks(consumer, tp, timeout, kafka_conf)
+            low, end = partition_watermarks(consumer, tp, timeout, kafka_conf)
             window = 64
             while end > low:
                 start = max(low, end - window)

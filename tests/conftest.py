@@ -117,10 +117,13 @@ def partition_ends(bootstrap: str, topic: str, partition: int = 0) -> tuple[int,
     transaction's markers may not be written yet, and that end still stops before the committed rows."""
     from confluent_kafka import Consumer, TopicPartition
 
-    ends = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ends-{uuid.uuid4().hex}",
-                     "isolation.level": "read_uncommitted"})
+    from resources.exactly_once import partition_watermarks
+
+    conf = {"bootstrap.servers": bootstrap}
+    ends = Consumer({**conf, "group.id": f"ends-{uuid.uuid4().hex}", "isolation.level": "read_uncommitted"})
     try:
-        return ends.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+        # The product's read: a topic just created may not serve offsets yet (NOT_LEADER_FOR_PARTITION), seen in CI.
+        return partition_watermarks(ends, TopicPartition(topic, partition), 10, conf)
     finally:
         ends.close()
 
