@@ -520,7 +520,7 @@ def run_debezium(pg: dict, table: str, bootstrap: str, topic_prefix: str, rows: 
         "rows_per_s": round(rows / seconds, 1) if seconds > 0 else 0.0,
         "mode": mode,
         "version": version,
-        "exactly_once": exactly_once,
+        "exactly_once_mode": exactly_once,  # the mode it ran in (exactly.once.source.support), not a check
         "topic": topic,
     }
     export = snapshot_export_seconds(workdir)

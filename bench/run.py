@@ -128,23 +128,58 @@ def drop_bench_topics(stack: Stack) -> None:
 
 def topic_count(stack: Stack, topic: str) -> int:
     """Committed messages in a topic, counted by a read_committed consumer to the end."""
+    return topic_census(stack, topic, 0).messages
+
+
+@dataclass
+class TopicCensus:
+    """A topic read to its end, read_committed: its messages, and whether their `rowrelay.watermark` headers are
+    1..hi each exactly once (no duplicate, no gap; a count alone misses a duplicate beside a missing row)."""
+    messages: int
+    duplicates: int
+    missing: int
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.duplicates == 0 and self.missing == 0
+
+
+def topic_census(stack: Stack, topic: str, hi: int) -> TopicCensus:
+    """Read `topic` to its end and check its watermark headers against 1..`hi` (`hi` 0: count only)."""
+    import numpy as np
+
+    seen = np.zeros(hi + 1, dtype=np.int32)
+    outside = 0  # a watermark header outside 1..hi, or none
     consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
                          "auto.offset.reset": "earliest"})
+    count = 0
     try:
         md = consumer.list_topics(topic, timeout=30)
-        count = 0
         for p in sorted(md.topics[topic].partitions):
             tp = TopicPartition(topic, p)
             low, high = consumer.get_watermark_offsets(tp, timeout=30)
             consumer.assign([TopicPartition(topic, p, low)])
             while consumer.position([tp])[0].offset < high:
+                wms = []
                 for msg in consumer.consume(10_000, 1.0):
-                    if not msg.error():
-                        count += 1
-        return count
+                    if msg.error():
+                        continue
+                    count += 1
+                    if hi:
+                        wm = dict(msg.headers() or ()).get("rowrelay.watermark")
+                        wms.append(int(wm) if wm is not None else -1)
+                if wms:
+                    at = np.asarray(wms, dtype=np.int64)
+                    inside = (at >= 1) & (at <= hi)
+                    outside += int((~inside).sum())
+                    np.add.at(seen, at[inside], 1)
     finally:
         consumer.close()
+    if not hi:
+        return TopicCensus(count, 0, 0)
+    rows = seen[1:]
+    return TopicCensus(count, int(np.maximum(rows.astype(np.int64) - 1, 0).sum()) + outside, int((rows == 0).sum()))
 
 
 # -- raw ceiling --------------------------------------------------------------------------------------
@@ -425,10 +460,10 @@ class CommittedWatch:
         (the ceiling + Kafka process exits right after its commit; its CPU read 0 once)."""
         assert self.at is not None
         seconds = self.at - started
-        messages = topic_count(self.stack, self.table_id)
-        out = {"seconds": round(seconds, 2), "rows_per_s": round(self.hi / seconds), "messages": messages,
-               "committed_hi": self.committed_hi,
-               "exactly_once": messages == self.hi and self.committed_hi == self.hi}
+        census = topic_census(self.stack, self.table_id, self.hi)
+        out = {"seconds": round(seconds, 2), "rows_per_s": round(self.hi / seconds), "messages": census.messages,
+               "committed_hi": self.committed_hi, "duplicates": census.duplicates, "missing": census.missing,
+               "exactly_once": census.exactly_once}
         if self.cpu_end is not None and self.pid is not None:
             gone = not self.cpu_end.get("process") and process_s_if_gone is not None
             out["cpu_s"] = CpuMeter.seconds(self.cpu_start, self.cpu_end, process_s_if_gone if gone else None)
@@ -782,9 +817,20 @@ def main(argv: list[str] | None = None) -> int:
                 "idle_tick_ms", "freshness_p50_s", "freshness_p95_s", "run_start_s", "run_overhead_s",
                 "peak_rss_mib", "peak_rss_rows"):
         results.setdefault(key, None)
+    # Exactly once in every run that promises it (rowrelay's, the ceiling + Kafka path's, which publishes with
+    # rowrelay's publisher, the memory run's): each topic read to its end, every watermark once.
+    promised = [*results.get("rowrelay_runs", []), *results.get("kafka_path_runs", []),
+                *([results["memory"]] if "memory" in results else [])]
+    broken = [r for r in promised if not r.get("exactly_once")]
+    results["exactly_once_every_run"] = not broken if promised else None
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
     log(f"wrote {RESULTS}")
+    if broken:
+        for r in broken:
+            log(f"NOT exactly once: {r.get('messages')} messages, {r.get('duplicates')} duplicate(s), "
+                f"{r.get('missing')} missing")
+        return 1
     return 0
 
 
@@ -857,6 +903,8 @@ def print_table(r: dict[str, Any]) -> None:
              ("rowrelay / Spark ceiling + Kafka, each round",
               " ".join(map(str, r.get("ratio_vs_kafka_path_by_round") or [])) or None),
              ("rowrelay exactly once in every run", r.get("rowrelay_exactly_once")),
+             ("exactly once in every run that promises it (+ ceiling + Kafka, memory)",
+              r.get("exactly_once_every_run")),
              *((f"CPU-s, {label} (process / Spark / PostgreSQL / broker = all)",
                 " / ".join(str(cpu.get(k)) for k in ("process", "spark", "postgres", "broker")) + f" = {cpu['all']}")
                for label, cpu in (("Spark ceiling", r.get("spark_ceiling_cpu_s")),

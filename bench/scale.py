@@ -31,7 +31,7 @@ from confluent_kafka import Producer
 
 from assets.relay import channel_for, partitions_for
 from resources.config import RelayConfig, TableConfig
-from resources.exactly_once import ProgressRecord, ensure_topics
+from resources.exactly_once import ProgressRecord, ensure_topics, read_committed_progress
 from resources.slices import SliceRange
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +88,14 @@ def seed_history(instance: Any, table: TableConfig, source_url: str, kafka_conf:
     for start in range(0, slices, CHUNK):
         instance.add_dynamic_partitions(name, [SliceRange(i, i + 1).key for i in range(start, min(slices,
                                                                                                start + CHUNK))])
+    # Seeded means visible: right after a commit returns its marker may not be on the progress partition yet, and
+    # a read_committed reader (a roll-up, the sensor) would still find nothing committed (a CI flake of
+    # test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using).
+    deadline = time.monotonic() + 30
+    while (seen := read_committed_progress(kafka_conf, channel)) is None or seen.hi < slices:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"seed: progress up to {slices} not visible after 30 s (seen: {seen})")
+        time.sleep(0.1)
 
 
 def _offset_of(ends: dict[int, int], n: int, err: Any, msg: Any) -> None:
