@@ -29,7 +29,7 @@ from bench.debezium_peer import (
     topic_for,
     worker_props,
 )
-from bench.run import BENCH_DB, Stack, ensure_database, load_table, TopicCensus, topic_census
+from bench.run import BENCH_DB, Stack, TopicCensus, ensure_database, load_table, topic_census
 from tests.conftest import partition_ends
 from tests.pipeline import polled
 
