@@ -22,7 +22,6 @@ from dagster import (
     AssetCheckSeverity,
     AssetExecutionContext,
     AssetKey,
-    AssetRecordsFilter,
     AssetsDefinition,
     BackfillPolicy,
     BetaWarning,
@@ -39,8 +38,10 @@ from resources.config import TableConfig
 from resources.exactly_once import (
     BadRowError,
     ProgressRecord,
+    PublishedSlice,
     SliceOutOfOrder,
     TableChannel,
+    read_back_slice,
     read_committed_progress,
     tiles_by_range,
 )
@@ -56,7 +57,6 @@ from resources.source_database import SourceDatabaseResource, SourceError, Table
 from resources.spark import SparkResource
 
 if TYPE_CHECKING:
-    from dagster import DagsterInstance
     from pyspark.sql import DataFrame
 
 WORKER_PID_TAG = "rowrelay/worker_pid"
@@ -418,39 +418,45 @@ CHECK_KAFKA_TIMEOUT_S = 15.0
 
 
 def parity_result(table: TableConfig, source: SourceDatabaseResource, records: list[ProgressRecord],
-                  published_checksums: dict[str, str]) -> AssetCheckResult:
+                  published: Mapping[str, PublishedSlice | None]) -> AssetCheckResult:
     """Each slice's progress record against the source recounted now (rows in (lo, hi] minus skip_watermarks) and
-    against the checksum the publisher computed while it read the rows (recorded in the slice's materialization).
-    One indexed count per slice; no pass over the rows."""
+    against its messages read back from Kafka (`published`, by slice; None: not read back, over
+    parity_read_back_max_rows): as many as the record says, with its checksum. One indexed count per slice."""
     shape = table_shape(source, table)
     mismatches: list[dict[str, Any]] = []
+    read_back = 0
     for r in records:
         # By the row filter the slice was published with (`where:` or skip_watermarks changed since must not make
         # an old slice look wrong).
         where, skipped = r.row_filter(table.where, table.skip_watermark_values)
         counted = source.count_rows(replace(shape, where=where or None), r.lo, r.hi, skip=skipped)
-        read = published_checksums.get(r.slice)
         if counted != r.rows:
             mismatches.append({"slice": r.slice, "what": "rows", "progress_record": r.rows, "source_now": counted})
-        if read is not None and read != r.checksum:
+        kafka = published.get(r.slice)
+        if kafka is None:
+            continue
+        read_back += 1
+        if kafka.rows != r.rows:
+            mismatches.append({"slice": r.slice, "what": "messages", "progress_record": r.rows,
+                               "in_kafka": kafka.rows})
+        elif kafka.checksum is not None and r.checksum and kafka.checksum != r.checksum:
             mismatches.append({"slice": r.slice, "what": "checksum", "progress_record": r.checksum,
-                               "published": read})
+                               "in_kafka": kafka.checksum})
     checked = [r.slice for r in records]
+    summary = {"slices_checked": len(checked), "slices_read_back": read_back, "rows": sum(r.rows for r in records)}
     if not mismatches:
         return AssetCheckResult(check_name=PARITY_CHECK, passed=True, metadata={
-            "slices_checked": len(checked), "slices": ", ".join(checked) or "-",
-            "rows": sum(r.rows for r in records)})
+            **summary, "slices": ", ".join(checked) or "-"})
     first = mismatches[0]
-    figures = (f"{first['progress_record']} in the progress record vs "
-               f"{first.get('source_now', first.get('published'))} "
-               f"{'in the source now' if first['what'] == 'rows' else 'computed while publishing'}")
+    where_found = {"rows": ("source_now", "in the source now"), "messages": ("in_kafka", "messages in Kafka"),
+                   "checksum": ("in_kafka", "over its messages in Kafka")}[first["what"]]
+    figures = f"{first['progress_record']} in the progress record vs {first[where_found[0]]} {where_found[1]}"
     return AssetCheckResult(
         check_name=PARITY_CHECK, passed=False, severity=AssetCheckSeverity.ERROR,
         description=f"{table.table_id}: slice {first['slice']}: {first['what']} differ: {figures}",
-        metadata={"slices_checked": len(checked), "mismatches": mismatches,
-                  **{f"{first['what']}_progress_record": first["progress_record"]},
-                  **({"rows_source_now": first["source_now"]} if first["what"] == "rows"
-                     else {"checksum_published": first["published"]})})
+        metadata={**summary, "mismatches": mismatches,
+                  f"{first['what']}_progress_record": first["progress_record"],
+                  f"{first['what']}_{where_found[0]}": first[where_found[0]]})
 
 
 def lag_result(table: TableConfig, lag: TableLag) -> AssetCheckResult:
@@ -473,7 +479,7 @@ def lag_result(table: TableConfig, lag: TableLag) -> AssetCheckResult:
 
 
 def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_conf: dict[str, Any],
-                    instance: "DagsterInstance", slice_keys: list[str] | None,
+                    slice_keys: list[str] | None,
                     transactional_id_prefix: str = "rowrelay") -> AssetCheckResult:
     """slice_parity of the given slices (a run's), or of the last committed slice (the check run on its own)."""
     channel = channel_for(table, transactional_id_prefix)
@@ -481,24 +487,33 @@ def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_co
         # The run's slices are one span of the chain: one search over the progress topic finds their records
         # (a long-lived table has hundreds of thousands; reading them all cost seconds per run).
         wanted = [SliceRange.from_key(k) for k in slice_keys]
-        tiles = tiles_by_range(kafka_conf, channel, wanted, timeout=CHECK_KAFKA_TIMEOUT_S)
-        records = [t[0] for s in wanted if len(t := tiles[s]) == 1]  # a slice's own record (not a roll-up's)
+        # Right after a commit its marker may not be on the progress partition yet: asked again for a while
+        # before a slice without a record is reported.
+        deadline = time.monotonic() + CHECK_KAFKA_TIMEOUT_S
+        while True:
+            tiles = tiles_by_range(kafka_conf, channel, wanted, timeout=CHECK_KAFKA_TIMEOUT_S)
+            unseen = [s.key for s in wanted if not tiles[s]]
+            if not unseen or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if unseen:
+            return AssetCheckResult(check_name=PARITY_CHECK, passed=False, severity=AssetCheckSeverity.WARN,
+                                    description=f"{table.table_id}: could not be evaluated: no committed progress "
+                                                f"record found for slice(s) {', '.join(unseen)}",
+                                    metadata={"slices_without_record": ", ".join(unseen)})
+        records = [r for s in wanted for r in tiles[s]]  # a slice's own record, or each record of a roll-up
     elif slice_keys is None:
         last = read_committed_progress(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
-        records = [last] if last is not None and last.hi > last.lo else []
+        if last is None or last.hi <= last.lo:
+            return AssetCheckResult(check_name=PARITY_CHECK, passed=True,
+                                    description=f"{table.table_id}: no committed slice yet: nothing to compare",
+                                    metadata={"slices_checked": 0})
+        records = [last]
     else:
         records = []
-    checksums: dict[str, str] = {}
-    if records:
-        events = instance.fetch_materializations(
-            AssetRecordsFilter(asset_key=asset_key(table), asset_partitions=[r.slice for r in records]),
-            limit=len(records) * 4).records
-        for event in reversed(events):  # oldest first: the newest materialization of a slice wins
-            mat = event.asset_materialization
-            value = mat.metadata.get("checksum") if mat is not None else None
-            if mat is not None and mat.partition and value is not None and value.value:
-                checksums[mat.partition] = str(value.value)
-    return parity_result(table, source, records, checksums)
+    published = {r.slice: read_back_slice(kafka_conf, r, timeout=CHECK_KAFKA_TIMEOUT_S) for r in records
+                 if r.hi > r.lo and r.rows <= table.parity_read_back_max_rows}
+    return parity_result(table, source, records, published)
 
 
 def committed_before_failure(tags: Mapping[str, str], partition_keys: list[str], run_id: str) -> list[str]:
@@ -529,8 +544,7 @@ def build_parity_after_failure_hook(table: TableConfig, transactional_id_prefix:
             return
         try:
             result = evaluate_parity(table, getattr(context.resources, source_key),
-                                     context.resources.kafka_io_manager.kafka_conf(), context.instance, keys,
-                                     transactional_id_prefix)
+                                     context.resources.kafka_io_manager.kafka_conf(), keys, transactional_id_prefix)
         except Exception as exc:  # noqa: BLE001 - reported as the check's outcome
             result = _unevaluated(PARITY_CHECK, exc)
         context.instance.report_runless_asset_event(AssetCheckEvaluation(
@@ -566,13 +580,13 @@ def build_table_checks(table: TableConfig, transactional_id_prefix: str = "rowre
 
     @asset_check(asset=key, name=PARITY_CHECK, required_resource_keys={source_key, "kafka_io_manager"},
                  description="Per slice: rows in the progress record = rows in (lo, hi] of the source now (minus "
-                             "skip_watermarks), and its checksum = the one computed while publishing. ERROR with "
-                             "both figures on a mismatch.")
+                             "skip_watermarks) = its messages read back from Kafka, and its checksum = theirs. "
+                             "ERROR with both figures on a mismatch.")
     def slice_parity(context: AssetCheckExecutionContext) -> AssetCheckResult:
         op_context = context.op_execution_context
         try:
             return evaluate_parity(table, getattr(context.resources, source_key),
-                                   context.resources.kafka_io_manager.kafka_conf(), context.instance,
+                                   context.resources.kafka_io_manager.kafka_conf(),
                                    op_context.partition_keys if op_context.has_partitions else None,
                                    transactional_id_prefix)
         except Exception as exc:  # noqa: BLE001 - reported as the check's outcome

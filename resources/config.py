@@ -97,6 +97,9 @@ class TableConfig(_Strict):
         "unpublished row; unset: the time since the last commit while rows wait")
     warn_lag_seconds: float = Field(300.0, gt=0, description="the lag check warns above this many seconds")
     error_lag_seconds: float = Field(3600.0, gt=0, description="the lag check fails (ERROR) above this many seconds")
+    parity_read_back_max_rows: int = Field(1_000_000, ge=0, description="slice_parity reads each slice of a run "
+                                           "back from Kafka (count and checksum) up to this many rows; larger "
+                                           "slices are recounted at the source only (0: never read back)")
     rollup_after_seconds: float | None = Field(
         3600.0, ge=0, description="committed slices older than this roll up into one partition per hour of their "
         "commit (resources/history.py); null: every slice stays its own partition")

@@ -498,7 +498,7 @@ def list_topics(client: Any, kafka_conf: dict[str, Any], topic: str | None = Non
 def base_conf(kafka_conf: dict[str, Any]) -> dict[str, Any]:
     """Client settings shared by producer, consumer and admin (bootstrap, security); producer-only keys dropped."""
     shared_prefixes = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.",
-                       "metadata.", "reconnect.", "log_level", "debug")
+                       "metadata.", "reconnect.", "log_level", "debug", "logger")
     return with_error_cb({k: v for k, v in kafka_conf.items() if k.startswith(shared_prefixes)})
 
 
@@ -926,6 +926,42 @@ def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, 
                         if is_table_message(m.headers(), table))
     finally:
         consumer.close()
+
+
+@dataclass(frozen=True)
+class PublishedSlice:
+    """A committed slice as its consumers see it: its own messages read back by its record's offsets."""
+
+    rows: int
+    # Of their values in watermark order (`slice_checksum`); None where that order cannot be told from the topic:
+    # one watermark value in several partitions (a tie_break table on a multi-partition topic).
+    checksum: str | None
+
+
+def read_back_slice(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float = 30.0) -> PublishedSlice:
+    """The slice's messages counted and checksummed as `SliceDigest` did while publishing. One partition is read
+    as a stream (it holds the slice in publish order); several are gathered and put in watermark order."""
+    digest, rows = SliceDigest(), 0
+    if len(record.offsets) <= 1:
+        chunk: list[bytes] = []
+        for msg in read_published_messages(kafka_conf, record, timeout):
+            chunk.append(msg.value())
+            if len(chunk) >= READ_BATCH:
+                digest.update(chunk)
+                rows += len(chunk)
+                chunk = []
+        digest.update(chunk)
+        return PublishedSlice(rows + len(chunk), digest.hexdigest())
+    gathered: list[tuple[int, int, bytes]] = []  # (watermark, partition, value), each partition in publish order
+    for msg in read_published_messages(kafka_conf, record, timeout):
+        wm = next((v for k, v in msg.headers() or () if k == WATERMARK_HEADER), None)
+        gathered.append((int(wm) if wm is not None else -1, msg.partition(), msg.value()))
+    gathered.sort(key=lambda g: g[0])  # stable: within one partition, publish order
+    spread = any(a[0] == b[0] and a[1] != b[1] for a, b in zip(gathered, gathered[1:], strict=False))
+    if spread:
+        return PublishedSlice(len(gathered), None)
+    digest.update([g[2] for g in gathered])
+    return PublishedSlice(len(gathered), digest.hexdigest())
 
 
 def topic_end_offsets(kafka_conf: dict[str, Any], topic: str, timeout: float = 30.0) -> dict[str, int]:

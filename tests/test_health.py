@@ -32,35 +32,55 @@ def test_slice_parity_passes_in_runs_and_fails_with_both_figures(services, pg_da
     table = h.table()
     h.drain(table, until_hi=300)
 
-    # Evaluated in the run, after the publish: every slice of the run agrees (the skipped row is not expected).
+    # Evaluated in the run, after the publish: every slice of the run agrees (the skipped row is not expected),
+    # each read back from Kafka.
     in_run = _latest(dagster_instance, table, PARITY_CHECK)
     assert in_run is not None and in_run.passed, in_run
     assert in_run.metadata["slices_checked"].value >= 1
+    assert in_run.metadata["slices_read_back"].value == in_run.metadata["slices_checked"].value
     assert h.materialization(table, "000000000100-000000000200")["rows"] == 99
 
     source = SourceDatabaseResource(url=cfg.sources["src"].url)
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
 
-    def evaluate():  # what the check evaluates run alone (e.g. from the UI): the last committed slice, (200, 300]
-        return evaluate_parity(table, source, {"bootstrap.servers": services.kafka_bootstrap}, dagster_instance,
-                               None)
+    def evaluate(keys: list[str] | None = None):  # run alone (e.g. from the UI): the last committed slice, (200, 300]
+        return evaluate_parity(table, source, conf, keys)
 
     assert evaluate().passed
+    assert evaluate(["000000000100-000000000200", "000000000200-000000000300"]).metadata["slices_read_back"].value == 2
+    # A run's slice with no committed record is not passed over: the check says it could not look.
+    missing = evaluate(["000000000300-000000000400"])
+    assert not missing.passed and missing.severity == AssetCheckSeverity.WARN
+    assert "no committed progress record found for slice(s) 000000000300-000000000400" in missing.description
 
-    # A forged progress record for the slice: its checksum disagrees with what the publisher computed.
+    # Forged progress records for the slice, each disagreeing with the messages in Kafka (before, the check
+    # compared the record's checksum with the same checksum kept in the slice's materialization: it could not
+    # fail on anything Kafka holds).
     channel = channel_for(table)
     real = h.progress(table)
     assert real is not None and (real.lo, real.hi) == (200, 300)
-    forged = ProgressRecord(**{**real.__dict__, "checksum": "f" * 64})
-    publisher = SlicePublisher(channel, {"bootstrap.servers": services.kafka_bootstrap})
-    try:
-        publisher.publish_progress_only(forged)
-    finally:
-        publisher.close()
+    (part, (first, last)), = real.offsets.items()
+
+    def forge(**changes) -> None:
+        publisher = SlicePublisher(channel, conf)
+        try:
+            publisher.publish_progress_only(ProgressRecord(**{**real.__dict__, **changes}))
+        finally:
+            publisher.close()
+
+    forge(checksum="f" * 64)  # the messages are not the ones the record describes
     result = evaluate()
     assert not result.passed and result.severity == AssetCheckSeverity.ERROR
     assert result.metadata["checksum_progress_record"].value == "f" * 64
-    assert result.metadata["checksum_published"].value == real.checksum
+    assert result.metadata["checksum_in_kafka"].value == real.checksum
     assert "checksum differ" in result.description
+    forge(offsets={part: [first + 1, last]})  # a message of the slice missing from Kafka
+    result = evaluate()
+    assert not result.passed and result.severity == AssetCheckSeverity.ERROR
+    assert "slice 000000000200-000000000300: messages differ: 100 in the progress record vs 99 messages in Kafka" \
+        in result.description
+    forge()  # the record as published: passes again
+    assert evaluate().passed
 
     # A row of the slice deleted after publish: the recount disagrees with the record; both figures shown.
     with pg_engine.begin() as conn:

@@ -99,8 +99,9 @@ def test_postgres_accepts_connections(pg_engine) -> None:
 
 def test_mariadb_accepts_connections(mariadb_engine) -> None:
     with mariadb_engine.connect() as conn:
-        assert "MariaDB" in conn.execute(text("SELECT version()")).scalar_one() or \
-            conn.execute(text("SELECT @@version_comment")).scalar_one()
+        version = conn.execute(text("SELECT version()")).scalar_one()
+        comment = conn.execute(text("SELECT @@version_comment")).scalar_one()
+        assert "MariaDB" in version or "MariaDB" in comment, (version, comment)
 
 
 def _jdbc_count(spark, url: str, table: str, user: str, password: str, driver: str) -> list[int]:

@@ -64,6 +64,7 @@ def test_verify_expects_each_slice_by_the_filter_it_was_published_with(services,
 
     records = [r for r in live_records(read_progress_history({"bootstrap.servers": services.kafka_bootstrap},
                                                              channel_for(table))) if r.hi > r.lo]
+    assert sum(r.rows for r in records) == len(sent)
     for config in (cfg, relay_config(services, {"src": pg_database}, [base])):  # today's filter, or none at all
         report = verify_table(config, config.tables[0])
         assert (report.duplicates, report.missing, report.extra, report.order_violations) == (0, 0, 0, 0), report
@@ -75,6 +76,7 @@ def test_verify_expects_each_slice_by_the_filter_it_was_published_with(services,
         finally:
             source.dispose()
         assert result.passed, result.description
+        assert result.metadata["slices_checked"].value == len(records)
 
 
 def test_where_that_does_not_run_is_a_clear_error_and_publishes_nothing(services, pg_database, pg_engine,
