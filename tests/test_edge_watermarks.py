@@ -247,12 +247,15 @@ def test_mariadb_stale_innodb_trx_cache_does_not_hide_an_open_transaction(servic
     a = holder.connect()
     stop = threading.Event()
 
+    reads: list[int] = []  # the monitor's reads: it must have run for the cache to be kept stale
+
     def read_often() -> None:  # for 0.8 s, every 20 ms
         with reader.connect() as conn:
             deadline = time.monotonic() + 0.8
             while not stop.is_set() and time.monotonic() < deadline:
                 conn.execute(text("SELECT COUNT(*) FROM information_schema.innodb_trx")).scalar()
                 conn.rollback()
+                reads.append(1)
                 time.sleep(0.02)
 
     monitor = threading.Thread(target=read_often)
@@ -267,6 +270,7 @@ def test_mariadb_stale_innodb_trx_cache_does_not_hide_an_open_transaction(servic
         seen = observe_when_fresh(source, shape)
         assert seen is not None and seen.watermark == 3
         monitor.join(5)
+        assert len(reads) >= 10, f"the monitor read innodb_trx {len(reads)} times"
         time.sleep(0.7)  # past the settle delay; the cache is fresh again
         assert not source.is_final(seen, 0.5), f"{seen} declared final while id 2 is uncommitted"
         a_tx.commit()

@@ -32,7 +32,7 @@ from resources.config import RelayConfig
 from resources.slices import datetime_to_micros
 from stack import local as stack
 from tests.conftest import Services, unique
-from tests.pipeline import relay_config
+from tests.pipeline import assert_exactly_once, read_topic, relay_config
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +45,7 @@ class Writer:
     def __init__(self, engine: Engine, table: str, batch: int = 5, pause: float = 0.25) -> None:
         self.engine, self.table, self.batch, self.pause = engine, table, batch, pause
         self.rows = 0
+        self.rows_at_resume = 0  # rows written when writing last resumed: a scenario must have written more
         self.errors = 0
         self._run = threading.Event()
         self._stop = threading.Event()
@@ -66,6 +67,7 @@ class Writer:
             time.sleep(self.pause)
 
     def resume(self) -> None:
+        self.rows_at_resume = self.rows
         self._run.set()
 
     def pause_writes(self, settle: bool = True) -> None:
@@ -170,6 +172,8 @@ class FaultPipeline:
         for w in self.writers:
             w.pause_writes(settle=False)
         time.sleep(0.5)  # let in-flight batches finish
+        for w in self.writers if faults else ():  # rows written around a fault, or the catch-up proves nothing
+            assert w.rows > w.rows_at_resume, f"{scenario}: no row written to {w.table} ({w.errors} write errors)"
         target = self.max_ids()
         deadline = time.monotonic() + timeout
         from assets.relay import channel_for
@@ -193,6 +197,13 @@ class FaultPipeline:
         for r in reports:
             assert r.ok, f"{scenario}: {r}"
             assert r.source_rows == r.messages
+        # `verify` counts per watermark value; rows sharing one (a tie_break table: each writer transaction's rows
+        # share its now()) are also checked by id, where a row twice beside another missing cannot even out.
+        for t in self.config.tables:
+            if t.tie_break:
+                with self.engines[t.source].connect() as conn:
+                    ids = [str(i) for i in conn.execute(text(f"SELECT {t.tie_break} FROM {t.table_name}")).scalars()]
+                assert_exactly_once(read_topic(self.services.kafka_bootstrap, t.topic_name), ids, t.tie_break)
         for w in self.writers:
             w.resume()
 
@@ -322,33 +333,48 @@ def test_broker_restarted_mid_publish(pipeline: FaultPipeline) -> None:
 
 
 def test_source_connections_terminated_mid_read(pipeline: FaultPipeline) -> None:
+    """A run's Spark JDBC read loses its PostgreSQL connection (terminated the moment one shows, pgjdbc's
+    application_name), then every other connection to the sources goes too (MariaDB's reader among them)."""
     pg_db = pipeline.engines["pg"].url.database
     maria_db = pipeline.engines["maria"].url.database
     admin_pg = create_engine(pipeline.services.pg_url(), isolation_level="AUTOCOMMIT")
     admin_maria = create_engine(pipeline.services.mariadb_url(), isolation_level="AUTOCOMMIT")
-    faults = 0
-    for _ in range(2):
-        def terminate() -> None:
-            nonlocal faults
-            with admin_pg.connect() as conn:
-                faults += len(conn.execute(text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :db "
-                    "AND pid <> pg_backend_pid()"), {"db": pg_db}).all())
-            with admin_maria.connect() as conn:
-                ids = [r[0] for r in conn.execute(text(
-                    "SELECT id FROM information_schema.processlist WHERE db = :db AND id <> CONNECTION_ID()"),
-                    {"db": maria_db})]
-                for i in ids:
-                    try:
-                        conn.execute(text(f"KILL {int(i)}"))
-                        faults += 1
-                    except Exception:  # noqa: BLE001 - it may have ended meanwhile
-                        pass
+    faults = readers = 0
 
+    def terminate() -> None:
+        nonlocal faults, readers
+        with admin_pg.connect() as conn:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # watch for a read's connection, and end it mid-read
+                hit = len(conn.execute(text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :db "
+                    "AND application_name = 'PostgreSQL JDBC Driver'"), {"db": pg_db}).all())
+                if hit:
+                    readers += hit
+                    break
+                time.sleep(0.01)
+            faults += readers + len(conn.execute(text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :db "
+                "AND pid <> pg_backend_pid()"), {"db": pg_db}).all())
+        with admin_maria.connect() as conn:
+            ids = [r[0] for r in conn.execute(text(
+                "SELECT id FROM information_schema.processlist WHERE db = :db AND id <> CONNECTION_ID()"),
+                {"db": maria_db})]
+            for i in ids:
+                try:
+                    conn.execute(text(f"KILL {int(i)}"))
+                    faults += 1
+                except Exception:  # noqa: BLE001 - it may have ended meanwhile
+                    pass
+
+    for _ in range(8):  # until a JDBC read itself was hit
         _during_a_run(pipeline, terminate)
         time.sleep(3)
+        if readers and faults:
+            break
     admin_pg.dispose()
     admin_maria.dispose()
+    assert readers, "no Spark JDBC read connection was caught open to terminate in 8 runs"
     pipeline.catch_up_and_verify("source connections terminated mid-read", faults=faults)
 
 

@@ -14,7 +14,7 @@ from orchestration.cli import verify_table
 from resources.exactly_once import ProgressRecord
 from resources.slices import SliceRange, cut_slices, datetime_to_micros, micros_text, micros_to_datetime
 from resources.source_database import SourceDatabaseResource, SourceError
-from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.pipeline import Harness, assert_exactly_once, polled, read_topic, relay_config
 from tests.test_errors import failure_text
 
 TIME_KEY = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z_\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
@@ -370,15 +370,27 @@ def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_
     assert verify_table(cfg, table).ok
 
     # A report query running for seconds is no write: rows committed meanwhile are cut as usual.
-    report = threading.Thread(target=lambda: engine.connect().execute(text("SELECT SLEEP(6)")))
+    report_errors: list[BaseException] = []
+
+    def long_report() -> None:
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT SLEEP(6)"))
+        except BaseException as exc:  # noqa: BLE001 - asserted below: without the SELECT the case proves nothing
+            report_errors.append(exc)
+
+    report = threading.Thread(target=long_report)
     report.start()
-    time.sleep(0.5)
+    with engine.connect() as conn:  # the SELECT is running before the row and the cut
+        assert polled(lambda: conn.execute(text("SELECT COUNT(*) FROM information_schema.processlist "
+                                                "WHERE info = 'SELECT SLEEP(6)'")).scalar(), bool, 5.0)
     with engine.connect() as conn:
         conn.execute(text(f"INSERT INTO {name} (n) VALUES (4)"))
     started = time.monotonic()
     assert h.cut(table, timeout=4.0), "a running SELECT held the cut"
     assert time.monotonic() - started < 4.0
     report.join()
+    assert not report_errors, report_errors
     engine.dispose()
 
 
