@@ -6,9 +6,10 @@ import threading
 import time
 
 import pytest
+from dagster import AssetCheckKey
 from sqlalchemy import text
 
-from assets.relay import channel_for
+from assets.relay import PARITY_CHECK, asset_key, channel_for
 from resources.exactly_once import read_progress_history, read_published_messages, slice_checksum
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 
@@ -97,3 +98,8 @@ def test_three_tables_fifty_thousand_rows_each_exactly_once(services, pg_databas
     for table in cfg.tables:
         keys = h.instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
         assert sum(h.materialization(table, k)["rows"] for k in keys) == ROWS
+        # The last run's slice_parity read its slices back from Kafka (three partitions for one table) and agreed.
+        parity = h.instance.get_latest_asset_check_evaluation_record(AssetCheckKey(asset_key(table), PARITY_CHECK))
+        assert parity is not None and parity.evaluation.passed, parity
+        checked = parity.evaluation.metadata["slices_checked"].value
+        assert checked >= 1 and parity.evaluation.metadata["slices_read_back"].value == checked
