@@ -148,11 +148,13 @@ def topic_census(stack: Stack, topic: str, hi: int) -> TopicCensus:
     """Read `topic` to its end and check its watermark headers against 1..`hi` (`hi` 0: count only)."""
     import numpy as np
 
+    from resources.exactly_once import FAST_READS
+
     seen = np.zeros(hi + 1, dtype=np.int32)
     outside = 0  # a watermark header outside 1..hi, or none
     consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest"})
+                         "auto.offset.reset": "earliest", **FAST_READS})
     count = 0
     try:
         md = consumer.list_topics(topic, timeout=30)

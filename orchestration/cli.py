@@ -106,11 +106,18 @@ class TopicWatermarks:
 
 def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0) -> TopicWatermarks:
     """Read the topic to its end: the table's own messages' watermarks (`TopicWatermarks`)."""
-    from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER, base_conf, partition_watermarks
+    from resources.exactly_once import (
+        FAST_READS,
+        REPLAY_HEADER,
+        TABLE_HEADER,
+        WATERMARK_HEADER,
+        base_conf,
+        partition_watermarks,
+    )
 
     consumer = Consumer({**base_conf(conf), "group.id": f"rowrelay-verify-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest"})
+                         "auto.offset.reset": "earliest", **FAST_READS})
     out = TopicWatermarks()
     own = table.encode()
     try:

@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL
 
 from orchestration.factory import build_definitions, job_name
 from resources.config import RelayConfig, TableConfig, parse_config
-from resources.exactly_once import ProgressRecord, TableChannel, read_committed_progress
+from resources.exactly_once import FAST_READS, ProgressRecord, TableChannel, read_committed_progress
 from tests.conftest import Services, partition_ends
 
 T = TypeVar("T")
@@ -255,7 +255,7 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Consum
     """
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest"})
+                         "auto.offset.reset": "earliest", **FAST_READS})
     out: list[Consumed] = []
     try:
         md = consumer.list_topics(topic, timeout=10)
