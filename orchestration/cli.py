@@ -627,6 +627,14 @@ NO_DAGSTER_HOME = ("set DAGSTER_HOME to the directory holding rowrelay's dagster
                    "records on the Dagster instance; nothing was done")
 
 
+def dagster_home_set() -> bool:
+    """True if DAGSTER_HOME is set; else says so (`NO_DAGSTER_HOME`) for a command that records on the instance."""
+    if os.environ.get("DAGSTER_HOME"):
+        return True
+    print(f"rowrelay: {NO_DAGSTER_HOME}", file=sys.stderr)
+    return False
+
+
 def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     """Cut the table's backlog (up to its safe high watermark) into slices, add them as partitions and run every
     uncommitted slice in this process: one run per `max_slices_per_run` slices, recorded on the Dagster instance
@@ -645,8 +653,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError
 
     (table,) = _tables(config, args.table)
-    if not os.environ.get("DAGSTER_HOME"):  # before the early read: it would create the table's topics
-        print(f"rowrelay: {NO_DAGSTER_HOME}", file=sys.stderr)
+    if not dagster_home_set():  # before the early read: it would create the table's topics
         return 1
     defs = build_definitions(config)
     io_manager: KafkaIOManager = defs.resources["kafka_io_manager"]  # type: ignore[assignment]
@@ -990,13 +997,11 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
 
 def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
     """An explicit, recorded republish of a committed range, for a consumer that lost data."""
-    import os
 
     from resources.exactly_once import RelayError
 
     (table,) = _tables(config, args.table)
-    if not os.environ.get("DAGSTER_HOME"):
-        print(f"rowrelay: {NO_DAGSTER_HOME}", file=sys.stderr)
+    if not dagster_home_set():
         return 1
     from dagster import AssetObservation, DagsterInstance
 

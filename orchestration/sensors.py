@@ -307,17 +307,16 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     if resplit and chain:
         too_long = chain[0]
         # Settled answers (a cut slice's rows never change): asked once per process, not every tick.
+        rows = source.count_rows(shape, too_long.lo, too_long.hi, settled=True)
         if source.nth_watermark(shape, too_long.lo, 1, too_long.hi, settled=True) == too_long.hi:
             # Its rows share one watermark value, which a slice never splits: cut again it would be the same slice,
-            # timing out again for as long as the timeout allows, forever. Kept as it is, for a human (one indexed
-            # row per tick while it waits).
-            rows = source.count_rows(shape, too_long.lo, too_long.hi, settled=True)
+            # timing out again for as long as the timeout allows, forever. Kept as it is, for a human.
             return CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps, waiting=(
                 f"slice {too_long.key} outlived transaction.timeout.ms and cannot be cut smaller: its {rows} rows "
                 f"share one {table.watermark} value. Raise kafka.producer transaction.timeout.ms (up to the "
                 "broker's transaction.max.timeout.ms), then run it again (`rowrelay backfill --table "
                 f"{table.table_id}` or Materialize in the UI)"))
-        max_rows = min(max_rows, max(1, source.count_rows(shape, too_long.lo, too_long.hi, settled=True) // 4))
+        max_rows = min(max_rows, max(1, rows // 4))
         # The slices' end was final when they were cut: cut again up to it at once (already-final candidate),
         # not after the open transactions of this moment, or a busy source would re-cut them at full size.
         state = SensorState([WatermarkCandidate(chain[-1].hi, float("-inf")), *state.pending], state.chain,

@@ -622,7 +622,7 @@ _LEADER_MOVING = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVA
 
 
 def partition_watermarks(consumer: Consumer, tp: TopicPartition, timeout: float, kafka_conf: dict[str, Any]
-                ) -> tuple[int, int]:
+                         ) -> tuple[int, int]:
     """(low, high) offsets of a partition; (0, 0) if its topic does not exist yet.
 
     Metadata first, with a bounded timeout: after an all-brokers-down error a repeated

@@ -147,6 +147,11 @@ MYSQL_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (raw value for S
 }
 
 
+# Servers (URLs, no password) whose information_schema.CHECK_CONSTRAINTS has no TABLE_NAME (MySQL): the UTF-8 column
+# query without its JSON-check part there.
+_NO_CHECK_TABLE_NAME: set[str] = set()
+
+
 def source_rendering(kind: str, quoted: str) -> tuple[str, str]:
     """(the raw column's select expression, its text's) for a column of a PG_/MYSQL_TEXT_RENDERING kind: the
     message takes the text where it is not NULL, else Spark's rendering of the raw value (NULL wherever the text
@@ -245,9 +250,10 @@ class TableShape:
         if not any(c.source_text or c.utf8_bytes for c in self.columns):
             return None
         whole = {self.watermark, self.tie_break}
+        rendered = self.source_texts
         items: list[str] = []
         texts: list[str] = []
-        for i, c in enumerate(self.columns):
+        for c in self.columns:
             q = quote(c.name)
             if c.utf8_bytes:  # never the watermark or tie_break (table_shape)
                 items.append(f"CAST({q} AS BINARY) AS {q}")
@@ -257,8 +263,8 @@ class TableShape:
                 continue
             raw, text = source_rendering(c.source_text, q)
             items.append(q if c.name in whole else f"{raw} AS {q}")
-            if text:  # "": the source renders no text of its own, only the raw value
-                texts.append(f"{text} AS {quote(self.text_column(i))}")
+            if c.name in rendered:  # else the source renders no text of its own, only the raw value
+                texts.append(f"{text} AS {quote(rendered[c.name])}")
         return ", ".join(items + texts)
 
     @property
@@ -477,12 +483,15 @@ class SourceDatabaseResource(ConfigurableResource):
                        "k.CONSTRAINT_SCHEMA = c.TABLE_SCHEMA AND k.TABLE_NAME = c.TABLE_NAME AND "
                        "LOCATE(CONCAT('json_valid(`', c.COLUMN_NAME, '`)'), k.CHECK_CLAUSE) > 0)")
         params = {"schema": schema, "table": table}
+        server = self.engine.url.render_as_string(hide_password=True)
         with self.engine.connect() as conn:
-            try:
-                return {r[0] for r in conn.execute(sa.text(columns + json_checks), params)}
-            except sa.exc.DBAPIError:  # MySQL: CHECK_CONSTRAINTS without TABLE_NAME (or none); its JSON is a type
-                conn.rollback()
-                return {r[0] for r in conn.execute(sa.text(columns), params)}
+            if server not in _NO_CHECK_TABLE_NAME:
+                try:
+                    return {r[0] for r in conn.execute(sa.text(columns + json_checks), params)}
+                except sa.exc.DBAPIError:  # MySQL: CHECK_CONSTRAINTS without TABLE_NAME (or none); JSON is a type
+                    conn.rollback()
+                    _NO_CHECK_TABLE_NAME.add(server)  # not asked again on every table_shape of this process
+            return {r[0] for r in conn.execute(sa.text(columns), params)}
 
     def _source_text(self, col_type: Any) -> str:
         """The PG_/MYSQL_TEXT_RENDERING kind of a column the source renders as text, or ""."""

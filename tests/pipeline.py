@@ -247,6 +247,13 @@ def visible_progress(conf: dict[str, Any], channel: TableChannel, hi: int) -> Pr
     return polled(lambda: read_committed_progress(conf, channel), lambda p: p is not None and p.hi >= hi)
 
 
+def topic_names(bootstrap: str) -> set[str]:
+    """Every topic of the cluster."""
+    from confluent_kafka.admin import AdminClient
+
+    return set(AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics)
+
+
 def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Consumed]:
     """Everything committed in a topic (all partitions), read_committed, by an independent consumer.
 

@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from orchestration.cli import main, verify_table
 from resources.config import RelayConfig, TableConfig
-from tests.pipeline import Harness, relay_config
+from tests.pipeline import Harness, relay_config, topic_names
 
 pytestmark = pytest.mark.integration
 
@@ -390,9 +390,7 @@ def test_cli_errors_say_what_to_do_instead_of_a_traceback(services, pg_database,
     # A backfill says so before anything (its early read created the table's topics, then it failed).
     code, _, err = run("backfill", "--table", good)
     assert code == 1 and "rowrelay: set DAGSTER_HOME" in err and "nothing was done" in err
-    from confluent_kafka.admin import AdminClient
-
-    topics = AdminClient({"bootstrap.servers": services.kafka_bootstrap}).list_topics(timeout=10).topics
+    topics = topic_names(services.kafka_bootstrap)
     assert cfg.tables[0].topic_name not in topics and not [t for t in topics if t.endswith(good)]
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     code, _, err = run("verify", "--table", missing)

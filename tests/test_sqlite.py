@@ -216,14 +216,10 @@ def test_sqlite_values_that_fit_their_declared_type_are_relayed(services, dagste
     NUMERIC read at Spark's default scale 18, 1e-07 at scale 10), integers in REAL, BOOLEAN 0 and 1. And type names
     the driver does not know (VARCHAR2, DOUBLE PRECISION, BOOL), which it reported as NUMERIC: '007' arrived as a
     decimal 7, BOOL as a decimal."""
-    path = tmp_path / f"{name}.db"
-    engine = create_engine(f"sqlite:///{path}")
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, d38 DECIMAL(38,18), d10 DECIMAL(10,2), "
-                          "n NUMERIC, r REAL, b BOOLEAN, small DECIMAL(20,10), v2 VARCHAR2(10), dp DOUBLE PRECISION, "
-                          "b2 BOOL)"))
-        conn.execute(text(f"INSERT INTO {name} VALUES (1, 19.99, 0.1, 12.5, 3, 1, 1e-7, '007', 0.1, 1), "
-                          "(2, 10000, 99999999.99, 7, 2.5, 0, 0.5, '12.345', 2.5, 0)"))
+    path, engine = _sqlite_table(tmp_path, name, "d38 DECIMAL(38,18), d10 DECIMAL(10,2), n NUMERIC, r REAL, "
+                                 "b BOOLEAN, small DECIMAL(20,10), v2 VARCHAR2(10), dp DOUBLE PRECISION, b2 BOOL",
+                                 "(1, 19.99, 0.1, 12.5, 3, 1, 1e-7, '007', 0.1, 1), "
+                                 "(2, 10000, 99999999.99, 7, 2.5, 0, 0.5, '12.345', 2.5, 0)")
     engine.dispose()
     assert _relayed_values(services, dagster_instance, path, name, until_hi=2) == [
         {"id": 1, "d38": "19.990000000000000000", "d10": "0.10", "n": "12.500000000000000000", "r": 3.0, "b": True,
@@ -239,11 +235,7 @@ def test_a_sqlite_misfit_stops_its_own_slice_not_the_one_before(services, dagste
     the second slice, after the first has committed. `skip_watermarks` leaves the row out, as its message says."""
     from resources.kafka_io_manager import STOPPED_TAG
 
-    path = tmp_path / f"{name}.db"
-    engine = create_engine(f"sqlite:///{path}")
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v INTEGER)"))
-        conn.execute(text(f"INSERT INTO {name} VALUES (1, 1), (2, 2), (3, 3), (4, 4), (5, 5.5), (6, 6)"))
+    path, engine = _sqlite_table(tmp_path, name, "v INTEGER", "(1, 1), (2, 2), (3, 3), (4, 4), (5, 5.5), (6, 6)")
     engine.dispose()
     base = {"source": "lite", "table": name, "watermark": "id", "settle_seconds": 0.2, "slice_max_rows": 3}
     h = Harness(relay_config(services, {"lite": make_url(f"sqlite:///{path}")}, [base]), dagster_instance)

@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy import text
 
 from resources.config import ConfigError, parse_config
-from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, topic_names
 from tests.test_errors import failure_text
 
 pytestmark = pytest.mark.integration
@@ -95,7 +95,8 @@ def test_where_that_does_not_run_is_a_clear_error_and_publishes_nothing(services
         h.tick(table)
     assert "statuz" in str(err.value) and name in str(err.value)
     assert h.progress(table) is None
-    assert table.topic_name not in _topics(services) or read_topic(services.kafka_bootstrap, table.topic_name) == []
+    assert table.topic_name not in topic_names(services.kafka_bootstrap) or \
+        read_topic(services.kafka_bootstrap, table.topic_name) == []
 
     # A source that cannot be reached is no predicate to fix: it fails as itself (transient, retried), not as a
     # SourceError that stops the table's run with no retry.
@@ -110,12 +111,6 @@ def test_where_that_does_not_run_is_a_clear_error_and_publishes_nothing(services
         away.check_where(shape, name)
     assert not isinstance(unreachable.value, SourceError)
     away.dispose()
-
-
-def _topics(services) -> set[str]:
-    from confluent_kafka.admin import AdminClient
-
-    return set(AdminClient({"bootstrap.servers": services.kafka_bootstrap}).list_topics(timeout=10).topics)
 
 
 @pytest.mark.parametrize("policy", ["follow", "fail"])
