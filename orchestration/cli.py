@@ -28,7 +28,7 @@ import time
 import uuid
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import asdict, dataclass, field
 from math import ceil
 from typing import TYPE_CHECKING, Any
@@ -75,6 +75,10 @@ class VerifyReport:
     compared_from_record: str | None = None
     before_start: int = 0
     examples: dict[str, list[int]] = field(default_factory=dict)
+    # Rows sharing a watermark value (a `tie_break` table) compared one by one, by their tie_break value: a row sent
+    # twice beside a row of the same value never sent is then a duplicate and a missing row, not an even count.
+    rows_by_tie_break: int = 0
+    tie_break_unchecked: str | None = None  # why rows sharing a value were compared by count only, if they were
     # integer, or timestamp / timestamptz: the watermarks above are then microseconds since 1970 UTC, and the text
     # report shows them as UTC times (as keys, `rowrelay status` and the CLI's arguments do).
     watermark_kind: str = "integer"
@@ -100,12 +104,45 @@ class TopicWatermarks:
 
     partitions: dict[int, list[int]] = field(default_factory=dict)
     offsets: dict[int, list[int]] = field(default_factory=dict)  # each of those messages' offset, alike
+    # (partition, offset) -> `tie_text` of the message's tie_break field, for the messages whose watermark value
+    # the source's rows share (`SourceRows.shared`); None: the message has no such field.
+    ties: dict[tuple[int, int], str | None] = field(default_factory=dict)
     replayed: int = 0
     other_messages: int = 0
 
 
-def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0) -> TopicWatermarks:
-    """Read the topic to its end: the table's own messages' watermarks (`TopicWatermarks`)."""
+def tie_text(value: Any) -> str | None:
+    """A tie_break value as `rowrelay verify` compares it, the same from the source's driver and from the message's
+    JSON: integers, text and UUIDs (a JSON string), NULL; None for another type (its JSON text is not Python's)."""
+    if value is None:
+        return "null"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return None
+
+
+def message_tie(value: bytes | None, tie_break: str, envelope: bool) -> str | None:
+    """The `tie_text` of a message's tie_break field (under `data` in an envelope), None if it has none."""
+    try:
+        doc = json.loads(value or b"")
+    except ValueError:
+        return None
+    if envelope and isinstance(doc, dict):
+        doc = doc.get("data")
+    if not isinstance(doc, dict) or tie_break not in doc:
+        return None
+    return tie_text(doc[tie_break])
+
+
+def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0,
+                     tie_break: str | None = None, shared: Container[int] = (), envelope: bool = False
+                     ) -> TopicWatermarks:
+    """Read the topic to its end: the table's own messages' watermarks (`TopicWatermarks`), and the tie_break of
+    those whose watermark is in `shared` (their JSON parsed only for that)."""
     from resources.exactly_once import (
         FAST_READS,
         REPLAY_HEADER,
@@ -146,8 +183,11 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
                 elif REPLAY_HEADER in headers:
                     out.replayed += 1
                 else:
-                    wms.append(int(headers[WATERMARK_HEADER]))
+                    wm = int(headers[WATERMARK_HEADER])
+                    wms.append(wm)
                     offsets.append(msg.offset())
+                    if tie_break is not None and wm in shared:
+                        out.ties[(p, msg.offset())] = message_tie(msg.value(), tie_break, envelope)
     finally:
         consumer.close()
     return out
@@ -196,10 +236,38 @@ def filter_pieces(start: int | None, upto: int, slices: list[ProgressRecord], wh
     return pieces
 
 
+@dataclass
+class SourceRows:
+    """The source's rows `rowrelay verify` expects: a count per watermark value and, where rows share a value and
+    the table has a `tie_break`, those rows by their tie_break value (`tie_text`)."""
+
+    counts: Counter[int]
+    watermark_kind: str = "integer"
+    shared: dict[int, Counter[str]] = field(default_factory=dict)  # values with two rows or more
+    unchecked: str | None = None  # why shared values are compared by count only (then `shared` is empty)
+
+
+def shared_rows(rows: Counter[tuple[int, Any]], tie_break: str) -> SourceRows:
+    """`SourceRows` from the source's rows counted per (watermark, tie_break value)."""
+    counts: Counter[int] = Counter()
+    for (w, _), n in rows.items():
+        counts[w] += n
+    shared: dict[int, Counter[str]] = {}
+    for (w, tie), n in rows.items():
+        if counts[w] < 2:
+            continue
+        text = tie_text(tie)
+        if text is None:  # e.g. a timestamp: its JSON text is not Python's
+            return SourceRows(counts, unchecked=f"tie_break {tie_break!r} holds {type(tie).__name__} values, "
+                                                "which verify cannot match with the messages' JSON")
+        shared.setdefault(w, Counter())[text] += n
+    return SourceRows(counts, shared=shared)
+
+
 def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None,
-                      upto: int, slices: list[ProgressRecord] | None = None) -> tuple[Counter[int], str]:
-    """The source's rows in (start, upto] counted per watermark, each slice's by the row filter it was published
-    with (`filter_pieces`), and the watermark's kind."""
+                      upto: int, slices: list[ProgressRecord] | None = None) -> SourceRows:
+    """The source's rows in (start, upto], each slice's by the row filter it was published with (`filter_pieces`):
+    counted per watermark, and by tie_break where they share one (`SourceRows`)."""
     from dataclasses import replace
 
     from assets.relay import table_shape
@@ -209,10 +277,17 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
     try:
         shape = table_shape(source, table)
         counts: Counter[int] = Counter()
+        rows: Counter[tuple[int, Any]] = Counter()
         for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_watermark_values):
-            counts.update(source.iter_watermarks(replace(shape, where=piece.where or None), piece.lo, piece.hi,
-                                                 skip=list(piece.skip)))
-        return counts, shape.watermark_kind
+            read = source.iter_watermarks(replace(shape, where=piece.where or None), piece.lo, piece.hi,
+                                          skip=list(piece.skip), tie_break=table.tie_break is not None)
+            if table.tie_break is not None:
+                rows.update(read)
+            else:
+                counts.update(w for w, _ in read)
+        found = shared_rows(rows, table.tie_break) if table.tie_break is not None else SourceRows(counts)
+        found.watermark_kind = shape.watermark_kind
+        return found
     finally:
         source.dispose()
 
@@ -241,6 +316,7 @@ class ResetSplit:
     segments: list[list[int]]  # the same, cut at the reset's position: watermarks only grow within each
     after_reset: list[int]  # kept watermarks written after the reset's position (all of them without one)
     before_start: int  # messages left out as sent before the reset
+    kept_offsets: dict[int, list[int]] = field(default_factory=dict)  # the offsets of `kept`'s messages, alike
 
 
 def split_at_reset(reading: TopicWatermarks, reset: Any, earlier_resets: Sequence[Any] = ()) -> ResetSplit:
@@ -254,7 +330,7 @@ def split_at_reset(reading: TopicWatermarks, reset: Any, earlier_resets: Sequenc
             before = sent_before_reset(wms, offsets, reset.hi, end)
             split.before_start += sum(before)
             wms, offsets = ([x for x, b in zip(xs, before, strict=True) if not b] for xs in (wms, offsets))
-        split.kept[p] = wms
+        split.kept[p], split.kept_offsets[p] = wms, offsets
         later = [w for w, o in zip(wms, offsets, strict=True) if end is None or o >= end]
         split.after_reset += later
         seams = sorted({e for e in (reset_position(r, p) for r in (*earlier_resets, reset)) if e is not None})
@@ -280,6 +356,43 @@ def progress_after_reading(read: Callable[[], Any], highest_seen: int | None, fl
     return hi
 
 
+@dataclass
+class RowDifference:
+    """What the topic holds against the source, per watermark value: rows sent more than once, rows never sent,
+    messages no source row explains."""
+
+    duplicates: Counter[int] = field(default_factory=Counter)
+    missing: Counter[int] = field(default_factory=Counter)
+    extra: Counter[int] = field(default_factory=Counter)
+
+
+def compare_rows(source: SourceRows, seen: Counter[int], seen_ties: dict[int, Counter[str | None]]
+                 ) -> RowDifference:
+    """The topic's messages (`seen` per watermark; `seen_ties`: by tie_break, for the values in `source.shared`)
+    against the source's rows. A shared value is compared row by row: a message whose tie_break no row of its
+    value has is extra."""
+    diff = RowDifference()
+    for w, n in seen.items():
+        if w not in source.counts:
+            diff.extra[w] = n
+        elif w not in source.shared and n > source.counts[w]:
+            diff.duplicates[w] = n - source.counts[w]
+    for w, n in source.counts.items():
+        if w not in source.shared:
+            if seen[w] < n:
+                diff.missing[w] = n - seen[w]
+            continue
+        rows, messages = source.shared[w], seen_ties.get(w, Counter())
+        for tie, k in messages.items():
+            if tie not in rows:
+                diff.extra[w] += k
+            elif k > rows[tie]:
+                diff.duplicates[w] += k - rows[tie]
+        if unsent := sum((rows - messages).values()):
+            diff.missing[w] = unsent
+    return diff
+
+
 def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     """Compare the topic with the source rows up to the table's committed progress."""
     from assets.relay import channel_for
@@ -301,8 +414,10 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     hi = progress.hi if progress else (start or 0)
     report = VerifyReport(table=table.table_id, topic=table.topic_name, committed_hi=progress.hi if progress else None,
                           compared_from=start or 0, compared_from_record=record)
-    source, report.watermark_kind = source_watermarks(config, table, start, hi, slices)
-    reading = topic_watermarks(conf, table.topic_name, channel.table)
+    source = source_watermarks(config, table, start, hi, slices)
+    report.watermark_kind, report.tie_break_unchecked = source.watermark_kind, source.unchecked
+    reading = topic_watermarks(conf, table.topic_name, channel.table, tie_break=table.tie_break,
+                               shared=source.shared, envelope=table.envelope)
     report.replayed, report.other_messages = reading.replayed, reading.other_messages
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
@@ -316,22 +431,27 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
                                       max(split.after_reset, default=None), hi)
     committed_meanwhile = range(hi + 1, later_hi + 1)  # empty unless progress moved on
     seen: Counter[int] = Counter()
+    seen_ties: dict[int, Counter[str | None]] = {}
     order: list[int] = []
     for wms in split.kept.values():
         seen.update(w for w in wms if w not in committed_meanwhile)
+    if source.shared:  # per message only where rows share a value
+        for p, wms in split.kept.items():
+            for w, o in zip(wms, split.kept_offsets[p], strict=True):
+                if w in source.shared and w not in committed_meanwhile:
+                    seen_ties.setdefault(w, Counter())[reading.ties.get((p, o))] += 1
     for wms in split.segments:
         order += [b for a, b in zip(wms, wms[1:], strict=False) if b < a]
-    report.source_rows = sum(source.values())
+    diff = compare_rows(source, seen, seen_ties)
+    report.source_rows = sum(source.counts.values())
     report.messages = sum(seen.values())
-    dupes = [w for w, n in seen.items() if w in source and n > source[w]]
-    missing = [w for w, n in source.items() if seen[w] < n]
-    extra = [w for w in seen if w not in source]
-    report.duplicates = sum(seen[w] - source[w] for w in dupes)
-    report.missing = sum(source[w] - seen[w] for w in missing)
-    report.extra = sum(seen[w] for w in extra)
+    report.rows_by_tie_break = sum(sum(rows.values()) for rows in source.shared.values())
+    report.duplicates, report.missing, report.extra = (sum(c.values()) for c in (diff.duplicates, diff.missing,
+                                                                                   diff.extra))
     report.order_violations = len(order)
-    report.examples = {k: sorted(v)[:10] for k, v in
-                       {"duplicates": dupes, "missing": missing, "extra": extra, "order": order}.items() if v}
+    found = {"duplicates": list(diff.duplicates), "missing": list(diff.missing), "extra": list(diff.extra),
+             "order": order}
+    report.examples = {k: sorted(v)[:10] for k, v in found.items() if v}
     return report
 
 
@@ -370,6 +490,11 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
             if r.compared_from_record:
                 print(f"  compared from {r.text(r.compared_from)} ({r.compared_from_record}); {r.before_start} "
                       "messages at or below it left out")
+            if r.rows_by_tie_break:
+                print(f"  {r.rows_by_tie_break} source rows share a watermark value: compared one by one by "
+                      "tie_break")
+            if r.tie_break_unchecked:
+                print(f"  rows sharing a watermark value compared by count only: {r.tie_break_unchecked}")
             if r.replayed or r.other_messages:
                 print(f"  left out: {r.replayed} replayed copies, {r.other_messages} messages of other tables or "
                       "producers")

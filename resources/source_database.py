@@ -610,18 +610,22 @@ class SourceDatabaseResource(ConfigurableResource):
 
         return self._asked(shape, ("count", after, upto, tuple(skip or ())), ask, settled)
 
-    def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None
-                        ) -> Iterator[int]:
-        """Every row's watermark in (after, upto] that the table's `where:` admits, minus `skip`, streamed (for
-        `rowrelay verify`: the one full pass over the rows, never on the relay path)."""
-        t = self._table(shape)
+    def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None,
+                        tie_break: bool = False) -> Iterator[tuple[int, Any]]:
+        """Every row's watermark in (after, upto] that the table's `where:` admits, minus `skip`, streamed, each
+        with its `tie_break` value if asked (else None): for `rowrelay verify`, the one full pass over the rows,
+        never on the relay path."""
+        tie_column = shape.tie_break if tie_break and shape.tie_break not in (None, shape.watermark) else None
+        t = sa.table(shape.name, *(sa.column(c) for c in (shape.watermark, tie_column) if c), schema=shape.schema)
         wm = t.c[shape.watermark]
-        q = self.filtered(sa.select(wm).select_from(t).where(wm <= shape.watermark_param(upto)), shape, wm, skip)
+        tie = t.c[tie_column] if tie_column else wm if tie_break and shape.tie_break else sa.null()
+        q = self.filtered(sa.select(wm, tie).select_from(t).where(wm <= shape.watermark_param(upto)), shape, wm,
+                          skip)
         if after is not None:
             q = q.where(wm > shape.watermark_param(after))
         with self.engine.connect().execution_options(stream_results=True, yield_per=50_000) as conn:
-            for (value,) in conn.execute(q):
-                yield shape.watermark_value(value)
+            for value, tie_value in conn.execute(q):
+                yield shape.watermark_value(value), tie_value
 
     def has_null_watermarks(self, shape: TableShape) -> bool:
         if not shape.column(shape.watermark).nullable:

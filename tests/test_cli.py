@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import Producer
@@ -74,11 +75,11 @@ def test_verify_leaves_out_slices_committed_while_it_reads(services, pg_database
     cfg, h, table = _relayed(services, pg_database, pg_engine, dagster_instance, name, "generate_series(1, 100) g", 100)
     read_topic = cli.topic_watermarks
 
-    def commit_a_slice_first(conf: dict, topic: str, table_id: str, timeout: float = 60.0) -> cli.TopicWatermarks:
+    def commit_a_slice_first(conf: dict, topic: str, table_id: str, **kwargs: Any) -> cli.TopicWatermarks:
         with pg_engine.begin() as conn:
             conn.execute(text(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(101, 150) g"))
         h.drain(table, until_hi=150)
-        return read_topic(conf, topic, table_id, timeout)
+        return read_topic(conf, topic, table_id, **kwargs)
 
     monkeypatch.setattr(cli, "topic_watermarks", commit_a_slice_first)
     report = verify_table(cfg, table)

@@ -197,10 +197,11 @@ class FaultPipeline:
         for r in reports:
             assert r.ok, f"{scenario}: {r}"
             assert r.source_rows == r.messages
-        # `verify` counts per watermark value; rows sharing one (a tie_break table: each writer transaction's rows
-        # share its now()) are also checked by id, where a row twice beside another missing cannot even out.
-        for t in self.config.tables:
+        # Rows sharing a watermark value (a tie_break table: each writer transaction's rows share its now()): verify
+        # compared them one by one by tie_break, and they are checked here by id too, independently of verify.
+        for r, t in zip(reports, self.config.tables, strict=True):
             if t.tie_break:
+                assert r.rows_by_tie_break > 0 and r.tie_break_unchecked is None, f"{scenario}: {r}"
                 with self.engines[t.source].connect() as conn:
                     ids = [str(i) for i in conn.execute(text(f"SELECT {t.tie_break} FROM {t.table_name}")).scalars()]
                 assert_exactly_once(read_topic(self.services.kafka_bootstrap, t.topic_name), ids, t.tie_break)
