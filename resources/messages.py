@@ -112,13 +112,14 @@ def json_object_expr(fields: list[StructField], json_columns: set[str], texts: d
 
 # How a row whose text is not valid UTF-8 stops the read (raise_error in Spark), for SliceFrame.fetch to name it.
 BAD_UTF8 = "rowrelay-bad-utf8"
-_BAD_UTF8_AT = re.compile(BAD_UTF8 + r"\[(-?\d+)\] column (\"(?:[^\"\\]|\\.)*\")")
+_BAD_UTF8_AT = re.compile(BAD_UTF8 + r"\[(-?\d+)\] column (\"(?:[^\"\\]|\\.)*\")(?: charset ([a-z0-9_]+))?")
 
 
 def utf8_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShape
                  ) -> tuple[DataFrame, dict[str, StructField]]:
     """The columns read as bytes (`ColumnInfo.utf8_bytes`) as text, checked: bytes that are not valid UTF-8 stop
-    the read naming the row and the column (BAD_UTF8), where the JDBC driver replaced them with U+FFFD."""
+    the read naming the row and the column (BAD_UTF8), where the JDBC driver replaced them with U+FFFD (or, for a
+    column in another charset, `ColumnInfo.charset`, the server with '?')."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField
 
@@ -127,7 +128,8 @@ def utf8_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShap
     for c in shape.columns:
         if c.utf8_bytes and c.name in fields:
             text = F.col(f"`{c.name}`").cast("string")  # the bytes as they are: no decoding, no replacement
-            stop = F.raise_error(F.concat(F.lit(f"{BAD_UTF8}["), wm, F.lit(f"] column {json.dumps(c.name)}")))
+            charset = f" charset {c.charset}" if c.charset else ""
+            stop = F.raise_error(F.concat(F.lit(f"{BAD_UTF8}["), wm, F.lit(f"] column {json.dumps(c.name)}{charset}")))
             checked[c.name] = F.when(text.isNull() | F.is_valid_utf8(text), text).otherwise(stop)
     if not checked:
         return df, fields
@@ -140,13 +142,18 @@ def bad_utf8_error(table: str, message: str, timestamps: bool) -> BadRowError | 
     found = _BAD_UTF8_AT.search(message)
     if found is None:
         return None
-    at, column = int(found.group(1)), json.loads(found.group(2))
+    at, column, charset = int(found.group(1)), json.loads(found.group(2)), found.group(3)
     row = watermark_text(at, timestamps)
+    if charset:
+        what = (f"bytes that are not {charset} text in column {column!r} (a connection with the binary charset "
+                "stores any bytes, such as E9 in an ascii column); the server would send each as '?'")
+    else:
+        what = (f"text that is not valid UTF-8 in column {column!r} (MariaDB accepts an encoded surrogate such as "
+                "the bytes ED A0 80 in a utf8 column); the JDBC driver would replace it with U+FFFD")
     return BadRowError(
-        f"{table}: row {row} holds text that is not valid UTF-8 in column {column!r} (MariaDB accepts an encoded "
-        "surrogate such as the bytes ED A0 80 in a utf8 column); the JDBC driver would replace it with U+FFFD, so "
-        "it would not arrive as stored; nothing of the slice is sent. Fix the value, or leave the row out with "
-        f"skip_watermarks: [{row}]; then re-run the slice.", table=table, watermark=at, column=column)
+        f"{table}: row {row} holds {what}, so it would not arrive as stored; nothing of the slice is sent. Fix the "
+        f"value, or leave the row out with skip_watermarks: [{row}]; then re-run the slice.", table=table,
+        watermark=at, column=column)
 
 
 def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: bool, table: str,

@@ -11,7 +11,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, TypeVar
@@ -152,6 +152,11 @@ MYSQL_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (raw value for S
 _NO_CHECK_TABLE_NAME: set[str] = set()
 
 
+def _charset_names(rows: Sequence[Any]) -> dict[str, str]:
+    """Column -> charset, from information_schema (a charset's name goes into the read's SQL: only a plain one)."""
+    return {name: charset for name, charset in rows if charset and re.fullmatch(r"[a-z0-9_]+", charset)}
+
+
 def source_rendering(kind: str, quoted: str) -> tuple[str, str]:
     """(the raw column's select expression, its text's) for a column of a PG_/MYSQL_TEXT_RENDERING kind: the
     message takes the text where it is not NULL, else Spark's rendering of the raw value (NULL wherever the text
@@ -175,6 +180,10 @@ class ColumnInfo:
     # MariaDB/MySQL text in a UTF-8 charset, read as its bytes and checked in Spark (messages.py): the JDBC driver
     # replaced bytes that are not valid UTF-8 (an encoded surrogate, which MariaDB accepts) with U+FFFD, silently.
     utf8_bytes: bool = False
+    # MariaDB/MySQL text in another charset that has bytes with no character (ascii above 7F, greek, sjis...; a
+    # binary connection stores them as they come): the server converted them to '?' for the driver, silently. Read
+    # as its UTF-8 bytes where it converts back exactly, else as a byte no UTF-8 has (utf8_bytes then stops the read).
+    charset: str = ""
 
 
 @dataclass(frozen=True)
@@ -255,7 +264,12 @@ class TableShape:
         texts: list[str] = []
         for c in self.columns:
             q = quote(c.name)
-            if c.utf8_bytes:  # never the watermark or tie_break (table_shape)
+            if c.utf8_bytes and c.charset:  # never the watermark or tie_break (table_shape)
+                utf8 = f"CONVERT({q} USING utf8mb4)"
+                items.append(f"CASE WHEN {q} IS NULL OR CAST(CONVERT({utf8} USING {c.charset}) AS BINARY) = "
+                             f"CAST({q} AS BINARY) THEN CAST({utf8} AS BINARY) ELSE X'FF' END AS {q}")
+                continue
+            if c.utf8_bytes:
                 items.append(f"CAST({q} AS BINARY) AS {q}")
                 continue
             if not c.source_text:
@@ -438,7 +452,7 @@ class SourceDatabaseResource(ConfigurableResource):
             raise SourceError(f"{label}: key columns {missing_key} do not exist (columns: {list(t.c.keys())}); fix "
                               "`key:` in rowrelay.yaml")
         infos = []
-        utf8 = self._utf8_columns(schema, table) if self.dialect == "mysql" else set()
+        charsets = self._text_charsets(schema, table) if self.dialect == "mysql" else {}
         for name in wanted:
             col_type = t.c[name].type
             if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
@@ -456,13 +470,14 @@ class SourceDatabaseResource(ConfigurableResource):
             if "`" in name:
                 raise SourceError(f"{label}: column {name!r} has a backtick in its name, which Spark's column "
                                   "references cannot carry; leave it out with `columns:` or rename it in a view")
+            # the watermark and tie_break stay whole: the read filters and sorts on them
+            checked = (name in charsets and name not in (watermark, tie_break) and isinstance(col_type, sa.String)
+                       and not isinstance(col_type, sa.Enum) and type(col_type).__name__ != "SET")
+            charset = charsets.get(name, "") if checked else ""
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer),
-                                    source_text=self._source_text(col_type),
-                                    # the watermark and tie_break stay whole: the read filters and sorts on them
-                                    utf8_bytes=name in utf8 and name not in (watermark, tie_break)
-                                    and isinstance(col_type, sa.String) and not isinstance(col_type, sa.Enum)
-                                    and type(col_type).__name__ != "SET"))
+                                    source_text=self._source_text(col_type), utf8_bytes=checked,
+                                    charset="" if charset.startswith("utf8") else charset))
         shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
                            where=where, watermark_kind=kind, tie_break=tie_break,
                            watermark_unit=self._watermark_unit(wm_type) if kind != "integer" else 1)
@@ -472,13 +487,15 @@ class SourceDatabaseResource(ConfigurableResource):
             self.check_watermark_range(shape)  # one indexed max query, only for BIGINT UNSIGNED watermarks
         return shape
 
-    def _utf8_columns(self, schema: str | None, table: str) -> set[str]:
-        """MariaDB/MySQL: the table's text columns stored in a UTF-8 charset (utf8mb3, utf8mb4), but JSON: MariaDB's
-        JSON is LONGTEXT with a json_valid() check, which the driver reports as json (spliced into messages as
-        it is) only while it is read as text."""
-        columns = ("SELECT c.COLUMN_NAME FROM information_schema.COLUMNS c WHERE c.TABLE_SCHEMA = "
-                   "COALESCE(:schema, DATABASE()) AND c.TABLE_NAME = :table AND c.DATA_TYPE <> 'json' "
-                   "AND c.CHARACTER_SET_NAME IN ('utf8', 'utf8mb3', 'utf8mb4')")
+    def _text_charsets(self, schema: str | None, table: str) -> dict[str, str]:
+        """MariaDB/MySQL: the table's text columns whose values must be checked on the way (column -> charset):
+        those in a UTF-8 charset (utf8mb3, utf8mb4) and those in a charset with bytes that have no character
+        (all but latin1, whose 256 bytes all convert both ways), but JSON: MariaDB's JSON is LONGTEXT with a
+        json_valid() check, which the driver reports as json (spliced into messages as it is) only while it is
+        read as text."""
+        columns = ("SELECT c.COLUMN_NAME, c.CHARACTER_SET_NAME FROM information_schema.COLUMNS c WHERE "
+                   "c.TABLE_SCHEMA = COALESCE(:schema, DATABASE()) AND c.TABLE_NAME = :table AND c.DATA_TYPE <> "
+                   "'json' AND c.CHARACTER_SET_NAME NOT IN ('latin1', 'binary')")
         json_checks = (" AND NOT EXISTS (SELECT 1 FROM information_schema.CHECK_CONSTRAINTS k WHERE "
                        "k.CONSTRAINT_SCHEMA = c.TABLE_SCHEMA AND k.TABLE_NAME = c.TABLE_NAME AND "
                        "LOCATE(CONCAT('json_valid(`', c.COLUMN_NAME, '`)'), k.CHECK_CLAUSE) > 0)")
@@ -487,11 +504,13 @@ class SourceDatabaseResource(ConfigurableResource):
         with self.engine.connect() as conn:
             if server not in _NO_CHECK_TABLE_NAME:
                 try:
-                    return {r[0] for r in conn.execute(sa.text(columns + json_checks), params)}
+                    rows = conn.execute(sa.text(columns + json_checks), params).all()
                 except sa.exc.DBAPIError:  # MySQL: CHECK_CONSTRAINTS without TABLE_NAME (or none); JSON is a type
                     conn.rollback()
                     _NO_CHECK_TABLE_NAME.add(server)  # not asked again on every table_shape of this process
-            return {r[0] for r in conn.execute(sa.text(columns), params)}
+                else:
+                    return _charset_names(rows)
+            return _charset_names(conn.execute(sa.text(columns), params).all())
 
     def _source_text(self, col_type: Any) -> str:
         """The PG_/MYSQL_TEXT_RENDERING kind of a column the source renders as text, or ""."""

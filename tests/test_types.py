@@ -381,6 +381,43 @@ def test_mariadb_text_that_is_not_utf8_stops_its_slice(services, mariadb_databas
                    {"id": 3, "s": "\U0001f600", "m": None, "l": "\u20ac"}]  # latin1 0x80 is the euro sign
 
 
+def test_mariadb_text_its_charset_has_no_character_for_stops_its_slice(services, mariadb_database, mariadb_engine,
+                                                                     dagster_instance, spark, name) -> None:
+    """A connection with the binary charset stores any bytes in a text column: E9 in an ascii column, AE (no
+    character in ISO 8859-7) in a greek one. The server sent each to the driver as '?' and the slice committed,
+    silently. Now each stops its slice as bad_row naming the row, the column and its charset, nothing sent; with
+    both rows skipped the rest arrive exactly (greek, sjis and ascii text, NULLs, latin1 untouched)."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, "
+                          "a VARCHAR(20) CHARACTER SET ascii, g CHAR(4) CHARACTER SET greek, "
+                          "j TEXT CHARACTER SET sjis, l VARCHAR(20) CHARACTER SET latin1)"))
+        conn.execute(text("SET SESSION sql_mode = ''"))
+        conn.execute(text("SET NAMES binary"))
+        conn.execute(text(f"INSERT INTO {name} (a, g, j, l) VALUES ('ok', X'E1E2', X'82A0', X'E9'), "
+                          "(X'61E9', X'E1', NULL, 'x'), ('fine', X'AE', 'x', 'y'), (NULL, NULL, NULL, X'80')"))
+    base = {"source": "src", "table": name, "watermark": "id", "settle_seconds": 0.5}
+    said, key = [], None
+    for skip in ([], [2]):  # the same slice, run again with row 2 left out
+        h = Harness(relay_config(services, {"src": mariadb_database}, [{**base, "skip_watermarks": skip}],
+                                 spark_remote=True), dagster_instance)
+        table = h.table()
+        key = key or h.cut(table)[0]
+        result = h.run(table, key, raise_on_error=False)
+        assert not result.success
+        said.append(result.output)
+        assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
+        assert h.progress(table) is None
+    assert (f"{table.table_id}: row 2 holds bytes that are not ascii text in column 'a'" in said[0]
+            and "skip_watermarks: [2]" in said[0]), said[0][-3000:]
+    assert f"{table.table_id}: row 3 holds bytes that are not greek text in column 'g'" in said[1], said[1][-3000:]
+    skipping = Harness(relay_config(services, {"src": mariadb_database}, [{**base, "skip_watermarks": [2, 3]}],
+                                    spark_remote=True), dagster_instance)
+    skipping.drain(skipping.table(), until_hi=4)
+    got = [m.value for m in read_topic(services.kafka_bootstrap, table.topic_name)]
+    assert got == [{"id": 1, "a": "ok", "g": "\u03b1\u03b2", "j": "\u3042", "l": "\u00e9"},
+                   {"id": 4, "a": None, "g": None, "j": None, "l": "\u20ac"}]
+
+
 def test_mariadb_uuid_column_is_refused_at_the_table_check(mariadb_database, mariadb_engine, name) -> None:
     """MariaDB's UUID type (10.7+) passed the table check and failed every read in Spark ("Unrecognized SQL type");
     it is refused by name before anything is cut, with the remedy."""
