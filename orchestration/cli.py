@@ -26,9 +26,10 @@ import sys
 import threading
 import time
 import uuid
-from bisect import bisect_right
+from array import array
+from bisect import bisect_left, bisect_right
 from collections import Counter
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from math import ceil
 from typing import TYPE_CHECKING, Any
@@ -104,18 +105,23 @@ class TopicWatermarks:
 
     partitions: dict[int, list[int]] = field(default_factory=dict)
     offsets: dict[int, list[int]] = field(default_factory=dict)  # each of those messages' offset, alike
-    # (partition, offset) -> `tie_text` of the message's tie_break field, for the messages whose watermark value
-    # the source's rows share (`SourceRows.shared`); None: the message has no such field.
+    # With `shared` asked for: each message's `tie_hash` where its watermark is shared (0 elsewhere), alike.
+    tie_hashes: dict[int, array[int]] = field(default_factory=dict)
+    # (partition, offset) -> the message's `tie_text` (None: it has no tie_break field), for `collect`'s watermarks.
     ties: dict[tuple[int, int], str | None] = field(default_factory=dict)
     replayed: int = 0
     other_messages: int = 0
+
+
+NULL_TIE = "\x00NULL\x00"  # a NULL tie_break: no text a column holds is this
+HASH_MASK = (1 << 64) - 1
 
 
 def tie_text(value: Any) -> str | None:
     """A tie_break value as `rowrelay verify` compares it, the same from the source's driver and from the message's
     JSON: integers, text and UUIDs (a JSON string), NULL; None for another type (its JSON text is not Python's)."""
     if value is None:
-        return "null"
+        return NULL_TIE
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if isinstance(value, str):
@@ -125,24 +131,32 @@ def tie_text(value: Any) -> str | None:
     return None
 
 
-def message_tie(value: bytes | None, tie_break: str, envelope: bool) -> str | None:
-    """The `tie_text` of a message's tie_break field (under `data` in an envelope), None if it has none."""
+def tie_hash(text: str | None) -> int:
+    """One row's part of its watermark value's fingerprint (the sum of its rows' parts, modulo 2**64): Python's
+    hash of the tie text, the same for the source's rows and the messages within one verify."""
+    return hash(text) & HASH_MASK
+
+
+def message_tie(value: bytes | None, tie_break: str) -> str | None:
+    """The `tie_text` of a message's tie_break field, None if it has none. An envelope is told by its shape (the
+    table's `envelope:` may have changed since the message was sent)."""
     try:
         doc = json.loads(value or b"")
     except ValueError:
         return None
-    if envelope and isinstance(doc, dict):
-        doc = doc.get("data")
+    if isinstance(doc, dict) and tie_break not in doc and isinstance(doc.get("data"), dict) and "op" in doc:
+        doc = doc["data"]
     if not isinstance(doc, dict) or tie_break not in doc:
         return None
     return tie_text(doc[tie_break])
 
 
 def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0,
-                     tie_break: str | None = None, shared: Container[int] = (), envelope: bool = False
+                     tie_break: str | None = None, shared: Container[int] = (), collect: Container[int] = ()
                      ) -> TopicWatermarks:
-    """Read the topic to its end: the table's own messages' watermarks (`TopicWatermarks`), and the tie_break of
-    those whose watermark is in `shared` (their JSON parsed only for that)."""
+    """Read the topic to its end: the table's own messages' watermarks (`TopicWatermarks`); with a `tie_break`,
+    the `tie_hash` of the messages whose watermark is in `shared` and the `tie_text` of those in `collect` (their
+    JSON parsed only for that)."""
     from resources.exactly_once import (
         FAST_READS,
         REPLAY_HEADER,
@@ -157,6 +171,7 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
                          "auto.offset.reset": "earliest", **FAST_READS})
     out = TopicWatermarks()
     own = table.encode()
+    hashing = tie_break is not None and bool(shared)
     try:
         md = consumer.list_topics(topic, timeout=timeout)
         meta = md.topics.get(topic)
@@ -166,6 +181,7 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
             tp = TopicPartition(topic, p)
             low, high = partition_watermarks(consumer, tp, timeout, conf)  # a new topic's leader may still move
             wms, offsets = out.partitions.setdefault(p, []), out.offsets.setdefault(p, [])
+            hashes = out.tie_hashes.setdefault(p, array("Q")) if hashing else None
             if high <= low:
                 continue
             consumer.assign([TopicPartition(topic, p, low)])
@@ -186,8 +202,13 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
                     wm = int(headers[WATERMARK_HEADER])
                     wms.append(wm)
                     offsets.append(msg.offset())
-                    if tie_break is not None and wm in shared:
-                        out.ties[(p, msg.offset())] = message_tie(msg.value(), tie_break, envelope)
+                    if tie_break is None:
+                        continue
+                    text = message_tie(msg.value(), tie_break) if wm in shared or wm in collect else None
+                    if hashes is not None:
+                        hashes.append(tie_hash(text) if wm in shared else 0)
+                    if wm in collect:
+                        out.ties[(p, msg.offset())] = text
     finally:
         consumer.close()
     return out
@@ -239,35 +260,41 @@ def filter_pieces(start: int | None, upto: int, slices: list[ProgressRecord], wh
 @dataclass
 class SourceRows:
     """The source's rows `rowrelay verify` expects: a count per watermark value and, where rows share a value and
-    the table has a `tie_break`, those rows by their tie_break value (`tie_text`)."""
+    the table has a `tie_break`, a fingerprint of those rows' tie_break values; for the values asked for again
+    (`collect`), their rows by tie_break value."""
 
     counts: Counter[int]
     watermark_kind: str = "integer"
-    shared: dict[int, Counter[str]] = field(default_factory=dict)  # values with two rows or more
-    unchecked: str | None = None  # why shared values are compared by count only (then `shared` is empty)
+    # value with two rows or more -> the sum of its rows' `tie_hash` (modulo 2**64)
+    fingerprints: dict[int, int] = field(default_factory=dict)
+    ties: dict[int, Counter[str]] = field(default_factory=dict)  # value in `collect` -> its rows' tie texts
+    unchecked: str | None = None  # why shared values are compared by count only (then no fingerprints)
 
 
-def shared_rows(rows: Counter[tuple[int, Any]], tie_break: str) -> SourceRows:
-    """`SourceRows` from the source's rows counted per (watermark, tie_break value)."""
+def tie_fingerprints(rows: Iterable[tuple[int, Any]], tie_break: str) -> SourceRows:
+    """`SourceRows` from the source's (watermark, tie_break value) rows: per row a hash, per value a sum and a
+    count, so memory grows with the values, as for a count alone."""
     counts: Counter[int] = Counter()
-    for (w, _), n in rows.items():
-        counts[w] += n
-    shared: dict[int, Counter[str]] = {}
-    for (w, tie), n in rows.items():
-        if counts[w] < 2:
-            continue
-        text = tie_text(tie)
-        if text is None:  # e.g. a timestamp: its JSON text is not Python's
-            return SourceRows(counts, unchecked=f"tie_break {tie_break!r} holds {type(tie).__name__} values, "
-                                                "which verify cannot match with the messages' JSON")
-        shared.setdefault(w, Counter())[text] += n
-    return SourceRows(counts, shared=shared)
+    sums: dict[int, int] = {}
+    unchecked = None
+    for w, tie in rows:
+        counts[w] += 1
+        if unchecked is None:
+            text = tie_text(tie)
+            if text is None:  # e.g. a timestamp: its JSON text is not Python's
+                unchecked = (f"tie_break {tie_break!r} holds {type(tie).__name__} values, which verify cannot "
+                             "match with the messages' JSON")
+                sums = {}
+            else:
+                sums[w] = (sums.get(w, 0) + tie_hash(text)) & HASH_MASK
+    return SourceRows(counts, fingerprints={w: f for w, f in sums.items() if counts[w] > 1}, unchecked=unchecked)
 
 
-def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None,
-                      upto: int, slices: list[ProgressRecord] | None = None) -> SourceRows:
+def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None, upto: int,
+                      slices: list[ProgressRecord] | None = None, collect: Sequence[int] = ()) -> SourceRows:
     """The source's rows in (start, upto], each slice's by the row filter it was published with (`filter_pieces`):
-    counted per watermark, and by tie_break where they share one (`SourceRows`)."""
+    counted per watermark, and fingerprinted by tie_break where they share one (`SourceRows`). With `collect`
+    (watermarks whose fingerprints differed), only those values' rows, by tie_break value (`SourceRows.ties`)."""
     from dataclasses import replace
 
     from assets.relay import table_shape
@@ -276,16 +303,27 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
         shape = table_shape(source, table)
-        counts: Counter[int] = Counter()
-        rows: Counter[tuple[int, Any]] = Counter()
-        for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_watermark_values):
-            read = source.iter_watermarks(replace(shape, where=piece.where or None), piece.lo, piece.hi,
-                                          skip=list(piece.skip), tie_break=table.tie_break is not None)
-            if table.tie_break is not None:
-                rows.update(read)
-            else:
-                counts.update(w for w, _ in read)
-        found = shared_rows(rows, table.tie_break) if table.tie_break is not None else SourceRows(counts)
+        pieces = [(replace(shape, where=piece.where or None), piece)
+                  for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_watermark_values)]
+        if collect:
+            found = SourceRows(Counter(), shape.watermark_kind)
+            wanted = sorted(collect)
+            for i in range(0, len(wanted), 1000):  # IN lists of a bounded size
+                chunk = wanted[i:i + 1000]
+                for piece_shape, piece in pieces:
+                    if (piece.lo is None or chunk[-1] > piece.lo) and chunk[0] <= piece.hi:
+                        for w, tie in source.iter_watermark_ties(piece_shape, piece.lo, piece.hi, list(piece.skip),
+                                                                 only=chunk):
+                            found.ties.setdefault(w, Counter())[tie_text(tie) or repr(tie)] += 1
+            return found
+        if table.tie_break is None:
+            counts: Counter[int] = Counter()
+            for piece_shape, piece in pieces:
+                counts.update(source.iter_watermarks(piece_shape, piece.lo, piece.hi, skip=list(piece.skip)))
+            return SourceRows(counts, shape.watermark_kind)
+        rows = (row for piece_shape, piece in pieces
+                for row in source.iter_watermark_ties(piece_shape, piece.lo, piece.hi, list(piece.skip)))
+        found = tie_fingerprints(rows, table.tie_break)
         found.watermark_kind = shape.watermark_kind
         return found
     finally:
@@ -359,38 +397,52 @@ def progress_after_reading(read: Callable[[], Any], highest_seen: int | None, fl
 @dataclass
 class RowDifference:
     """What the topic holds against the source, per watermark value: rows sent more than once, rows never sent,
-    messages no source row explains."""
+    messages no source row explains; and the shared values compared by count only, as some of their messages
+    have no tie_break field (sent before a `columns:` or schema change)."""
 
     duplicates: Counter[int] = field(default_factory=Counter)
     missing: Counter[int] = field(default_factory=Counter)
     extra: Counter[int] = field(default_factory=Counter)
+    by_count: list[int] = field(default_factory=list)
 
 
-def compare_rows(source: SourceRows, seen: Counter[int], seen_ties: dict[int, Counter[str | None]]
-                 ) -> RowDifference:
-    """The topic's messages (`seen` per watermark; `seen_ties`: by tie_break, for the values in `source.shared`)
-    against the source's rows. A shared value is compared row by row: a message whose tie_break no row of its
-    value has is extra."""
+def compare_rows(counts: Counter[int], seen: Counter[int], source_ties: dict[int, Counter[str]],
+                 seen_ties: dict[int, Counter[str | None]]) -> RowDifference:
+    """The topic's messages (`seen` per watermark; `seen_ties`: by tie_break text, for the values in
+    `source_ties`) against the source's rows (`counts`). A value in `source_ties` is compared row by row: a message
+    whose tie_break no row of its value has is extra."""
     diff = RowDifference()
     for w, n in seen.items():
-        if w not in source.counts:
+        if w not in counts:
             diff.extra[w] = n
-        elif w not in source.shared and n > source.counts[w]:
-            diff.duplicates[w] = n - source.counts[w]
-    for w, n in source.counts.items():
-        if w not in source.shared:
-            if seen[w] < n:
+    for w, n in counts.items():
+        messages = seen_ties.get(w, Counter())
+        if w not in source_ties or None in messages:
+            if w in source_ties:
+                diff.by_count.append(w)
+            if seen[w] > n:
+                diff.duplicates[w] = seen[w] - n
+            elif seen[w] < n:
                 diff.missing[w] = n - seen[w]
             continue
-        rows, messages = source.shared[w], seen_ties.get(w, Counter())
+        rows = source_ties[w]
         for tie, k in messages.items():
             if tie not in rows:
                 diff.extra[w] += k
             elif k > rows[tie]:
                 diff.duplicates[w] += k - rows[tie]
-        if unsent := sum((rows - messages).values()):
+        if unsent := sum((rows - messages).values()):  # type: ignore[operator]
             diff.missing[w] = unsent
     return diff
+
+
+def kept_messages(split: ResetSplit, skip: Container[int], wanted: Container[int]) -> Iterator[tuple[int, int, int]]:
+    """(partition, offset, watermark) of the compared messages (`split.kept`) whose watermark is in `wanted` and not
+    in `skip` (slices committed while verify read)."""
+    for p, wms in split.kept.items():
+        for w, o in zip(wms, split.kept_offsets[p], strict=True):
+            if w in wanted and w not in skip:
+                yield p, o, w
 
 
 def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
@@ -417,35 +469,48 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     source = source_watermarks(config, table, start, hi, slices)
     report.watermark_kind, report.tie_break_unchecked = source.watermark_kind, source.unchecked
     reading = topic_watermarks(conf, table.topic_name, channel.table, tie_break=table.tie_break,
-                               shared=source.shared, envelope=table.envelope)
+                               shared=source.fingerprints)
     report.replayed, report.other_messages = reading.replayed, reading.other_messages
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
     resets = [r for r in history if r.slice.startswith("reset-")]
-    split = split_at_reset(reading, start_at if start_at and start_at.slice.startswith("reset-") else None,
-                           [r for r in resets if r is not start_at])
+    reset = start_at if start_at and start_at.slice.startswith("reset-") else None
+    split = split_at_reset(reading, reset, [r for r in resets if r is not start_at])
     report.before_start = split.before_start
     # Only a message written after the newest reset can belong to a slice committed since the progress was read.
     later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel),
                                       max(split.after_reset, default=None), hi)
     committed_meanwhile = range(hi + 1, later_hi + 1)  # empty unless progress moved on
     seen: Counter[int] = Counter()
-    seen_ties: dict[int, Counter[str | None]] = {}
     order: list[int] = []
     for wms in split.kept.values():
         seen.update(w for w in wms if w not in committed_meanwhile)
-    if source.shared:  # per message only where rows share a value
-        for p, wms in split.kept.items():
-            for w, o in zip(wms, split.kept_offsets[p], strict=True):
-                if w in source.shared and w not in committed_meanwhile:
-                    seen_ties.setdefault(w, Counter())[reading.ties.get((p, o))] += 1
     for wms in split.segments:
         order += [b for a, b in zip(wms, wms[1:], strict=False) if b < a]
-    diff = compare_rows(source, seen, seen_ties)
+    # Rows sharing a value: their fingerprints first; the values whose fingerprints differ are read again, from
+    # both sides, and compared row by row.
+    seen_sums: dict[int, int] = {}
+    for p, o, w in kept_messages(split, committed_meanwhile, source.fingerprints):
+        tie = reading.tie_hashes[p][bisect_left(reading.offsets[p], o)]
+        seen_sums[w] = (seen_sums.get(w, 0) + tie) & HASH_MASK
+    differ = [w for w, f in source.fingerprints.items() if seen[w] != source.counts[w] or seen_sums.get(w) != f]
+    source_ties: dict[int, Counter[str]] = {}
+    seen_ties: dict[int, Counter[str | None]] = {}
+    if differ:
+        source_ties = source_watermarks(config, table, start, hi, slices, collect=differ).ties
+        again = topic_watermarks(conf, table.topic_name, channel.table, tie_break=table.tie_break, collect=set(differ))
+        for p, o, w in kept_messages(split_at_reset(again, reset, [r for r in resets if r is not start_at]),
+                                     committed_meanwhile, source_ties):
+            seen_ties.setdefault(w, Counter())[again.ties.get((p, o))] += 1
+    diff = compare_rows(source.counts, seen, source_ties, seen_ties)
     report.source_rows = sum(source.counts.values())
     report.messages = sum(seen.values())
-    report.rows_by_tie_break = sum(sum(rows.values()) for rows in source.shared.values())
+    report.rows_by_tie_break = sum(source.counts[w] for w in source.fingerprints)
+    if diff.by_count:
+        report.tie_break_unchecked = (f"messages at {len(diff.by_count)} such value(s) have no {table.tie_break!r} "
+                                      f"field (sent before a `columns:` or schema change?), e.g. "
+                                      f"{', '.join(map(report.text, sorted(diff.by_count)[:3]))}")
     report.duplicates, report.missing, report.extra = (sum(c.values()) for c in (diff.duplicates, diff.missing,
                                                                                    diff.extra))
     report.order_violations = len(order)

@@ -157,6 +157,26 @@ def _charset_names(rows: Sequence[Any]) -> dict[str, str]:
     return {name: charset for name, charset in rows if charset and re.fullmatch(r"[a-z0-9_]+", charset)}
 
 
+# Charsets whose text is not ASCII bytes: a byte 3F is not always '?' there.
+WIDE_CHARSETS = {"ucs2", "utf16", "utf16le", "utf32"}
+
+
+def charset_checked(quoted: str, charset: str) -> str:
+    """A MariaDB/MySQL text column in `charset` as its UTF-8 bytes, or X'FF' (no UTF-8 has it: Spark's check then
+    stops the read) where the server's conversion put '?' for a byte with no character. The server converts any
+    such byte to '?' and nothing else, so text without '?' converted exactly (not a conversion back: cp932 maps two
+    codes of one character to one); with '?', each must be one of the column's own. For the UTF-16/32 charsets,
+    whose bytes 3F are not only '?', the value must convert back to its bytes instead."""
+    utf8 = f"CONVERT({quoted} USING utf8mb4)"
+    if charset in WIDE_CHARSETS:
+        exact = f"CAST(CONVERT({utf8} USING {charset}) AS BINARY) = CAST({quoted} AS BINARY)"
+    else:
+        raw = f"CAST({quoted} AS BINARY)"
+        exact = (f"INSTR({utf8}, '?') = 0 OR LENGTH({utf8}) - LENGTH(REPLACE({utf8}, '?', '')) = "
+                 f"LENGTH({raw}) - LENGTH(REPLACE({raw}, X'3F', ''))")
+    return f"CASE WHEN {quoted} IS NULL OR {exact} THEN CAST({utf8} AS BINARY) ELSE X'FF' END"
+
+
 def source_rendering(kind: str, quoted: str) -> tuple[str, str]:
     """(the raw column's select expression, its text's) for a column of a PG_/MYSQL_TEXT_RENDERING kind: the
     message takes the text where it is not NULL, else Spark's rendering of the raw value (NULL wherever the text
@@ -182,7 +202,8 @@ class ColumnInfo:
     utf8_bytes: bool = False
     # MariaDB/MySQL text in another charset that has bytes with no character (ascii above 7F, greek, sjis...; a
     # binary connection stores them as they come): the server converted them to '?' for the driver, silently. Read
-    # as its UTF-8 bytes where it converts back exactly, else as a byte no UTF-8 has (utf8_bytes then stops the read).
+    # as its UTF-8 bytes where it converted exactly, else as a byte no UTF-8 has (`charset_checked`; utf8_bytes then
+    # stops the read).
     charset: str = ""
 
 
@@ -265,9 +286,7 @@ class TableShape:
         for c in self.columns:
             q = quote(c.name)
             if c.utf8_bytes and c.charset:  # never the watermark or tie_break (table_shape)
-                utf8 = f"CONVERT({q} USING utf8mb4)"
-                items.append(f"CASE WHEN {q} IS NULL OR CAST(CONVERT({utf8} USING {c.charset}) AS BINARY) = "
-                             f"CAST({q} AS BINARY) THEN CAST({utf8} AS BINARY) ELSE X'FF' END AS {q}")
+                items.append(f"{charset_checked(q, c.charset)} AS {q}")
                 continue
             if c.utf8_bytes:
                 items.append(f"CAST({q} AS BINARY) AS {q}")
@@ -629,22 +648,33 @@ class SourceDatabaseResource(ConfigurableResource):
 
         return self._asked(shape, ("count", after, upto, tuple(skip or ())), ask, settled)
 
-    def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None,
-                        tie_break: bool = False) -> Iterator[tuple[int, Any]]:
-        """Every row's watermark in (after, upto] that the table's `where:` admits, minus `skip`, streamed, each
-        with its `tie_break` value if asked (else None): for `rowrelay verify`, the one full pass over the rows,
-        never on the relay path."""
-        tie_column = shape.tie_break if tie_break and shape.tie_break not in (None, shape.watermark) else None
-        t = sa.table(shape.name, *(sa.column(c) for c in (shape.watermark, tie_column) if c), schema=shape.schema)
-        wm = t.c[shape.watermark]
-        tie = t.c[tie_column] if tie_column else wm if tie_break and shape.tie_break else sa.null()
-        q = self.filtered(sa.select(wm, tie).select_from(t).where(wm <= shape.watermark_param(upto)), shape, wm,
-                          skip)
-        if after is not None:
-            q = q.where(wm > shape.watermark_param(after))
+    def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None
+                        ) -> Iterator[int]:
+        """Every row's watermark in (after, upto] that the table's `where:` admits, minus `skip`, streamed (for
+        `rowrelay verify`: the one full pass over the rows, never on the relay path)."""
+        t = self._table(shape)
         with self.engine.connect().execution_options(stream_results=True, yield_per=50_000) as conn:
-            for value, tie_value in conn.execute(q):
-                yield shape.watermark_value(value), tie_value
+            for (value,) in conn.execute(self._watermark_rows(shape, t, [t.c[shape.watermark]], after, upto, skip)):
+                yield shape.watermark_value(value)
+
+    def iter_watermark_ties(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None,
+                            only: Sequence[int] | None = None) -> Iterator[tuple[int, Any]]:
+        """As `iter_watermarks`, each with its row's tie_break value, for the watermarks in `only` if given."""
+        assert shape.tie_break is not None
+        names = dict.fromkeys((shape.watermark, shape.tie_break))  # one column if they are the same
+        t = sa.table(shape.name, *(sa.column(c) for c in names), schema=shape.schema)
+        q = self._watermark_rows(shape, t, [t.c[shape.watermark], t.c[shape.tie_break]], after, upto, skip)
+        if only is not None:
+            q = q.where(t.c[shape.watermark].in_([shape.watermark_param(w) for w in only]))
+        with self.engine.connect().execution_options(stream_results=True, yield_per=50_000) as conn:
+            for value, tie in conn.execute(q):
+                yield shape.watermark_value(value), tie
+
+    def _watermark_rows(self, shape: TableShape, t: sa.TableClause, columns: list[Any], after: int | None,
+                        upto: int, skip: list[int] | None) -> sa.Select:
+        wm = t.c[shape.watermark]
+        q = self.filtered(sa.select(*columns).select_from(t).where(wm <= shape.watermark_param(upto)), shape, wm, skip)
+        return q if after is None else q.where(wm > shape.watermark_param(after))
 
     def has_null_watermarks(self, shape: TableShape) -> bool:
         if not shape.column(shape.watermark).nullable:

@@ -386,15 +386,17 @@ def test_mariadb_text_its_charset_has_no_character_for_stops_its_slice(services,
     """A connection with the binary charset stores any bytes in a text column: E9 in an ascii column, AE (no
     character in ISO 8859-7) in a greek one. The server sent each to the driver as '?' and the slice committed,
     silently. Now each stops its slice as bad_row naming the row, the column and its charset, nothing sent; with
-    both rows skipped the rest arrive exactly (greek, sjis and ascii text, NULLs, latin1 untouched)."""
+    both rows skipped the rest arrive exactly (greek, sjis and ascii text, a '?' of the value's own, cp932's NEC
+    character whose code does not convert back to itself, NULLs, latin1 untouched)."""
     with mariadb_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, "
                           "a VARCHAR(20) CHARACTER SET ascii, g CHAR(4) CHARACTER SET greek, "
-                          "j TEXT CHARACTER SET sjis, l VARCHAR(20) CHARACTER SET latin1)"))
+                          "j TEXT CHARACTER SET sjis, k TEXT CHARACTER SET cp932, l VARCHAR(20) CHARACTER SET latin1)"))
         conn.execute(text("SET SESSION sql_mode = ''"))
         conn.execute(text("SET NAMES binary"))
-        conn.execute(text(f"INSERT INTO {name} (a, g, j, l) VALUES ('ok', X'E1E2', X'82A0', X'E9'), "
-                          "(X'61E9', X'E1', NULL, 'x'), ('fine', X'AE', 'x', 'y'), (NULL, NULL, NULL, X'80')"))
+        conn.execute(text(f"INSERT INTO {name} (a, g, j, k, l) VALUES ('ok?', X'E1E2', X'82A0', X'8790', X'E9'), "
+                          "(X'61E9', X'E1', NULL, 'k', 'x'), ('fine', X'AE', 'x', 'k', 'y'), "
+                          "(NULL, NULL, NULL, NULL, X'80')"))
     base = {"source": "src", "table": name, "watermark": "id", "settle_seconds": 0.5}
     said, key = [], None
     for skip in ([], [2]):  # the same slice, run again with row 2 left out
@@ -414,8 +416,8 @@ def test_mariadb_text_its_charset_has_no_character_for_stops_its_slice(services,
                                     spark_remote=True), dagster_instance)
     skipping.drain(skipping.table(), until_hi=4)
     got = [m.value for m in read_topic(services.kafka_bootstrap, table.topic_name)]
-    assert got == [{"id": 1, "a": "ok", "g": "\u03b1\u03b2", "j": "\u3042", "l": "\u00e9"},
-                   {"id": 4, "a": None, "g": None, "j": None, "l": "\u20ac"}]
+    assert got == [{"id": 1, "a": "ok?", "g": "\u03b1\u03b2", "j": "\u3042", "k": "\u2252", "l": "\u00e9"},
+                   {"id": 4, "a": None, "g": None, "j": None, "k": None, "l": "\u20ac"}]
 
 
 def test_mariadb_uuid_column_is_refused_at_the_table_check(mariadb_database, mariadb_engine, name) -> None:

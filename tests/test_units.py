@@ -340,38 +340,54 @@ def test_verify_splits_a_topic_at_the_newest_reset() -> None:
 
 
 def test_verify_compares_rows_sharing_a_watermark_value_one_by_one() -> None:
-    """Rows sharing a watermark value (a tie_break table) are compared by their tie_break: at value 7 the topic
-    holds row 1 twice and never row 2. Counted per value the two would even out (verify passed such a topic); row
-    by row they are a duplicate and a missing row, and a message whose tie_break no row of its value has is extra.
-    Values with one row are still compared by count, without reading any message's JSON."""
+    """Rows sharing a watermark value (a tie_break table) are fingerprinted by their tie_break: at value 7 the topic
+    holds row 1 twice and never row 2. Counted per value the two would even out (verify passed such a topic); the
+    fingerprints differ, and row by row they are a duplicate and a missing row, while a message whose tie_break no
+    row of its value has is extra. Values with one row are compared by count."""
     from collections import Counter
-
-    from orchestration.cli import compare_rows, message_tie, shared_rows, tie_text
-
-    source = shared_rows(Counter({(7, 1): 1, (7, 2): 1, (7, 3): 1, (8, 4): 1, (9, 5): 1}), "n")
-    assert source.counts == Counter({7: 3, 8: 1, 9: 1}) and source.shared == {7: Counter({"1": 1, "2": 1, "3": 1})}
-    assert source.unchecked is None
-    even = compare_rows(source, Counter({7: 3, 8: 1, 9: 1}), {7: Counter({"1": 2, "3": 1})})
-    assert (even.duplicates, even.missing, even.extra) == (Counter({7: 1}), Counter({7: 1}), Counter())
-    clean = compare_rows(source, Counter({7: 3, 8: 1, 9: 1}), {7: Counter({"1": 1, "2": 1, "3": 1})})
-    assert not (clean.duplicates or clean.missing or clean.extra)
-    stray = compare_rows(source, Counter({7: 3, 8: 2, 10: 1}), {7: Counter({"1": 1, "2": 1, "99": 1})})
-    assert (stray.duplicates, stray.missing, stray.extra) == (Counter({8: 1}), Counter({7: 1, 9: 1}),
-                                                              Counter({7: 1, 10: 1}))
-    # The same values on both sides: the driver's and the message's JSON.
+    from datetime import datetime
     from uuid import UUID
 
-    assert [tie_text(v) for v in (5, "a", None, UUID(int=1), True)] == \
-        ["5", "a", "null", "00000000-0000-0000-0000-000000000001", None]
-    assert message_tie(b'{"n": 5, "v": "x"}', "n", False) == "5"
-    assert message_tie(b'{"op": "insert", "data": {"n": "a"}}', "n", True) == "a"
-    assert message_tie(b'{"v": 1}', "n", False) is None and message_tie(b"not json", "n", False) is None
-    # A tie_break whose JSON text is not Python's (a timestamp): compared by count, and said so.
-    from datetime import datetime
+    from orchestration.cli import (
+        HASH_MASK,
+        NULL_TIE,
+        compare_rows,
+        message_tie,
+        tie_fingerprints,
+        tie_hash,
+        tie_text,
+    )
 
-    timed = shared_rows(Counter({(7, datetime(2026, 1, 1)): 1, (7, datetime(2026, 1, 2)): 1}), "at")
-    assert timed.shared == {} and timed.unchecked is not None and "'at'" in timed.unchecked
-    assert compare_rows(timed, Counter({7: 2}), {}).missing == Counter()
+    source = tie_fingerprints([(7, 1), (7, 2), (7, 3), (8, 4), (9, 5)], "n")
+    assert source.counts == Counter({7: 3, 8: 1, 9: 1}) and source.unchecked is None
+    assert set(source.fingerprints) == {7}  # one-row values need none
+    assert source.fingerprints[7] == sum(map(tie_hash, ["1", "2", "3"])) & HASH_MASK
+    assert sum(map(tie_hash, ["1", "1", "3"])) & HASH_MASK != source.fingerprints[7]  # the even count differs
+
+    ties = {7: Counter({"1": 1, "2": 1, "3": 1})}
+    even = compare_rows(source.counts, Counter({7: 3, 8: 1, 9: 1}), ties, {7: Counter({"1": 2, "3": 1})})
+    assert (even.duplicates, even.missing, even.extra) == (Counter({7: 1}), Counter({7: 1}), Counter())
+    clean = compare_rows(source.counts, Counter({7: 3, 8: 1, 9: 1}), ties, {7: Counter({"1": 1, "2": 1, "3": 1})})
+    assert not (clean.duplicates or clean.missing or clean.extra or clean.by_count)
+    stray = compare_rows(source.counts, Counter({7: 3, 8: 2, 10: 1}), ties, {7: Counter({"1": 1, "2": 1, "99": 1})})
+    assert (stray.duplicates, stray.missing, stray.extra) == (Counter({8: 1}), Counter({7: 1, 9: 1}),
+                                                              Counter({7: 1, 10: 1}))
+    # Messages without the field (sent before a `columns:` change): that value by count, and said so.
+    old = compare_rows(source.counts, Counter({7: 3, 8: 1, 9: 1}), ties, {7: Counter({None: 2, "3": 1})})
+    assert not (old.duplicates or old.missing or old.extra) and old.by_count == [7]
+
+    # The same texts on both sides: the driver's values and the message's JSON; NULL is no text.
+    assert [tie_text(v) for v in (5, "a", None, UUID(int=1), True)] == \
+        ["5", "a", NULL_TIE, "00000000-0000-0000-0000-000000000001", None]
+    assert tie_text("null") != tie_text(None) and message_tie(b'{"n": null}', "n") == tie_text(None)
+    assert message_tie(b'{"n": 5, "v": "x"}', "n") == "5"
+    # An envelope is told by its shape: `envelope:` may have changed since the message was sent.
+    assert message_tie(b'{"op": "insert", "data": {"n": "a"}, "source": {}}', "n") == "a"
+    assert message_tie(b'{"v": 1}', "n") is None and message_tie(b"not json", "n") is None
+    # A tie_break whose JSON text is not Python's (a timestamp): compared by count, and said so.
+    timed = tie_fingerprints([(7, datetime(2026, 1, 1)), (7, datetime(2026, 1, 2))], "at")
+    assert timed.fingerprints == {} and timed.unchecked is not None and "'at'" in timed.unchecked
+    assert timed.counts == Counter({7: 2})
 
 
 class _CommitFailsProducer:
