@@ -113,6 +113,7 @@ class TopicWatermarks:
     other_messages: int = 0
 
 
+ENVELOPE_FIELDS = {"op", "data", "source"}
 NULL_TIE = "\x00NULL\x00"  # a NULL tie_break: no text a column holds is this
 HASH_MASK = (1 << 64) - 1
 
@@ -139,12 +140,12 @@ def tie_hash(text: str | None) -> int:
 
 def message_tie(value: bytes | None, tie_break: str) -> str | None:
     """The `tie_text` of a message's tie_break field, None if it has none. An envelope is told by its shape (the
-    table's `envelope:` may have changed since the message was sent)."""
+    table's `envelope:` may have changed since the message was sent): its three fields, its row under `data`."""
     try:
         doc = json.loads(value or b"")
     except ValueError:
         return None
-    if isinstance(doc, dict) and tie_break not in doc and isinstance(doc.get("data"), dict) and "op" in doc:
+    if isinstance(doc, dict) and doc.keys() == ENVELOPE_FIELDS and isinstance(doc["data"], dict):
         doc = doc["data"]
     if not isinstance(doc, dict) or tie_break not in doc:
         return None
@@ -314,7 +315,8 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
                     if (piece.lo is None or chunk[-1] > piece.lo) and chunk[0] <= piece.hi:
                         for w, tie in source.iter_watermark_ties(piece_shape, piece.lo, piece.hi, list(piece.skip),
                                                                  only=chunk):
-                            found.ties.setdefault(w, Counter())[tie_text(tie) or repr(tie)] += 1
+                            text = tie_text(tie)
+                            found.ties.setdefault(w, Counter())[text if text is not None else repr(tie)] += 1
             return found
         if table.tie_break is None:
             counts: Counter[int] = Counter()
@@ -445,6 +447,9 @@ def kept_messages(split: ResetSplit, skip: Container[int], wanted: Container[int
                 yield p, o, w
 
 
+MAX_RECHECKED_VALUES = 100_000  # shared values whose fingerprints differ, compared row by row; the rest by count
+
+
 def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     """Compare the topic with the source rows up to the table's committed progress."""
     from assets.relay import channel_for
@@ -494,9 +499,12 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     for p, o, w in kept_messages(split, committed_meanwhile, source.fingerprints):
         tie = reading.tie_hashes[p][bisect_left(reading.offsets[p], o)]
         seen_sums[w] = (seen_sums.get(w, 0) + tie) & HASH_MASK
-    differ = [w for w, f in source.fingerprints.items() if seen[w] != source.counts[w] or seen_sums.get(w) != f]
+    differ = sorted(w for w, f in source.fingerprints.items() if seen[w] != source.counts[w] or seen_sums.get(w) != f)
+    # Past a bound, by count: the second reads' memory grows with the messages of the values read again.
+    differ, by_count = differ[:MAX_RECHECKED_VALUES], differ[MAX_RECHECKED_VALUES:]
     source_ties: dict[int, Counter[str]] = {}
     seen_ties: dict[int, Counter[str | None]] = {}
+    del reading, split  # the topic is read again: not two copies of its watermarks
     if differ:
         source_ties = source_watermarks(config, table, start, hi, slices, collect=differ).ties
         again = topic_watermarks(conf, table.topic_name, channel.table, tie_break=table.tie_break, collect=set(differ))
@@ -504,12 +512,14 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
                                      committed_meanwhile, source_ties):
             seen_ties.setdefault(w, Counter())[again.ties.get((p, o))] += 1
     diff = compare_rows(source.counts, seen, source_ties, seen_ties)
+    diff.by_count += by_count
     report.source_rows = sum(source.counts.values())
     report.messages = sum(seen.values())
     report.rows_by_tie_break = sum(source.counts[w] for w in source.fingerprints)
     if diff.by_count:
-        report.tie_break_unchecked = (f"messages at {len(diff.by_count)} such value(s) have no {table.tie_break!r} "
-                                      f"field (sent before a `columns:` or schema change?), e.g. "
+        report.tie_break_unchecked = (f"{len(diff.by_count)} such value(s) whose fingerprints differ: their messages "
+                                      f"have no {table.tie_break!r} field (sent before a `columns:` or schema "
+                                      f"change?) or there were over {MAX_RECHECKED_VALUES:,} of them, e.g. "
                                       f"{', '.join(map(report.text, sorted(diff.by_count)[:3]))}")
     report.duplicates, report.missing, report.extra = (sum(c.values()) for c in (diff.duplicates, diff.missing,
                                                                                    diff.extra))

@@ -170,10 +170,9 @@ def charset_checked(quoted: str, charset: str) -> str:
     utf8 = f"CONVERT({quoted} USING utf8mb4)"
     if charset in WIDE_CHARSETS:
         exact = f"CAST(CONVERT({utf8} USING {charset}) AS BINARY) = CAST({quoted} AS BINARY)"
-    else:
-        raw = f"CAST({quoted} AS BINARY)"
-        exact = (f"INSTR({utf8}, '?') = 0 OR LENGTH({utf8}) - LENGTH(REPLACE({utf8}, '?', '')) = "
-                 f"LENGTH({raw}) - LENGTH(REPLACE({raw}, X'3F', ''))")
+    else:  # the value's own '?' counted as characters of its charset: a byte 3F inside a character is none
+        exact = (f"INSTR({utf8}, '?') = 0 OR CHAR_LENGTH({utf8}) - CHAR_LENGTH(REPLACE({utf8}, '?', '')) = "
+                 f"CHAR_LENGTH({quoted}) - CHAR_LENGTH(REPLACE({quoted}, '?', ''))")
     return f"CASE WHEN {quoted} IS NULL OR {exact} THEN CAST({utf8} AS BINARY) ELSE X'FF' END"
 
 

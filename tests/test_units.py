@@ -383,6 +383,8 @@ def test_verify_compares_rows_sharing_a_watermark_value_one_by_one() -> None:
     assert message_tie(b'{"n": 5, "v": "x"}', "n") == "5"
     # An envelope is told by its shape: `envelope:` may have changed since the message was sent.
     assert message_tie(b'{"op": "insert", "data": {"n": "a"}, "source": {}}', "n") == "a"
+    assert message_tie(b'{"op": "insert", "data": {"op": 5}, "source": {}}', "op") == "5"  # a column named op
+    assert message_tie(b'{"op": 1, "data": {"n": 2}, "n": 3}', "n") == "3"  # no envelope: its own columns
     assert message_tie(b'{"v": 1}', "n") is None and message_tie(b"not json", "n") is None
     # A tie_break whose JSON text is not Python's (a timestamp): compared by count, and said so.
     timed = tie_fingerprints([(7, datetime(2026, 1, 1)), (7, datetime(2026, 1, 2))], "at")
