@@ -566,8 +566,8 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
                 print(f"  compared from {r.text(r.compared_from)} ({r.compared_from_record}); {r.before_start} "
                       "messages at or below it left out")
             if r.rows_by_tie_break:
-                print(f"  {r.rows_by_tie_break} source rows share a watermark value: compared one by one by "
-                      "tie_break")
+                print(f"  {r.rows_by_tie_break} source rows share a watermark value: compared by tie_break too "
+                      "(a fingerprint per value; row by row where one differs)")
             if r.tie_break_unchecked:
                 print(f"  rows sharing a watermark value compared by count only: {r.tie_break_unchecked}")
             if r.replayed or r.other_messages:

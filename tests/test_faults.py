@@ -198,7 +198,7 @@ class FaultPipeline:
             assert r.ok, f"{scenario}: {r}"
             assert r.source_rows == r.messages
         # Rows sharing a watermark value (a tie_break table: each writer transaction's rows share its now()): verify
-        # compared them one by one by tie_break, and they are checked here by id too, independently of verify.
+        # compared them by tie_break too, and they are checked here by id, independently of verify.
         for r, t in zip(reports, self.config.tables, strict=True):
             if t.tie_break:
                 assert r.rows_by_tie_break > 0 and r.tie_break_unchecked is None, f"{scenario}: {r}"
