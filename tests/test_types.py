@@ -342,6 +342,17 @@ def test_mariadb_float_arrives_as_stored(services, mariadb_database, mariadb_eng
     assert (got[6]["f"], got[6]["f3"], got[2]["f"], got[1]["f3"], got[5]["f"]) == (0.1, 0.1, 1.0000001, 0.001, -2.5)
 
 
+def _stored_as_bytes(engine, name: str, columns: str, insert: str) -> None:
+    """A MariaDB table `name` (id AUTO_INCREMENT, `columns`) whose rows `insert` writes through a connection with
+    the binary charset and no strict mode: the server stores the bytes as they come, as a client that sends bytes
+    would have it."""
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, {columns})"))
+        conn.execute(text("SET SESSION sql_mode = ''"))
+        conn.execute(text("SET NAMES binary"))
+        conn.execute(text(f"INSERT INTO {name} {insert}"))
+
+
 @pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
 def test_mariadb_text_that_is_not_utf8_stops_its_slice(services, mariadb_database, mariadb_engine, dagster_instance,
                                                        spark, name, spark_remote: bool) -> None:
@@ -351,14 +362,10 @@ def test_mariadb_text_that_is_not_utf8_stops_its_slice(services, mariadb_databas
     from resources.kafka_io_manager import STOPPED_TAG
     from tests.test_errors import failure_text
 
-    with mariadb_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, "
-                          "s VARCHAR(20) CHARACTER SET utf8mb4, m TEXT CHARACTER SET utf8mb3, "
-                          "l VARCHAR(20) CHARACTER SET latin1)"))
-        conn.execute(text("SET SESSION sql_mode = ''"))
-        conn.execute(text("SET NAMES binary"))
-        conn.execute(text(f"INSERT INTO {name} (s, m, l) VALUES (X'6F6BC3A9', X'C3A9', X'E9'), "
-                          "(X'61EDA080', X'6D', X'61'), (X'F09F9880', NULL, X'80')"))
+    _stored_as_bytes(mariadb_engine, name, "s VARCHAR(20) CHARACTER SET utf8mb4, m TEXT CHARACTER SET utf8mb3, "
+                     "l VARCHAR(20) CHARACTER SET latin1",
+                     "(s, m, l) VALUES (X'6F6BC3A9', X'C3A9', X'E9'), (X'61EDA080', X'6D', X'61'), "
+                     "(X'F09F9880', NULL, X'80')")
     base = {"source": "src", "table": name, "watermark": "id", "settle_seconds": 0.5}
     h = Harness(relay_config(services, {"src": mariadb_database}, [base], spark_remote=spark_remote),
                 dagster_instance)
@@ -388,15 +395,11 @@ def test_mariadb_text_its_charset_has_no_character_for_stops_its_slice(services,
     silently. Now each stops its slice as bad_row naming the row, the column and its charset, nothing sent; with
     both rows skipped the rest arrive exactly (greek, sjis and ascii text, a '?' of the value's own, cp932's NEC
     character whose code does not convert back to itself, NULLs, latin1 untouched)."""
-    with mariadb_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, "
-                          "a VARCHAR(20) CHARACTER SET ascii, g CHAR(4) CHARACTER SET greek, "
-                          "j TEXT CHARACTER SET sjis, k TEXT CHARACTER SET cp932, l VARCHAR(20) CHARACTER SET latin1)"))
-        conn.execute(text("SET SESSION sql_mode = ''"))
-        conn.execute(text("SET NAMES binary"))
-        conn.execute(text(f"INSERT INTO {name} (a, g, j, k, l) VALUES ('ok?', X'E1E2', X'82A0', X'8790', X'E9'), "
-                          "(X'61E9', X'E1', NULL, 'k', 'x'), ('fine', X'AE', 'x', 'k', 'y'), "
-                          "(NULL, NULL, NULL, NULL, X'80')"))
+    _stored_as_bytes(mariadb_engine, name, "a VARCHAR(20) CHARACTER SET ascii, g CHAR(4) CHARACTER SET greek, "
+                     "j TEXT CHARACTER SET sjis, k TEXT CHARACTER SET cp932, l VARCHAR(20) CHARACTER SET latin1",
+                     "(a, g, j, k, l) VALUES ('ok?', X'E1E2', X'82A0', X'8790', X'E9'), "
+                     "(X'61E9', X'E1', NULL, 'k', 'x'), ('fine', X'AE', 'x', 'k', 'y'), "
+                     "(NULL, NULL, NULL, NULL, X'80')")
     base = {"source": "src", "table": name, "watermark": "id", "settle_seconds": 0.5}
     said, key = [], None
     for skip in ([], [2]):  # the same slice, run again with row 2 left out
