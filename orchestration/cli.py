@@ -109,6 +109,7 @@ class TopicWatermarks:
     tie_hashes: dict[int, array[int]] = field(default_factory=dict)
     # (partition, offset) -> the message's `tie_text` (None: it has no tie_break field), for `collect`'s watermarks.
     ties: dict[tuple[int, int], str | None] = field(default_factory=dict)
+    ends: dict[int, int] = field(default_factory=dict)  # the offset each partition was read up to
     replayed: int = 0
     other_messages: int = 0
 
@@ -153,11 +154,11 @@ def message_tie(value: bytes | None, tie_break: str) -> str | None:
 
 
 def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0,
-                     tie_break: str | None = None, shared: Container[int] = (), collect: Container[int] = ()
-                     ) -> TopicWatermarks:
-    """Read the topic to its end: the table's own messages' watermarks (`TopicWatermarks`); with a `tie_break`,
-    the `tie_hash` of the messages whose watermark is in `shared` and the `tie_text` of those in `collect` (their
-    JSON parsed only for that)."""
+                     tie_break: str | None = None, shared: Container[int] = (), collect: Container[int] = (),
+                     ends: dict[int, int] | None = None) -> TopicWatermarks:
+    """Read the topic to its end (or each partition up to `ends`: what an earlier read saw): the table's own
+    messages' watermarks (`TopicWatermarks`); with a `tie_break`, the `tie_hash` of the messages whose watermark is
+    in `shared` and the `tie_text` of those in `collect` (their JSON parsed only for that)."""
     from resources.exactly_once import (
         FAST_READS,
         REPLAY_HEADER,
@@ -181,6 +182,9 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
         for p in sorted(meta.partitions):
             tp = TopicPartition(topic, p)
             low, high = partition_watermarks(consumer, tp, timeout, conf)  # a new topic's leader may still move
+            if ends is not None:
+                high = min(high, ends.get(p, low))
+            out.ends[p] = high
             wms, offsets = out.partitions.setdefault(p, []), out.offsets.setdefault(p, [])
             hashes = out.tie_hashes.setdefault(p, array("Q")) if hashing else None
             if high <= low:
@@ -193,6 +197,8 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
                 msg = consumer.poll(0.5)
                 if msg is None or msg.error():
                     continue
+                if msg.offset() >= high:  # written since the end was taken (past a commit marker)
+                    break
                 deadline = time.monotonic() + timeout
                 headers = dict(msg.headers() or [])
                 if headers.get(TABLE_HEADER) != own or WATERMARK_HEADER not in headers:
@@ -504,10 +510,12 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     differ, by_count = differ[:MAX_RECHECKED_VALUES], differ[MAX_RECHECKED_VALUES:]
     source_ties: dict[int, Counter[str]] = {}
     seen_ties: dict[int, Counter[str | None]] = {}
+    ends = reading.ends  # the second read sees what the first did, not messages written since
     del reading, split  # the topic is read again: not two copies of its watermarks
     if differ:
         source_ties = source_watermarks(config, table, start, hi, slices, collect=differ).ties
-        again = topic_watermarks(conf, table.topic_name, channel.table, tie_break=table.tie_break, collect=set(differ))
+        again = topic_watermarks(conf, table.topic_name, channel.table, tie_break=table.tie_break, collect=set(differ),
+                                 ends=ends)
         for p, o, w in kept_messages(split_at_reset(again, reset, [r for r in resets if r is not start_at]),
                                      committed_meanwhile, source_ties):
             seen_ties.setdefault(w, Counter())[again.ties.get((p, o))] += 1
