@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -107,7 +107,8 @@ class TopicWatermarks:
     offsets: dict[int, list[int]] = field(default_factory=dict)  # each of those messages' offset, alike
     # With `shared` asked for: each message's `tie_hash` where its watermark is shared (0 elsewhere), alike.
     tie_hashes: dict[int, array[int]] = field(default_factory=dict)
-    # (partition, offset) -> the message's `tie_text` (None: it has no tie_break field), for `collect`'s watermarks.
+    # (partition, index in `partitions[p]`) -> the message's `tie_text` (None: it has no tie_break field), for
+    # `collect`'s watermarks.
     ties: dict[tuple[int, int], str | None] = field(default_factory=dict)
     ends: dict[int, int] = field(default_factory=dict)  # the offset each partition was read up to
     replayed: int = 0
@@ -215,7 +216,7 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
                     if hashes is not None:
                         hashes.append(tie_hash(text) if wm in shared else 0)
                     if wm in collect:
-                        out.ties[(p, msg.offset())] = text
+                        out.ties[(p, len(wms) - 1)] = text
     finally:
         consumer.close()
     return out
@@ -267,14 +268,12 @@ def filter_pieces(start: int | None, upto: int, slices: list[ProgressRecord], wh
 @dataclass
 class SourceRows:
     """The source's rows `rowrelay verify` expects: a count per watermark value and, where rows share a value and
-    the table has a `tie_break`, a fingerprint of those rows' tie_break values; for the values asked for again
-    (`collect`), their rows by tie_break value."""
+    the table has a `tie_break`, a fingerprint of those rows' tie_break values."""
 
     counts: Counter[int]
     watermark_kind: str = "integer"
     # value with two rows or more -> the sum of its rows' `tie_hash` (modulo 2**64)
     fingerprints: dict[int, int] = field(default_factory=dict)
-    ties: dict[int, Counter[str]] = field(default_factory=dict)  # value in `collect` -> its rows' tie texts
     unchecked: str | None = None  # why shared values are compared by count only (then no fingerprints)
 
 
@@ -297,11 +296,11 @@ def tie_fingerprints(rows: Iterable[tuple[int, Any]], tie_break: str) -> SourceR
     return SourceRows(counts, fingerprints={w: f for w, f in sums.items() if counts[w] > 1}, unchecked=unchecked)
 
 
-def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None, upto: int,
-                      slices: list[ProgressRecord] | None = None, collect: Sequence[int] = ()) -> SourceRows:
-    """The source's rows in (start, upto], each slice's by the row filter it was published with (`filter_pieces`):
-    counted per watermark, and fingerprinted by tie_break where they share one (`SourceRows`). With `collect`
-    (watermarks whose fingerprints differed), only those values' rows, by tie_break value (`SourceRows.ties`)."""
+@contextlib.contextmanager
+def source_pieces(config: RelayConfig, table: TableConfig, start: int | None, upto: int,
+                  slices: list[ProgressRecord] | None) -> Iterator[tuple[Any, str, list[tuple[Any, FilterPiece]]]]:
+    """The table's source, its watermark kind and (start, upto] in pieces, each with the table shape of the row
+    filter its slices were published with (`filter_pieces`)."""
     from dataclasses import replace
 
     from assets.relay import table_shape
@@ -310,32 +309,45 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
     source = SourceDatabaseResource(url=config.sources[table.source].url)
     try:
         shape = table_shape(source, table)
-        pieces = [(replace(shape, where=piece.where or None), piece)
-                  for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_watermark_values)]
-        if collect:
-            found = SourceRows(Counter(), shape.watermark_kind)
-            wanted = sorted(collect)
-            for i in range(0, len(wanted), 1000):  # IN lists of a bounded size
-                chunk = wanted[i:i + 1000]
-                for piece_shape, piece in pieces:
-                    if (piece.lo is None or chunk[-1] > piece.lo) and chunk[0] <= piece.hi:
-                        for w, tie in source.iter_watermark_ties(piece_shape, piece.lo, piece.hi, list(piece.skip),
-                                                                 only=chunk):
-                            text = tie_text(tie)
-                            found.ties.setdefault(w, Counter())[text if text is not None else repr(tie)] += 1
-            return found
-        if table.tie_break is None:
-            counts: Counter[int] = Counter()
-            for piece_shape, piece in pieces:
-                counts.update(source.iter_watermarks(piece_shape, piece.lo, piece.hi, skip=list(piece.skip)))
-            return SourceRows(counts, shape.watermark_kind)
-        rows = (row for piece_shape, piece in pieces
-                for row in source.iter_watermark_ties(piece_shape, piece.lo, piece.hi, list(piece.skip)))
-        found = tie_fingerprints(rows, table.tie_break)
-        found.watermark_kind = shape.watermark_kind
-        return found
+        yield source, shape.watermark_kind, [
+            (replace(shape, where=piece.where or None), piece)
+            for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_watermark_values)]
     finally:
         source.dispose()
+
+
+def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None, upto: int,
+                      slices: list[ProgressRecord] | None = None) -> SourceRows:
+    """The source's rows in (start, upto], each slice's by the row filter it was published with: counted per
+    watermark, and fingerprinted by tie_break where they share one (`SourceRows`)."""
+    with source_pieces(config, table, start, upto, slices) as (source, kind, pieces):
+        if table.tie_break is None:
+            counts: Counter[int] = Counter()
+            for shape, piece in pieces:
+                counts.update(source.iter_watermarks(shape, piece.lo, piece.hi, skip=list(piece.skip)))
+            return SourceRows(counts, kind)
+        found = tie_fingerprints((row for shape, piece in pieces
+                                  for row in source.iter_watermark_ties(shape, piece.lo, piece.hi, list(piece.skip))),
+                                 table.tie_break)
+        found.watermark_kind = kind
+        return found
+
+
+def source_ties(config: RelayConfig, table: TableConfig, start: int | None, upto: int,
+                slices: list[ProgressRecord] | None, values: Sequence[int]) -> dict[int, Counter[str]]:
+    """The rows of the watermark `values` (those whose fingerprints differed) by tie_break text, read with bounded
+    IN lists, each from the pieces it falls in."""
+    ties: dict[int, Counter[str]] = {}
+    wanted = sorted(values)
+    with source_pieces(config, table, start, upto, slices) as (source, _, pieces):
+        for chunk in (wanted[i:i + 1000] for i in range(0, len(wanted), 1000)):
+            for shape, piece in pieces:
+                if (piece.lo is not None and chunk[-1] <= piece.lo) or chunk[0] > piece.hi:
+                    continue
+                for w, tie in source.iter_watermark_ties(shape, piece.lo, piece.hi, list(piece.skip), only=chunk):
+                    text = tie_text(tie)
+                    ties.setdefault(w, Counter())[text if text is not None else repr(tie)] += 1
+    return ties
 
 
 def reset_position(reset: Any, partition: int) -> int | None:
@@ -362,7 +374,7 @@ class ResetSplit:
     segments: list[list[int]]  # the same, cut at the reset's position: watermarks only grow within each
     after_reset: list[int]  # kept watermarks written after the reset's position (all of them without one)
     before_start: int  # messages left out as sent before the reset
-    kept_offsets: dict[int, list[int]] = field(default_factory=dict)  # the offsets of `kept`'s messages, alike
+    kept_index: dict[int, list[int]] = field(default_factory=dict)  # where `kept`'s messages are in the reading
 
 
 def split_at_reset(reading: TopicWatermarks, reset: Any, earlier_resets: Sequence[Any] = ()) -> ResetSplit:
@@ -372,11 +384,13 @@ def split_at_reset(reading: TopicWatermarks, reset: Any, earlier_resets: Sequenc
     split = ResetSplit({}, [], [], 0)
     for p, wms in reading.partitions.items():
         offsets, end = reading.offsets[p], reset_position(reset, p)
+        index = list(range(len(wms)))
         if reset is not None:  # sent before the reset, at or below it: not extra
             before = sent_before_reset(wms, offsets, reset.hi, end)
             split.before_start += sum(before)
-            wms, offsets = ([x for x, b in zip(xs, before, strict=True) if not b] for xs in (wms, offsets))
-        split.kept[p], split.kept_offsets[p] = wms, offsets
+            wms, offsets, index = ([x for x, b in zip(xs, before, strict=True) if not b]
+                                   for xs in (wms, offsets, index))
+        split.kept[p], split.kept_index[p] = wms, index
         later = [w for w, o in zip(wms, offsets, strict=True) if end is None or o >= end]
         split.after_reset += later
         seams = sorted({e for e in (reset_position(r, p) for r in (*earlier_resets, reset)) if e is not None})
@@ -445,12 +459,12 @@ def compare_rows(counts: Counter[int], seen: Counter[int], source_ties: dict[int
 
 
 def kept_messages(split: ResetSplit, skip: Container[int], wanted: Container[int]) -> Iterator[tuple[int, int, int]]:
-    """(partition, offset, watermark) of the compared messages (`split.kept`) whose watermark is in `wanted` and not
-    in `skip` (slices committed while verify read)."""
+    """(partition, index in the reading, watermark) of the compared messages (`split.kept`) whose watermark is in
+    `wanted` and not in `skip` (slices committed while verify read)."""
     for p, wms in split.kept.items():
-        for w, o in zip(wms, split.kept_offsets[p], strict=True):
+        for w, i in zip(wms, split.kept_index[p], strict=True):
             if w in wanted and w not in skip:
-                yield p, o, w
+                yield p, i, w
 
 
 MAX_RECHECKED_VALUES = 100_000  # shared values whose fingerprints differ, compared row by row; the rest by count
@@ -487,7 +501,8 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     # the progress read again now has no progress record at all: that one is extra.
     resets = [r for r in history if r.slice.startswith("reset-")]
     reset = start_at if start_at and start_at.slice.startswith("reset-") else None
-    split = split_at_reset(reading, reset, [r for r in resets if r is not start_at])
+    earlier_resets = [r for r in resets if r is not start_at]
+    split = split_at_reset(reading, reset, earlier_resets)
     report.before_start = split.before_start
     # Only a message written after the newest reset can belong to a slice committed since the progress was read.
     later_hi = progress_after_reading(lambda: read_committed_progress(conf, channel),
@@ -502,24 +517,22 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     # Rows sharing a value: their fingerprints first; the values whose fingerprints differ are read again, from
     # both sides, and compared row by row.
     seen_sums: dict[int, int] = {}
-    for p, o, w in kept_messages(split, committed_meanwhile, source.fingerprints):
-        tie = reading.tie_hashes[p][bisect_left(reading.offsets[p], o)]
-        seen_sums[w] = (seen_sums.get(w, 0) + tie) & HASH_MASK
+    for p, i, w in kept_messages(split, committed_meanwhile, source.fingerprints):
+        seen_sums[w] = (seen_sums.get(w, 0) + reading.tie_hashes[p][i]) & HASH_MASK
     differ = sorted(w for w, f in source.fingerprints.items() if seen[w] != source.counts[w] or seen_sums.get(w) != f)
     # Past a bound, by count: the second reads' memory grows with the messages of the values read again.
     differ, by_count = differ[:MAX_RECHECKED_VALUES], differ[MAX_RECHECKED_VALUES:]
-    source_ties: dict[int, Counter[str]] = {}
+    rows: dict[int, Counter[str]] = {}
     seen_ties: dict[int, Counter[str | None]] = {}
     ends = reading.ends  # the second read sees what the first did, not messages written since
     del reading, split  # the topic is read again: not two copies of its watermarks
     if differ:
-        source_ties = source_watermarks(config, table, start, hi, slices, collect=differ).ties
+        rows = source_ties(config, table, start, hi, slices, differ)
         again = topic_watermarks(conf, table.topic_name, channel.table, tie_break=table.tie_break, collect=set(differ),
                                  ends=ends)
-        for p, o, w in kept_messages(split_at_reset(again, reset, [r for r in resets if r is not start_at]),
-                                     committed_meanwhile, source_ties):
-            seen_ties.setdefault(w, Counter())[again.ties.get((p, o))] += 1
-    diff = compare_rows(source.counts, seen, source_ties, seen_ties)
+        for p, i, w in kept_messages(split_at_reset(again, reset, earlier_resets), committed_meanwhile, rows):
+            seen_ties.setdefault(w, Counter())[again.ties.get((p, i))] += 1
+    diff = compare_rows(source.counts, seen, rows, seen_ties)
     diff.by_count += by_count
     report.source_rows = sum(source.counts.values())
     report.messages = sum(seen.values())

@@ -491,11 +491,10 @@ class SourceDatabaseResource(ConfigurableResource):
             # the watermark and tie_break stay whole: the read filters and sorts on them
             checked = (name in charsets and name not in (watermark, tie_break) and isinstance(col_type, sa.String)
                        and not isinstance(col_type, sa.Enum) and type(col_type).__name__ != "SET")
-            charset = charsets.get(name, "") if checked else ""
+            charset = charsets[name] if checked and not charsets[name].startswith("utf8") else ""
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer),
-                                    source_text=self._source_text(col_type), utf8_bytes=checked,
-                                    charset="" if charset.startswith("utf8") else charset))
+                                    source_text=self._source_text(col_type), utf8_bytes=checked, charset=charset))
         shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
                            where=where, watermark_kind=kind, tie_break=tie_break,
                            watermark_unit=self._watermark_unit(wm_type) if kind != "integer" else 1)
@@ -573,8 +572,10 @@ class SourceDatabaseResource(ConfigurableResource):
             digits = 6 if digits is None else digits
         return 10 ** (6 - min(6, max(0, int(digits))))
 
-    def _table(self, shape: TableShape) -> sa.TableClause:
-        return sa.table(shape.name, sa.column(shape.watermark), schema=shape.schema)
+    def _table(self, shape: TableShape, *more: str) -> sa.TableClause:
+        """The table as SQLAlchemy's clause, with its watermark column and `more` (once each)."""
+        return sa.table(shape.name, *(sa.column(c) for c in dict.fromkeys((shape.watermark, *more))),
+                        schema=shape.schema)
 
     @staticmethod
     def filtered(q: sa.Select, shape: TableShape, watermark: sa.ColumnElement | None = None,
@@ -660,8 +661,7 @@ class SourceDatabaseResource(ConfigurableResource):
                             only: Sequence[int] | None = None) -> Iterator[tuple[int, Any]]:
         """As `iter_watermarks`, each with its row's tie_break value, for the watermarks in `only` if given."""
         assert shape.tie_break is not None
-        names = dict.fromkeys((shape.watermark, shape.tie_break))  # one column if they are the same
-        t = sa.table(shape.name, *(sa.column(c) for c in names), schema=shape.schema)
+        t = self._table(shape, shape.tie_break)
         q = self._watermark_rows(shape, t, [t.c[shape.watermark], t.c[shape.tie_break]], after, upto, skip)
         if only is not None:
             q = q.where(t.c[shape.watermark].in_([shape.watermark_param(w) for w in only]))
