@@ -324,7 +324,7 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
                        columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed,
-                       where=table.where or "")
+                       where=table.where or "", watermark=(shape.watermark, shape.watermark_kind))
 
 
 def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: str, kind: str, value: str

@@ -43,9 +43,11 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import (  # noqa: E402
     ProgressRecord,
+    WatermarkChanged,
     live_records,
     read_committed_progress,
     read_progress_history,
+    watermark_change,
 )
 from resources.slices import is_timestamp_key, micros_text, parse_watermark, watermark_text  # noqa: E402
 
@@ -478,6 +480,10 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     history = read_progress_history(conf, channel)  # oldest first: the last record is the committed progress
     progress = history[-1] if history else None
+    if progress is not None:  # a comparison in another column's (or kind's) sense would be meaningless
+        shape = reflect_table(config, table)
+        if why := watermark_change(progress, shape.watermark, shape.watermark_kind):
+            raise WatermarkChanged(why)
     # The newest baseline or reset in progress, if any, is where the table starts; else its first slice (where the
     # publisher started: `start_after` as it was then, whatever the file says now), else `start_after`.
     start_at = next((r for r in reversed(history) if r.slice.startswith(("baseline-", "reset-"))), None)
@@ -1024,21 +1030,30 @@ def reflect_table(config: RelayConfig, table: TableConfig) -> Any:
         source.dispose()
 
 
-def watermark_is_timestamp(config: RelayConfig, table: TableConfig) -> bool | None:
-    """Whether the table's watermark is a timestamp: from the source's columns, or where the source cannot say (a
-    dropped table, the source away) from the newest slice in its progress (resets and baselines have integer keys
-    either way); None when neither can tell."""
+def reflected_watermark(config: RelayConfig, table: TableConfig) -> tuple[str, str] | None:
+    """The table's watermark column and kind (integer, timestamp, timestamptz) as the source reflects them; None
+    where it cannot (a dropped table, the source away)."""
     try:
-        return reflect_table(config, table).timestamps
+        shape = reflect_table(config, table)
     except Exception:  # noqa: BLE001 - a reset must stay possible with the table gone
-        from assets.relay import channel_for
-
-        with contextlib.suppress(Exception):
-            history = read_progress_history(kafka_conf(config), channel_for(table,
-                                                                              config.kafka.transactional_id_prefix))
-            newest = next((r for r in reversed(history) if r.hi > r.lo), None)
-            return None if newest is None else is_timestamp_key(newest.slice)
         return None
+    return shape.watermark, shape.watermark_kind
+
+
+def watermark_is_timestamp(config: RelayConfig, table: TableConfig, reflected: tuple[str, str] | None
+                           ) -> bool | None:
+    """Whether the table's watermark is a timestamp: from the source's columns (`reflected_watermark`), or where the
+    source cannot say from the newest slice in its progress (resets and baselines have integer keys either way);
+    None when neither can tell."""
+    if reflected is not None:
+        return reflected[1] != "integer"
+    from assets.relay import channel_for
+
+    with contextlib.suppress(Exception):
+        history = read_progress_history(kafka_conf(config), channel_for(table, config.kafka.transactional_id_prefix))
+        newest = next((r for r in reversed(history) if r.hi > r.lo), None)
+        return None if newest is None else is_timestamp_key(newest.slice)
+    return None
 
 
 def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
@@ -1059,7 +1074,9 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     (table,) = _tables(config, args.table)
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     conf = kafka_conf(config)
-    kind = watermark_is_timestamp(config, table)  # once: the refusal below and the texts after the reset
+    # Asked once: the refusal below, the texts after the reset, and the watermark the reset's value is one of.
+    reflected = reflected_watermark(config, table)
+    kind = watermark_is_timestamp(config, table, reflected)
     wrong_kind = None if kind is None else watermark_kind_error(table.table_id, kind, "--after", args.after)
     if wrong_kind:
         print(f"rowrelay: {wrong_kind}; nothing was reset", file=sys.stderr)
@@ -1075,7 +1092,7 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         try:
             # `before`: the progress the reset replaced, read by the publisher after it fenced every other (read
             # here first, a run's slice could commit between the read and the fence, and go unreported).
-            record, before = publisher.publish_reset(args.after, args.reason)
+            record, before = publisher.publish_reset(args.after, args.reason, reflected)
         finally:
             publisher.close()
         partitions = partitions_for(table)

@@ -44,8 +44,10 @@ from resources.exactly_once import (
     ProgressRecord,
     SlicePublisher,
     TableChannel,
+    WatermarkChanged,
     read_progress_tail,
     transaction_timeout_ms,
+    watermark_change,
 )
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle, watermark_text
@@ -254,7 +256,7 @@ def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: Ta
     publisher = SlicePublisher(channel, kafka_conf)
     try:
         # Recorded in Kafka like any progress, so a lost orchestrator database cannot re-send old rows.
-        return publisher.publish_baseline(hi), SensorState()
+        return publisher.publish_baseline(hi, (shape.watermark, shape.watermark_kind)), SensorState()
     finally:
         publisher.close()
 
@@ -297,6 +299,8 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
         if progress is None:
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
+    if progress is not None and (why := watermark_change(progress, shape.watermark, shape.watermark_kind)):
+        raise WatermarkChanged(why)  # before anything is cut: "nothing new" would skip rows as surely
     committed_hi = progress.hi if progress else channel.start_after
     if progress is None and not slices:
         check_start_after(source, shape, table, committed_hi)
@@ -396,6 +400,8 @@ NEXT_STEP = {
     "rows_mismatch": "the source's rows changed under the read (see the run's message) and run it again",
     "progress_missing": "see the runbook (progress missing) before anything runs again",
     "producer_settings": "fix `kafka.producer` as the run's message says and run it again",
+    "watermark_changed": "the table's watermark column or its type changed since its progress was recorded: put it "
+                         "back, or set where the new one stands with `rowrelay reset` (see the run's message)",
     TIMED_OUT: "the table's sensor (with the daemon) cuts the slice smaller and runs it again; without it, lower "
                "`slice_max_rows` or raise `transaction.timeout.ms`",
 }

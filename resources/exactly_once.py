@@ -147,6 +147,11 @@ class ProgressMissing(RelayError):
         self.topic_watermark = topic_watermark  # the highest watermark of the table already in the topic
 
 
+class WatermarkChanged(RelayError):
+    """The table's watermark is another column, or another kind of column, than the one its committed progress was
+    measured in: the progress value would be read in another sense, sending rows again or skipping rows for good."""
+
+
 @dataclass(frozen=True)
 class TableChannel:
     """Where one table's rows and progress go in Kafka."""
@@ -300,6 +305,11 @@ class ProgressRecord:
     # `rowrelay verify` expects each slice's rows as chosen then, not by today's settings. None on older records.
     where: str | None = None
     skipped: list[int] | None = None
+    # The watermark the progress is a value of: its column and kind (integer | timestamp | timestamptz). A value of
+    # one column says nothing about another, and a zone-less time is another instant once its column holds instants
+    # (`watermark_change`). None on records of older versions, and on a reset made while the source was away.
+    watermark: str | None = None
+    watermark_kind: str | None = None
 
     def row_filter(self, where: str | None, skip: list[int]) -> tuple[str, list[int]]:
         """The `where:` ("" none) and skipped watermarks that chose this slice's rows: as recorded, else (a record
@@ -322,6 +332,52 @@ class ProgressRecord:
     @property
     def slice_range(self) -> SliceRange:
         return SliceRange(self.lo, self.hi, timestamps=is_timestamp_key(self.slice))
+
+
+KIND_TEXTS = {"integer": "an integer column", "timestamp": "a timestamp without time zone",
+              "timestamptz": "a timestamp with time zone"}
+
+
+def recorded_watermark_kind(record: ProgressRecord) -> str | None:
+    """The kind of watermark `record`'s progress is a value of: as recorded, else (a record of an older version)
+    "integer" or "timestamp" from a slice's key (which of the two timestamp kinds it cannot tell; baselines and
+    resets have integer keys either way), else None."""
+    if record.watermark_kind is not None:
+        return record.watermark_kind
+    if record.hi > record.lo and not record.slice.startswith(("baseline-", "reset-")):
+        return "timestamp" if is_timestamp_key(record.slice) else "integer"
+    return None
+
+
+def watermark_change(record: ProgressRecord, column: str, kind: str) -> str | None:
+    """Why the table's committed progress (`record`) cannot be read as a value of watermark `column` of `kind`, or
+    None if it can (the same column and kind, or nothing recorded to compare with)."""
+    table, at = record.table, watermark_text(record.hi, (recorded_watermark_kind(record) or kind) != "integer")
+    fix = f"`rowrelay reset --table {table} --after W`"
+    if record.watermark is not None and record.watermark != column:
+        return (f"{table}: its committed progress ({at}) is a value of watermark column {record.watermark!r}, but "
+                f"the table's watermark is now {column!r}: a value of one column says nothing about another, so "
+                "relaying on would send rows again or skip rows for good. Nothing was cut or sent. Put "
+                f"`watermark: {record.watermark}` back, or set where {column!r} stands deliberately with {fix}, W "
+                f"being the highest {column} among the rows already sent (those whose {record.watermark} is at most "
+                f"{at}): rows with {column} at or below W are then never sent, the rows above it once")
+    recorded = recorded_watermark_kind(record)
+    if recorded is None or recorded == kind or (record.watermark_kind is None and {recorded, kind} <= {
+            "timestamp", "timestamptz"}):
+        return None
+    same = (" (if the database and its writers keep UTC, W is the progress itself)"
+            if {recorded, kind} == {"timestamp", "timestamptz"} else "")
+    return (f"{table}: its committed progress ({at}) was recorded while watermark column {column!r} was "
+            f"{KIND_TEXTS.get(recorded, recorded)}, but it is now {KIND_TEXTS.get(kind, kind)}: the same progress "
+            "means another value now (a time without zone written in a zone other than UTC is another instant), "
+            "so relaying on could skip rows for good or send them again. Nothing was cut or sent. Check the "
+            f"column's values around the progress, then set it deliberately with {fix}, W being the last value "
+            f"already sent as the column holds it now{same}")
+
+
+def watermark_fields(watermark: tuple[str, str] | None) -> dict[str, str]:
+    """A progress record's `watermark` and `watermark_kind` from (column, kind); none when not known."""
+    return {} if watermark is None else {"watermark": watermark[0], "watermark_kind": watermark[1]}
 
 
 class ResetOutcome(NamedTuple):
@@ -1123,17 +1179,21 @@ class SlicePublisher:
                 batches: Callable[[], Iterable[MessageBatch | Sequence[OutgoingMessage]]], *,
                 columns: list[list[str]] | None = None, schema_fingerprint: str = "",
                 expected_rows: int | None = None, where: str | None = None,
-                skipped: list[int] | None = None) -> PublishResult:
+                skipped: list[int] | None = None, watermark: tuple[str, str] | None = None) -> PublishResult:
         """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them. `columns` and
         `schema_fingerprint` (the columns the rows were read with) go into the slice's progress record.
         `expected_rows`: the rows the source counts in the slice; a read that yields another number is aborted
         (SliceRowsMismatch) instead of committed. `where` and `skipped`: the row filter the rows were chosen by
-        (`where:`, "" for none, and the skip_watermarks in the slice), kept in the progress record."""
+        (`where:`, "" for none, and the skip_watermarks in the slice), kept in the progress record. `watermark`:
+        the table's watermark column and kind as read now, kept in the record; progress measured in another one is
+        refused (WatermarkChanged)."""
         started = time.monotonic()
         committed = self._progress_after_fence()
         self.on_stage("progress_read")
         if committed is None:
             self._refuse_if_progress_missing()
+        elif watermark is not None and (why := watermark_change(committed, *watermark)):
+            raise WatermarkChanged(why)
         committed_hi = committed.hi if committed else self.channel.start_after
         if committed_hi >= slice_range.hi:
             # A baseline or reset record (lo == hi) is not this slice's record.
@@ -1150,7 +1210,7 @@ class SlicePublisher:
             attempt += 1
             try:
                 record = self._transaction(slice_range, batches(), columns or [], schema_fingerprint,
-                                           expected_rows, where, skipped)
+                                           expected_rows, where, skipped, watermark)
                 self._own_progress = record
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
                                      attempts=attempt, phases=dict(self.last_phases))
@@ -1178,7 +1238,7 @@ class SlicePublisher:
                 self._abort_quietly()
                 raise
 
-    def publish_baseline(self, hi: int) -> ProgressRecord:
+    def publish_baseline(self, hi: int, watermark: tuple[str, str] | None = None) -> ProgressRecord:
         """The table's first progress, "committed up to `hi`" (start_after: latest), recorded only if the progress
         is still empty once this publisher has fenced every other: another cutter (the sensor, a CLI backfill)
         may have recorded its own baseline or committed slices since it was read. Then that progress stands and is
@@ -1186,7 +1246,7 @@ class SlicePublisher:
         lower one)."""
         ch = self.channel
         record = ProgressRecord(ch.table, f"baseline-{hi}", hi, hi, 0, 0, "", ch.topic,
-                                transactional_id=ch.transactional_id)
+                                transactional_id=ch.transactional_id, **watermark_fields(watermark))
         return self.publish_progress_only(record, only_if_empty=True)
 
     def publish_progress_only(self, record: ProgressRecord, *, reset: bool = False,
@@ -1221,10 +1281,11 @@ class SlicePublisher:
         self._own_progress = record
         return record
 
-    def publish_reset(self, after: int, reason: str) -> ResetOutcome:
+    def publish_reset(self, after: int, reason: str, watermark: tuple[str, str] | None = None) -> ResetOutcome:
         """A deliberate new baseline: the table's progress says "committed up to `after`". One transaction with
         only a progress record; taking the table's transactional id, it fences any running publisher of it.
-        Returns the record and the progress it replaced, read after the fence: no slice can commit between them."""
+        Returns the record and the progress it replaced, read after the fence: no slice can commit between them.
+        `watermark`: the column and kind `after` is a value of (None: the source could not be asked)."""
         if not reason.strip():
             raise RelayError(f"{self.channel.table}: a reset needs a reason (it is kept in the progress record)")
         ch = self.channel
@@ -1232,7 +1293,8 @@ class SlicePublisher:
         record = ProgressRecord(table=ch.table, slice=f"reset-{after}", lo=after, hi=after, rows=0, bytes=0,
                                 checksum="", topic=ch.topic, transactional_id=ch.transactional_id,
                                 committed_at=datetime.now(UTC).isoformat(), reset_reason=reason,
-                                topic_ends=topic_end_offsets(self.kafka_conf, ch.topic))
+                                topic_ends=topic_end_offsets(self.kafka_conf, ch.topic),
+                                **watermark_fields(watermark))
         self.publish_progress_only(record, reset=True)
         return ResetOutcome(record, replaced)
 
@@ -1250,7 +1312,10 @@ class SlicePublisher:
         return record
 
     def close(self) -> None:
-        self.producer.flush(5)
+        """Best effort: a committed or aborted transaction leaves nothing queued. A fenced (fatal) producer raises
+        from flush, and close runs where a publish failed: that error, not this one, must reach the caller."""
+        with contextlib.suppress(KafkaException, SystemError):  # SystemError: see `_serve`
+            self.producer.flush(5)
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -1314,7 +1379,7 @@ class SlicePublisher:
     def _transaction(self, slice_range: SliceRange, batches: Iterable[MessageBatch | Sequence[OutgoingMessage]],
                      columns: list[list[str]], schema_fingerprint: str,
                      expected_rows: int | None = None, where: str | None = None,
-                     skipped: list[int] | None = None) -> ProgressRecord:
+                     skipped: list[int] | None = None, watermark: tuple[str, str] | None = None) -> ProgressRecord:
         ch = self.channel
         offsets: dict[int, list[int]] = {}
         errors: list[tuple[KafkaError, int | None]] = []
@@ -1484,6 +1549,7 @@ class SlicePublisher:
             transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
             transaction_s=round(time.monotonic() - self._txn_began, 3) if self._txn_began is not None else 0.0,
             columns=columns, schema_fingerprint=schema_fingerprint, where=where, skipped=skipped,
+            **watermark_fields(watermark),
         )
         self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None)
         self.on_stage("before_commit")
@@ -1560,6 +1626,10 @@ class SlicePublisher:
         self._call(self.producer.commit_transaction, 120)
 
     def _raise_for(self, err: KafkaError) -> None:
+        if err.code() == KafkaError._FATAL and self._txn_began is not None:
+            # A produce refused "Local: Fatal error" names no cause; the producer's own fatal error (a fence, most
+            # often) is what failed the transaction: reported as that, so a fenced run stops as fenced.
+            err = self._transaction_failure() or err
         if _is_fenced(err):
             raise PublisherFenced(
                 f"{self.channel.table}: another publisher took over transactional id "

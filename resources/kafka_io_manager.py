@@ -23,6 +23,7 @@ from resources.exactly_once import (
     SliceRowsMismatch,
     TableChannel,
     TransactionTimedOut,
+    WatermarkChanged,
     read_published_messages,
     records_in_range,
     tiles_by_range,
@@ -68,6 +69,7 @@ STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
     (ProducerSettingsError, "producer_settings"),
     (SliceRowsMismatch, "rows_mismatch"),
     (PublisherFenced, "fenced"),
+    (WatermarkChanged, "watermark_changed"),
 )
 _STOPPING_ERRORS = tuple(cls for cls, _ in STOP_REASONS)
 CHANNEL_METADATA = ("rowrelay/table", "rowrelay/topic", "rowrelay/progress_topic", "rowrelay/transactional_id",
@@ -162,7 +164,7 @@ class KafkaIOManager(ConfigurableIOManager):
                     result = publisher.publish(slice_range, batches, columns=obj.columns,
                                                schema_fingerprint=obj.schema_fingerprint,
                                                expected_rows=frame.rows_to_send, where=obj.where,
-                                               skipped=frame.skipped)
+                                               skipped=frame.skipped, watermark=obj.watermark)
                     if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
                         ahead.skip(frame)
                     steps["transaction_s"] = result.progress.transaction_s

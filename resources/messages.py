@@ -482,3 +482,4 @@ class TableSlices:
     schema_fingerprint: str = ""
     schema_change: str = ""
     where: str = ""  # the table's `where:` ("" none), recorded with each slice's progress
+    watermark: tuple[str, str] | None = None  # the watermark column and its kind, as reflected by the run

@@ -127,6 +127,54 @@ def test_slices_a_failed_run_committed_before_its_failure_are_materialized(servi
     assert check.evaluation.metadata["rowrelay/run_failed_later"].value == result.run_id
 
 
+def test_a_run_fenced_between_its_slices_still_records_the_slices_it_committed(services, pg_database, pg_engine,
+                                                                             dagster_instance, spark, name,
+                                                                             monkeypatch) -> None:
+    """A run of two slices fenced after its first commit (a `rowrelay reset --force`, a second publisher): closing
+    the fenced producer raised a KafkaError of its own in the IO manager's `finally`, which replaced the fence's
+    error and skipped recording the committed slice, so no materialization ever told of it."""
+    import threading
+
+    from confluent_kafka import Producer
+
+    from assets.relay import asset_key, channel_for
+    from tests.pipeline import polled
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        # A second slice large enough to be producing still when the fence's refusal arrives.
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 100010) g"))
+    cfg = relay_config(services, {"src": pg_database},
+                       [{"source": "src", "table": f"public.{name}", "watermark": "id"}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    small, large = SliceRange(0, 10), SliceRange(10, 100_010)
+    dagster_instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [small.key, large.key])
+    both = f"{small.key}...{large.key}"
+    channel = channel_for(table)
+
+    def fence_after_first_commit() -> None:
+        polled(lambda: h.progress(table), lambda p: p is not None and p.hi == 10, timeout=60)
+        newer = Producer({"bootstrap.servers": services.kafka_bootstrap, "transactional.id": channel.transactional_id})
+        newer.init_transactions(30)  # a newer epoch: the run's producer is fenced
+        newer.flush(5)
+
+    fencer = threading.Thread(target=fence_after_first_commit, daemon=True)
+    fencer.start()
+    monkeypatch.setenv("ROWRELAY_FAILPOINT", "sleep:begun:4")  # hold each slice once its transaction began
+    result = h.run(table, both, raise_on_error=False)
+    monkeypatch.delenv("ROWRELAY_FAILPOINT")
+    fencer.join(5)
+    assert not result.success
+    assert "another publisher" in failure_text(result) or "fenced" in failure_text(result).lower()
+    assert dagster_instance.get_run_by_id(result.run_id).tags.get("rowrelay/stopped") == "fenced"
+    assert h.progress(table).hi == 10 and len(read_topic(services.kafka_bootstrap, table.topic_name)) == 10
+    records = dagster_instance.fetch_materializations(asset_key(table), limit=10).records
+    recorded = {r.asset_materialization.partition: r.asset_materialization.metadata for r in records}
+    assert set(recorded) == {SliceRange(0, 10).key}, recorded
+    assert recorded[SliceRange(0, 10).key]["rowrelay/run_failed_later"].value == result.run_id
+
+
 def test_row_larger_than_broker_limit_stops_slice_and_later_slices(services, pg_database, pg_engine,
                                                                   dagster_instance, spark, name) -> None:
     h, both = _two_slices_with_an_oversized_row(services, pg_database, pg_engine, dagster_instance, name, at=7)

@@ -66,6 +66,24 @@ def test_racing_publishers_one_is_fenced_no_duplicate(services, name) -> None:
     assert visible_progress(conf, channel, 500).hi == 500
 
 
+def test_a_publisher_fenced_while_it_produces_stops_as_fenced_and_closes_quietly(services, name) -> None:
+    """Fenced before its second slice's rows: librdkafka refused the rest as "Local: Fatal error" with no cause,
+    which stopped the run as a bare Kafka error instead of "fenced"; and closing the producer then raised (a
+    delivery report served with the fatal error pending), replacing the error the run had failed with."""
+    from confluent_kafka import Producer
+
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    channel = TableChannel.for_table(f"fenced.public.{name}", name)
+    publisher = SlicePublisher(channel, conf)
+    publisher.publish(SliceRange(0, 10), _rows(0, 10))
+    newer = Producer({**conf, "transactional.id": channel.transactional_id})
+    newer.init_transactions(30)
+    with pytest.raises(PublisherFenced, match="another publisher took over"):
+        publisher.publish(SliceRange(10, 200_010), _rows(10, 200_010))  # enough rows to be producing at the refusal
+    publisher.close()  # raises nothing
+    assert [int(m.key) for m in read_topic(services.kafka_bootstrap, name)] == list(range(1, 11))
+
+
 def test_slices_commit_in_order_and_repeat_is_a_no_op(services, name) -> None:
     conf = {"bootstrap.servers": services.kafka_bootstrap}
     channel = TableChannel.for_table(f"order.public.{name}", name)

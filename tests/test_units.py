@@ -568,3 +568,32 @@ def test_a_source_below_its_committed_progress_is_flagged() -> None:
     assert not result.passed and result.severity == AssetCheckSeverity.WARN
     assert "re-created" in (result.description or "") and "rowrelay reset" in (result.description or "")
     assert "the source table is empty (231)" in (lag(231, None).source_behind or "")
+
+
+def test_watermark_change_names_another_column_or_kind_and_accepts_what_it_cannot_tell() -> None:
+    from resources.exactly_once import watermark_change
+
+    ts_key = SliceRange(1_700_000_000_000_000, 1_700_000_001_000_000, timestamps=True).key
+    by_id = ProgressRecord("s.p.t", "000000000000-000000000050", 0, 50, 50, 1, "", "t", watermark="id",
+                           watermark_kind="integer")
+    assert watermark_change(by_id, "id", "integer") is None
+    moved = watermark_change(by_id, "seq", "integer")
+    assert moved is not None and "column 'id'" in moved and "now 'seq'" in moved and "rowrelay reset" in moved
+    assert "a timestamp" in (watermark_change(by_id, "id", "timestamp") or "")
+    zoneless = ProgressRecord("s.p.t", ts_key, 1_700_000_000_000_000, 1_700_000_001_000_000, 5, 1, "", "t",
+                              watermark="created_at", watermark_kind="timestamp")
+    retyped = watermark_change(zoneless, "created_at", "timestamptz")
+    assert retyped is not None and "2023-11-14T22:13:21" in retyped and "keep UTC" in retyped
+    # Records of versions before the fields: a slice's key still tells an integer from a time, not the zone.
+    old_int = dataclasses.replace(by_id, watermark=None, watermark_kind=None)
+    old_time = dataclasses.replace(zoneless, watermark=None, watermark_kind=None)
+    assert watermark_change(old_int, "seq", "integer") is None
+    assert "an integer column" in (watermark_change(old_int, "created_at", "timestamptz") or "")
+    assert "an integer column" in (watermark_change(old_time, "id", "integer") or "")
+    assert watermark_change(old_time, "created_at", "timestamptz") is None
+    # A baseline or reset without the fields (its key is an integer either way): nothing to compare.
+    assert watermark_change(ProgressRecord("s.p.t", "reset-5", 5, 5, 0, 0, "", "t"), "created_at", "timestamp") is None
+    # Written with them, a reset sets the table's watermark from then on.
+    reset = ProgressRecord("s.p.t", "reset-1080", 1080, 1080, 0, 0, "", "t", watermark="seq", watermark_kind="integer")
+    assert watermark_change(reset, "seq", "integer") is None and watermark_change(reset, "id", "integer")
+    assert ProgressRecord.from_json(reset.to_json()) == reset

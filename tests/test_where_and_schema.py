@@ -160,3 +160,93 @@ def test_column_added_mid_stream(services, pg_database, pg_engine, dagster_insta
     msgs = read_topic(services.kafka_bootstrap, table.topic_name)
     assert_exactly_once(msgs, list(range(1, 61)))
     assert msgs[-1].value["region"] == "eu"
+
+
+def test_a_changed_watermark_column_or_type_stops_the_table_until_a_reset(services, pg_database, pg_engine,
+                                                                          dagster_instance, spark, name, tmp_path,
+                                                                          monkeypatch) -> None:
+    """Committed progress is a value of one watermark column. Switched to another column (`watermark: seq`), a
+    relay of 50 ids took "50" as a seq value and sent the history again, and switched back it skipped new rows for
+    good; a zone-less timestamp column retyped to timestamptz read its progress as another instant. Each is now
+    refused before anything is cut or sent, until the table is put back or `rowrelay reset` says where it stands."""
+    import yaml
+
+    from assets.relay import partitions_for
+    from orchestration.cli import main, verify_table
+    from resources.exactly_once import WatermarkChanged
+    from resources.slices import SliceRange
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, seq bigint NOT NULL, "
+                          "created_at timestamp NOT NULL)"))
+        conn.execute(text(f"INSERT INTO {name} (seq, created_at) SELECT 1000 + g, TIMESTAMP '2026-11-27 10:00' "
+                          "+ g * INTERVAL '1 second' FROM generate_series(1, 50) g"))
+    base = {"source": "src", "table": f"public.{name}", "key": ["id"]}
+    by_id = relay_config(services, {"src": pg_database}, [{**base, "watermark": "id"}])
+    h = Harness(by_id, dagster_instance)
+    table = h.table()
+    h.drain(table)
+    assert h.progress(table).watermark == "id" and h.progress(table).watermark_kind == "integer"
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (seq, created_at) SELECT 1000 + g, TIMESTAMP '2026-11-27 10:00' "
+                          "+ g * INTERVAL '1 second' FROM generate_series(51, 80) g"))
+
+    by_seq = relay_config(services, {"src": pg_database}, [{**base, "watermark": "seq"}])
+    hs = Harness(by_seq, dagster_instance)
+    # The sensor (and `rowrelay backfill`, which cuts the same way) refuses before cutting, naming both columns.
+    with pytest.raises(Exception, match=r"committed progress \(50\) is a value of watermark column 'id'.*now 'seq'"):
+        hs.tick(table)
+    # A run of a range in the new column (a partition added by hand) is refused by the publisher after its fence.
+    key = SliceRange(50, 1080).key
+    dagster_instance.add_dynamic_partitions(partitions_for(table).name, [key])
+    result = hs.run(table, key, raise_on_error=False)
+    assert not result.success and "watermark column 'id'" in failure_text(result)
+    with pytest.raises(WatermarkChanged, match="now 'seq'"):
+        verify_table(by_seq, by_seq.tables[0])
+    assert h.progress(table).hi == 50 and len(read_topic(services.kafka_bootstrap, table.topic_name)) == 50
+    dagster_instance.delete_dynamic_partition(partitions_for(table).name, key)
+
+    # Put back, the table goes on in `id` as before.
+    h.drain(table)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 81)))
+    # Moved to seq deliberately: the highest seq already sent is 1080. The rows above it then go once.
+    config_file = tmp_path / "rowrelay.yaml"
+    config_file.write_text(yaml.safe_dump(by_seq.model_dump(mode="json", exclude_none=True)))
+    monkeypatch.setenv("DAGSTER_HOME", dagster_instance.root_directory)
+    assert main(["--config", str(config_file), "reset", "--table", table.table_id, "--after", "1080",
+                 "--reason", "watermark is seq now"]) == 0
+    assert (hs.progress(table).watermark, hs.progress(table).hi) == ("seq", 1080)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (seq, created_at) SELECT 1000 + g, TIMESTAMP '2026-11-27 10:00' "
+                          "+ g * INTERVAL '1 second' FROM generate_series(81, 90) g"))
+    hs.drain(table)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 91)))
+    report = verify_table(by_seq, by_seq.tables[0])
+    assert (report.duplicates, report.missing, report.extra) == (0, 0, 0), report
+    # ... and switching back to `id` now is refused the same way (the progress is a seq value).
+    with pytest.raises(Exception, match=r"is a value of watermark column 'seq'.*now 'id'"):
+        Harness(by_id, dagster_instance).tick(table)
+
+    # A zone-less timestamp watermark retyped to timestamptz (in a database whose zone is not UTC, its values
+    # become other instants): refused until reset, whatever the config says.
+    ts_name = f"{name}_ts"
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {ts_name} (id bigserial PRIMARY KEY, created_at timestamp NOT NULL)"))
+        conn.execute(text(f"INSERT INTO {ts_name} (created_at) SELECT TIMESTAMP '2026-11-27 10:00' "
+                          "+ g * INTERVAL '1 second' FROM generate_series(1, 20) g"))
+    by_time = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{ts_name}", "watermark": "created_at", "tie_break": "id"}])
+    ht = Harness(by_time, dagster_instance)
+    ts_table = ht.table()
+    ht.drain(ts_table)
+    assert ht.progress(ts_table).watermark_kind == "timestamp"
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {ts_name} ALTER COLUMN created_at TYPE timestamptz"))
+        conn.execute(text(f"INSERT INTO {ts_name} (created_at) VALUES (now())"))
+    from orchestration import sensors
+
+    sensors._SHAPES.clear()  # the sensor's reflection is cached for a minute per process
+    with pytest.raises(Exception, match="was a timestamp without time zone, but it is now a timestamp with time zone"):
+        ht.tick(ts_table)
+    assert ht.progress(ts_table).hi == SliceRange.from_key(ht.progress(ts_table).slice).hi  # not moved
+    assert len(read_topic(services.kafka_bootstrap, ts_table.topic_name)) == 20
