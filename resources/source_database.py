@@ -147,6 +147,30 @@ MYSQL_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (raw value for S
 }
 
 
+# Spark's DecimalType holds at most 38 digits with 0 <= scale <= precision; outside that it rounds or fails.
+SPARK_MAX_DECIMAL_DIGITS = 38
+DECIMAL_TYPE = re.compile(r"^(?:NUMERIC|DECIMAL)(?:\((\d+)(?:,\s*(-?\d+))?\))?(?:\s|$)", re.IGNORECASE)
+
+
+def exceeds_spark_decimal(type_name: str) -> bool:
+    """True for a NUMERIC/DECIMAL type Spark's DecimalType cannot hold exactly (from the reflected type name,
+    e.g. "NUMERIC(78, 0)", "DECIMAL(65, 30) UNSIGNED"; an unconstrained "NUMERIC" has no fixed scale)."""
+    match = DECIMAL_TYPE.match(type_name.strip())
+    if match is None:
+        return False
+    if match.group(1) is None:
+        return True
+    precision, scale = int(match.group(1)), int(match.group(2) or 0)
+    return precision > SPARK_MAX_DECIMAL_DIGITS or not 0 <= scale <= precision
+
+
+def read_as_text(dialect: str, type_name: str) -> bool:
+    """Whether Spark reads a column of this reflected type as the driver's text, to keep it exact (see
+    `custom_schema_for` in resources/spark.py): decimals beyond Spark's and PostgreSQL real. Such a column's read
+    sorts as text (10 before 9), so it cannot order rows as `tie_break`."""
+    return exceeds_spark_decimal(type_name) or (dialect == "postgresql" and type_name == "REAL")
+
+
 # Servers (URLs, no password) whose information_schema.CHECK_CONSTRAINTS has no TABLE_NAME (MySQL): the UTF-8 column
 # query without its JSON-check part there.
 _NO_CHECK_TABLE_NAME: set[str] = set()
@@ -154,7 +178,7 @@ _NO_CHECK_TABLE_NAME: set[str] = set()
 
 def _charset_names(rows: Sequence[Any]) -> dict[str, str]:
     """Column -> charset, from information_schema (a charset's name goes into the read's SQL: only a plain one)."""
-    return {name: charset for name, charset in rows if charset and re.fullmatch(r"[a-z0-9_]+", charset)}
+    return {name: charset for name, charset, _ in rows if charset and re.fullmatch(r"[a-z0-9_]+", charset)}
 
 
 # Charsets whose text is not ASCII bytes: a byte 3F is not always '?' there.
@@ -294,7 +318,9 @@ class TableShape:
                 items.append(q)
                 continue
             raw, text = source_rendering(c.source_text, q)
-            items.append(q if c.name in whole else f"{raw} AS {q}")
+            # A kept-whole column's raw select must still sort as the column: a FLOAT's exact double does (and is the
+            # only exact text it has), the date and time kinds' raw selects are NULL wherever their text serves.
+            items.append(q if c.name in whole and c.source_text != "mysql_float" else f"{raw} AS {q}")
             if c.name in rendered:  # else the source renders no text of its own, only the raw value
                 texts.append(f"{text} AS {quote(rendered[c.name])}")
         return ", ".join(items + texts)
@@ -459,6 +485,11 @@ class SourceDatabaseResource(ConfigurableResource):
         if tie_break is not None and tie_break not in t.c:
             raise SourceError(f"{label}: tie_break column {tie_break!r} does not exist (columns: {list(t.c.keys())}); "
                               "fix `tie_break:` in rowrelay.yaml")
+        if tie_break is not None and read_as_text(self.dialect, str(t.c[tie_break].type)):
+            raise SourceError(f"{label}: tie_break column {tie_break!r} has type {t.c[tie_break].type}, which rowrelay "
+                              "reads as text to keep it exact, so it would order rows as text (10 before 9), not as "
+                              "the database does; use an integer, text, UUID, timestamp or a decimal of at most "
+                              f"{SPARK_MAX_DECIMAL_DIGITS} digits as tie_break, or cast it in a view")
         wanted = list(columns) if columns else list(t.c.keys())
         missing = [c for c in wanted if c not in t.c]
         if missing:
@@ -470,7 +501,7 @@ class SourceDatabaseResource(ConfigurableResource):
             raise SourceError(f"{label}: key columns {missing_key} do not exist (columns: {list(t.c.keys())}); fix "
                               "`key:` in rowrelay.yaml")
         infos = []
-        charsets = self._text_charsets(schema, table) if self.dialect == "mysql" else {}
+        charsets, json_text = self._text_charsets(schema, table) if self.dialect == "mysql" else ({}, set())
         for name in wanted:
             col_type = t.c[name].type
             if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
@@ -488,12 +519,14 @@ class SourceDatabaseResource(ConfigurableResource):
             if "`" in name:
                 raise SourceError(f"{label}: column {name!r} has a backtick in its name, which Spark's column "
                                   "references cannot carry; leave it out with `columns:` or rename it in a view")
-            # the watermark and tie_break stay whole: the read filters and sorts on them
-            checked = (name in charsets and name not in (watermark, tie_break) and isinstance(col_type, sa.String)
+            # The watermark stays whole: the read filters on it. A tie_break is checked too: its bytes sort as its
+            # UTF-8 text does (by code point), as the text the driver gave did.
+            checked = (name in charsets and name != watermark and isinstance(col_type, sa.String)
                        and not isinstance(col_type, sa.Enum) and type(col_type).__name__ != "SET")
             charset = charsets[name] if checked and not charsets[name].startswith("utf8") else ""
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
-                                    is_json=isinstance(col_type, sa.JSON), is_integer=isinstance(col_type, sa.Integer),
+                                    is_json=isinstance(col_type, sa.JSON) or name in json_text,
+                                    is_integer=isinstance(col_type, sa.Integer),
                                     source_text=self._source_text(col_type), utf8_bytes=checked, charset=charset))
         shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
                            where=where, watermark_kind=kind, tie_break=tie_break,
@@ -502,18 +535,20 @@ class SourceDatabaseResource(ConfigurableResource):
             self.check_where(shape, label)
         if getattr(wm_type, "unsigned", False) and isinstance(wm_type, sa.BigInteger):
             self.check_watermark_range(shape)  # one indexed max query, only for BIGINT UNSIGNED watermarks
+        if self.dialect == "postgresql" and shape.timestamps:
+            self.check_watermark_times(shape, label)  # two indexed probes
         return shape
 
-    def _text_charsets(self, schema: str | None, table: str) -> dict[str, str]:
+    def _text_charsets(self, schema: str | None, table: str) -> tuple[dict[str, str], set[str]]:
         """MariaDB/MySQL: the table's text columns whose values must be checked on the way (column -> charset):
         those in a UTF-8 charset (utf8mb3, utf8mb4) and those in a charset with bytes that have no character
-        (all but latin1, whose 256 bytes all convert both ways), but JSON: MariaDB's JSON is LONGTEXT with a
-        json_valid() check, which the driver reports as json (spliced into messages as it is) only while it is
-        read as text."""
-        columns = ("SELECT c.COLUMN_NAME, c.CHARACTER_SET_NAME FROM information_schema.COLUMNS c WHERE "
+        (all but latin1, whose 256 bytes all convert both ways); and which of them are MariaDB JSON (LONGTEXT with a
+        json_valid() check: the driver marks it json only while it is read as text, so the check keeps it JSON
+        itself). MySQL's JSON type is stored parsed, always valid: not checked."""
+        columns = ("SELECT c.COLUMN_NAME, c.CHARACTER_SET_NAME, {json} FROM information_schema.COLUMNS c WHERE "
                    "c.TABLE_SCHEMA = COALESCE(:schema, DATABASE()) AND c.TABLE_NAME = :table AND c.DATA_TYPE <> "
                    "'json' AND c.CHARACTER_SET_NAME NOT IN ('latin1', 'binary')")
-        json_checks = (" AND NOT EXISTS (SELECT 1 FROM information_schema.CHECK_CONSTRAINTS k WHERE "
+        json_checks = ("EXISTS (SELECT 1 FROM information_schema.CHECK_CONSTRAINTS k WHERE "
                        "k.CONSTRAINT_SCHEMA = c.TABLE_SCHEMA AND k.TABLE_NAME = c.TABLE_NAME AND "
                        "LOCATE(CONCAT('json_valid(`', c.COLUMN_NAME, '`)'), k.CHECK_CLAUSE) > 0)")
         params = {"schema": schema, "table": table}
@@ -521,13 +556,13 @@ class SourceDatabaseResource(ConfigurableResource):
         with self.engine.connect() as conn:
             if server not in _NO_CHECK_TABLE_NAME:
                 try:
-                    rows = conn.execute(sa.text(columns + json_checks), params).all()
+                    rows = conn.execute(sa.text(columns.format(json=json_checks)), params).all()
                 except sa.exc.DBAPIError:  # MySQL: CHECK_CONSTRAINTS without TABLE_NAME (or none); JSON is a type
                     conn.rollback()
                     _NO_CHECK_TABLE_NAME.add(server)  # not asked again on every table_shape of this process
                 else:
-                    return _charset_names(rows)
-            return _charset_names(conn.execute(sa.text(columns), params).all())
+                    return _charset_names(rows), {name for name, _, is_json in rows if is_json}
+            return _charset_names(conn.execute(sa.text(columns.format(json="0")), params).all()), set()
 
     def _source_text(self, col_type: Any) -> str:
         """The PG_/MYSQL_TEXT_RENDERING kind of a column the source renders as text, or ""."""
@@ -887,6 +922,27 @@ class SourceDatabaseResource(ConfigurableResource):
         top = self.max_watermark(shape)
         if top is not None and top > MAX_WATERMARK:
             raise SourceError(self._range_message(shape, top))
+
+    def check_watermark_times(self, shape: TableShape, label: str) -> None:
+        """Refuse a PostgreSQL timestamp watermark holding a value beyond the years 1-9999 (which rowrelay carries
+        as microseconds, and Python's datetime holds): 'infinity' or year 10000 made every cut fail with the
+        driver's "timestamp too large", naming neither table nor column."""
+        q = self.engine.dialect.identifier_preparer.quote(shape.watermark)
+        name = self.engine.dialect.identifier_preparer.format_table(self._table(shape))
+        literal = "TIMESTAMPTZ '{} 00:00:00+00'" if shape.watermark_kind == "timestamptz" else "TIMESTAMP '{}'"
+        found = []
+        with self.engine.connect() as conn:
+            for test, what in ((f">= {literal.format('10000-01-01')}", "after the year 9999 ('infinity' included)"),
+                               (f"< {literal.format('0001-01-01')}", "before the year 1 ('-infinity' included)")):
+                where = f" AND ({shape.where})" if shape.where else ""
+                if conn.execute(sa.text(f"SELECT 1 FROM {name} WHERE {q} {test}{where} LIMIT 1")).first():
+                    found.append(what)
+        if found:
+            raise SourceError(
+                f"{label}: watermark column {shape.watermark!r} holds times {' and '.join(found)}; a timestamp "
+                "watermark must be a time of the years 1-9999 (rowrelay carries it as microseconds since 1970), so "
+                "no slice can be cut. Fix those rows, or leave them out with `where:` (for example "
+                f"{shape.watermark} < '10000-01-01'); nothing was sent")
 
     def _range_message(self, shape: TableShape, value: int) -> str:
         label = f"{shape.schema}.{shape.name}" if shape.schema else shape.name

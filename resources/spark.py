@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import threading
 import weakref
 from math import ceil
@@ -14,7 +13,7 @@ from pydantic import Field
 
 from resources.config import resolve_env
 from resources.slices import SliceRange, micros_to_datetime
-from resources.source_database import sqlite_affinity
+from resources.source_database import DECIMAL_TYPE, MAX_MICROS, MAX_WATERMARK, read_as_text, sqlite_affinity
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -47,6 +46,9 @@ SQL_CONF = {
     # ANSI mode (Spark 4's default, but a user's conf or a shared Connect server may turn it off): a decimal cast
     # to string stays in plain notation (1E-10 otherwise) and an overflow fails instead of becoming null.
     "spark.sql.ansi.enabled": "true",
+    # PostgreSQL and MariaDB tell "Name" from "name"; Spark by default does not, and refused a table holding both
+    # ([COLUMN_ALREADY_EXISTS]). rowrelay names every column exactly as reflected.
+    "spark.sql.caseSensitive": "true",
 }
 
 
@@ -61,23 +63,6 @@ def _with_sql_conf(session: SparkSession) -> SparkSession:
             session.conf.set(key, value)
         _configured.add(session)
     return session
-
-
-# Spark's DecimalType holds at most 38 digits with 0 <= scale <= precision; outside that it rounds or fails.
-SPARK_MAX_DECIMAL_DIGITS = 38
-_DECIMAL_TYPE = re.compile(r"^(?:NUMERIC|DECIMAL)(?:\((\d+)(?:,\s*(-?\d+))?\))?(?:\s|$)", re.IGNORECASE)
-
-
-def exceeds_spark_decimal(type_name: str) -> bool:
-    """True for a NUMERIC/DECIMAL type Spark's DecimalType cannot hold exactly (from the reflected type name,
-    e.g. "NUMERIC(78, 0)", "DECIMAL(65, 30) UNSIGNED"; an unconstrained "NUMERIC" has no fixed scale)."""
-    match = _DECIMAL_TYPE.match(type_name.strip())
-    if match is None:
-        return False
-    if match.group(1) is None:
-        return True
-    precision, scale = int(match.group(1)), int(match.group(2) or 0)
-    return precision > SPARK_MAX_DECIMAL_DIGITS or not 0 <= scale <= precision
 
 
 def custom_schema_for(shape: TableShape) -> str:
@@ -106,10 +91,11 @@ def custom_schema_for(shape: TableShape) -> str:
     if shape.dialect not in ("postgresql", "mysql"):
         return ""
     pg = shape.dialect == "postgresql"
-    as_text = [c.name for c in shape.columns if exceeds_spark_decimal(c.type_name) or (pg and (
-        c.type_name == "REAL" or (_DECIMAL_TYPE.match(c.type_name) and c.name != shape.tie_break)))]
+    # (A tie_break is never one read as text: the table check refuses those, `read_as_text`.)
+    as_text = [c.name for c in shape.columns if read_as_text(shape.dialect, c.type_name) or (
+        pg and DECIMAL_TYPE.match(c.type_name) and c.name != shape.tie_break)]
     # MariaDB FLOAT, selected as its exact double (MYSQL_TEXT_RENDERING): back to the 32-bit float it is.
-    floats = [c.name for c in shape.columns if c.source_text == "mysql_float" and c.name != shape.tie_break]
+    floats = [c.name for c in shape.columns if c.source_text == "mysql_float"]
     return ", ".join([f"`{c}` STRING" for c in as_text] + [f"`{c}` FLOAT" for c in floats])
 
 
@@ -195,7 +181,10 @@ class SparkResource(ConfigurableResource):
         if partitions > 1:
             # Bounds only set the stride; the filter below is what limits rows to the slice. Spark's partitions are
             # complementary ranges of the column (each stride bound in two predicates), so none is read twice.
-            lo, hi = slice_range.lo + 1, slice_range.hi + 1
+            # hi + 1 would overflow at the largest watermark (2^63 - 1; a timestamp's year 9999): a stride bound may
+            # be the last value itself.
+            top = MAX_MICROS if shape.timestamps else MAX_WATERMARK
+            lo, hi = slice_range.lo + 1, min(slice_range.hi, top - 1) + 1
             bounds = (_spark_time_text(lo), _spark_time_text(hi)) if shape.timestamps else (str(lo), str(hi))
             options.update(partitionColumn=shape.watermark, lowerBound=bounds[0], upperBound=bounds[1],
                            numPartitions=str(partitions))

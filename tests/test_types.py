@@ -11,7 +11,7 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import text
 
-from tests.pipeline import Harness, read_topic, relay_config
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 
 pytestmark = pytest.mark.integration
 
@@ -493,3 +493,86 @@ def test_a_key_column_the_table_no_longer_has_is_refused_at_the_table_check(pg_d
             table_shape(source, table)
     finally:
         source.dispose()
+
+
+def test_mariadb_tie_break_and_json_columns_arrive_as_stored_or_stop_their_slice(services, mariadb_database,
+                                                                                 mariadb_engine, dagster_instance,
+                                                                                 spark, name) -> None:
+    """Three ways a MariaDB value changed silently, now exact or stopped: a FLOAT `tie_break` reached the driver as
+    6 significant digits (123456792 as 1.23457E8: the tie_break skipped the FLOAT's exact read), a `tie_break`
+    text column and a JSON column holding an encoded surrogate (ED A0 80) arrived with U+FFFD (both skipped the
+    UTF-8 check). Rows sharing a time still go out in the FLOAT's order, JSON still spliced as JSON."""
+    from tests.test_errors import failure_text
+
+    at = "'2026-11-27 10:00:00.000001'"
+    _stored_as_bytes(mariadb_engine, name, "at DATETIME(6) NOT NULL, f FLOAT, t VARCHAR(20) CHARACTER SET utf8mb4, "
+                     "j JSON", f"(at, f, t, j) VALUES ({at}, 123456792, 'b', '{{\"a\": 1.50}}'), "
+                     f"({at}, 1.0000001, X'61EDA080', '{{\"b\": [1, \"x\"]}}'), "
+                     f"({at}, 16777216, 'c', X'7B2263223A202278EDA080227D')")  # {"c": "x<ED A0 80>"}
+    by_float = relay_config(services, {"src": mariadb_database}, [
+        {"source": "src", "table": name, "watermark": "at", "tie_break": "f", "settle_seconds": 0.5}])
+    h = Harness(by_float, dagster_instance)
+    table = h.table()
+    (key,) = h.cut(table)
+    # Rows in the FLOAT's order: row 2 (1.0000001) stops first, at its text, then row 3 (16777216) at its JSON.
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success and "UTF-8 in column 't'" in failure_text(result), failure_text(result)[-2000:]
+    with mariadb_engine.begin() as conn:  # nothing was sent: the row may still be fixed
+        conn.execute(text(f"UPDATE {name} SET t = 'a' WHERE id = 2"))
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success and "UTF-8 in column 'j'" in failure_text(result), failure_text(result)[-2000:]
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == [] and h.progress(table) is None
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"UPDATE {name} SET j = '{{\"c\": \"x\"}}' WHERE id = 3"))
+    assert h.run(table, key).success
+    got = read_topic(services.kafka_bootstrap, table.topic_name)
+    assert [(m.value["f"], m.value["t"], m.value["j"]) for m in got] == [
+        (1.0000001, "a", {"b": [1, "x"]}), (16777216.0, "c", {"c": "x"}), (123456792.0, "b", {"a": 1.5})]
+
+    # A text tie_break: rows sharing a time go out by its code points, the check applies to it as to any column.
+    other = f"{name}_t"
+    _stored_as_bytes(mariadb_engine, other, "at DATETIME(6) NOT NULL, t VARCHAR(20) CHARACTER SET utf8mb4",
+                     f"(at, t) VALUES ({at}, 'b'), ({at}, X'61EDA080'), ({at}, 'a')")
+    h = Harness(relay_config(services, {"src": mariadb_database}, [
+        {"source": "src", "table": other, "watermark": "at", "tie_break": "t", "settle_seconds": 0.5}]),
+        dagster_instance)
+    (key,) = h.cut(h.table())
+    result = h.run(h.table(), key, raise_on_error=False)
+    assert not result.success and "text that is not valid UTF-8 in column 't'" in failure_text(result)
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"UPDATE {other} SET t = 'ab' WHERE id = 2"))
+    assert h.run(h.table(), key).success
+    assert [m.value["t"] for m in read_topic(services.kafka_bootstrap, h.table().topic_name)] == ["a", "ab", "b"]
+
+
+def test_postgres_watermark_and_tie_break_edges(services, pg_database, pg_engine, dagster_instance, spark,
+                                                name) -> None:
+    """A tie_break rowrelay reads as text (numeric beyond 38 digits, real) sorted 10 before 9: refused at the table
+    check. A timestamp watermark at 'infinity' made every cut fail with the driver's "timestamp too large", naming
+    nothing: refused naming the column, and `where:` leaves such rows out. A slice ending at the largest
+    watermark (2^63 - 1) read in partitions overflowed Spark's bound; columns "Name" and name were one to Spark."""
+    from resources.source_database import SourceDatabaseResource, SourceError
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY, at timestamptz NOT NULL, n numeric, r real, "
+                          "\"Name\" text, name text)"))
+        conn.execute(text(f"INSERT INTO {name} SELECT 9223372036854775807 - 60000 + g, now(), g, g, 'N' || g, "
+                          "'n' || g FROM generate_series(1, 60000) g"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 'infinity', 1, 1, 'x', 'y')"))
+    source = SourceDatabaseResource(url=pg_database.render_as_string(hide_password=False))
+    try:
+        for column in ("n", "r"):
+            with pytest.raises(SourceError, match=f"tie_break column '{column}' has type .* as text"):
+                source.table_shape("public", name, "at", tie_break=column)
+        with pytest.raises(SourceError, match=r"watermark column 'at' holds times after the year 9999 \('infinity'"):
+            source.table_shape("public", name, "at")
+        source.table_shape("public", name, "at", where="at < 'infinity'")
+    finally:
+        source.dispose()
+    h = Harness(relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "start_after": 9223372036854775807 - 60000,
+         "slice_max_rows": 100_000}]), dagster_instance)
+    h.drain(h.table())
+    got = read_topic(services.kafka_bootstrap, h.table().topic_name)
+    assert_exactly_once(got, list(range(9223372036854775807 - 59999, 9223372036854775807 + 1)))
+    assert (got[-1].value["Name"], got[-1].value["name"]) == ("N60000", "n60000")
