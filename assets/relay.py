@@ -111,7 +111,8 @@ def pool_name(table: TableConfig) -> str:
 
 
 def asset_key(table: TableConfig) -> AssetKey:
-    return AssetKey([table.source, table.schema_name or "default", table.table_name])
+    # <source>/<schema>/<table>, a part Dagster refuses (a space, non-ASCII) mapped: see TableConfig.asset_path.
+    return AssetKey(table.asset_path)
 
 
 def partitions_for(table: TableConfig) -> DynamicPartitionsDefinition:

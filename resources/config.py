@@ -7,6 +7,7 @@ connection is made (see `resolve_env`).
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import re
 from datetime import datetime
@@ -21,10 +22,33 @@ from resources.slices import datetime_to_micros
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+# Dagster's name rule (dagster._core.definitions.utils.VALID_NAME_REGEX): job, sensor, op, partitions names.
+_DAGSTER_REFUSED = re.compile(r"[^A-Za-z0-9_]")
+# What both a Kafka topic name and a part of a Dagster asset key accept: the key is free text to Dagster, but its op
+# name (AssetKey.to_python_identifier: parts joined by "__", "-" and "." made "_") must follow the name rule.
+_PORTABLE = re.compile(r"[A-Za-z0-9_.-]+")
+_PORTABLE_REFUSED = re.compile(r"[^A-Za-z0-9_.-]")
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 class ConfigError(ValueError):
     """rowrelay.yaml is invalid; the message names the key and what to change."""
+
+
+def portable_name(name: str) -> str:
+    """A schema or table name (or a table id) as a Dagster asset key part or in a Kafka topic name. Unchanged where
+    both accept it (existing deployments keep their asset keys, partitions, run history, sensor cursors and topics);
+    otherwise each refused character (a space, non-ASCII, $, ...) becomes "_" and a hash of the true name is
+    appended, so that "a b" and "a_b" (or "ä" and "ö") never share a name."""
+    if _PORTABLE.fullmatch(name):
+        return name
+    return f"{_PORTABLE_REFUSED.sub('_', name)}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def dagster_op_name(path: list[str]) -> str:
+    """The op name Dagster derives from an asset key (AssetKey.to_python_identifier), computed here so that config
+    validation needs no Dagster import."""
+    return "__".join(path).replace("-", "_").replace(".", "_")
 
 
 def resolve_env(template: str) -> str:
@@ -187,11 +211,21 @@ class TableConfig(_Strict):
 
     @property
     def topic_name(self) -> str:
-        return self.topic or self.table_id
+        # By default the table id, mapped (portable_name) where Kafka would refuse it: a space, non-ASCII.
+        return self.topic or portable_name(self.table_id)
+
+    @property
+    def asset_path(self) -> list[str]:
+        """The asset key's parts: <source>, <schema>, <table>, each mapped by portable_name only where Dagster
+        refuses it. The true names stay in `table_id`, descriptions and metadata."""
+        return [self.source, *(portable_name(p) for p in (self.schema_name or "default", self.table_name))]
 
     @property
     def dagster_name(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_]", "_", self.table_id)
+        """The stem of the table's job, sensor, partitions, pool and hook names: its asset key joined by "_", every
+        character outside Dagster's name rule made "_" (as always for "." and "-"; the hash of a mapped part keeps
+        "a b" and "a_b" apart)."""
+        return _DAGSTER_REFUSED.sub("_", ".".join(self.asset_path))
 
 
 class KafkaConfig(_Strict):
@@ -212,6 +246,15 @@ class RelayConfig(_Strict):
     kafka: KafkaConfig
     spark: SparkConfig = SparkConfig()
 
+    @field_validator("sources")
+    @classmethod
+    def _source_names(cls, v: dict[str, SourceConfig]) -> dict[str, SourceConfig]:
+        # A source's name is its tables' Dagster asset group and resource key: Dagster refuses anything else (a raw
+        # DagsterInvalidDefinitionError that stopped every table of the config). Unlike a table's, the user picks it.
+        if bad := [name for name in v if not _SOURCE_NAME.fullmatch(name)]:
+            raise ValueError(f"source name(s) {bad} may hold only letters, digits and _ (a Dagster group name)")
+        return v
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RelayConfig:
         seen: set[str] = set()
@@ -221,7 +264,25 @@ class RelayConfig(_Strict):
             if t.table_id in seen:
                 raise ValueError(f"tables[{i}]: table {t.table_id} is configured twice")
             seen.add(t.table_id)
+        self._dagster_names_distinct()
         return self
+
+    def _dagster_names_distinct(self) -> None:
+        # Two tables under one Dagster name would stop the definitions of every table with Dagster's "duplicate
+        # definition" (e.g. public.a-b and public.a_b: both s_public_a_b, as ever; or sources a and a__b, whose asset
+        # ops coincide): refused here, naming both tables.
+        for what, name_of in (("name (of their jobs, sensors and partitions)", lambda t: t.dagster_name),
+                              ("asset op name", lambda t: dagster_op_name(t.asset_path))):
+            owner: dict[str, tuple[int, TableConfig]] = {}
+            for i, t in enumerate(self.tables):
+                name = name_of(t)
+                if name in owner:
+                    j, first = owner[name]
+                    raise ValueError(f"tables[{j}] ({first.table_id!r}) and tables[{i}] ({t.table_id!r}) map to "
+                                     f"one Dagster {what}: {name!r} (Dagster names hold only letters, digits and _); "
+                                     "relay one of them under another source name (a second `sources:` entry with "
+                                     "the same url)")
+                owner[name] = (i, t)
 
 
 def _format_error(exc: ValidationError) -> str:

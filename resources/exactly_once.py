@@ -45,6 +45,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from resources.arrow_produce import RowProducer
+from resources.config import portable_name
 from resources.slices import SliceRange, is_timestamp_key, watermark_text
 
 _log = logging.getLogger(__name__)
@@ -167,7 +168,8 @@ class TableChannel:
     @classmethod
     def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
                   replication_factor: int = -1, prefix: str = "rowrelay") -> TableChannel:
-        return cls(table=table, topic=topic, progress_topic=f"_{prefix}.progress.{table}",
+        # A table id Kafka refuses in a topic name (a space, non-ASCII) is mapped, as its default data topic is.
+        return cls(table=table, topic=topic, progress_topic=f"_{prefix}.progress.{portable_name(table)}",
                    transactional_id=f"{prefix}.{table}", start_after=start_after,
                    topic_partitions=topic_partitions, replication_factor=replication_factor)
 
@@ -728,7 +730,7 @@ def progress_under_other_prefix(kafka_conf: dict[str, Any], channel: TableChanne
     """A progress topic of the same table under another transactional_id_prefix that holds a committed record:
     (its name, its last record), else None. One listing of the cluster's topics (~10 ms with 2,500 topics)."""
     admin = AdminClient(base_conf(kafka_conf))
-    suffix = f".progress.{channel.table}"
+    suffix = f".progress.{portable_name(channel.table)}"
     names = sorted(n for n in list_topics(admin, kafka_conf, timeout=timeout).topics
                    if n.startswith("_") and n.endswith(suffix) and n != channel.progress_topic)
     for name in names:
