@@ -125,16 +125,22 @@ def utf8_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShap
 
     wm = F.col(f"`{shape.frame_watermark}`").cast("long").cast("string")
     checked = {}
+    shadows = shape.utf8_shadows
     for c in shape.columns:
-        if c.utf8_bytes and c.name in fields:
-            text = F.col(f"`{c.name}`").cast("string")  # the bytes as they are: no decoding, no replacement
+        if (c.utf8_bytes or c.utf8_shadow) and c.name in fields:
+            # The bytes as they are: no decoding, no replacement. A shadowed column keeps the driver's text (and the
+            # driver's JSON mark) where its bytes are valid: then the two are the same.
+            raw = F.col(f"`{shadows[c.name] if c.utf8_shadow else c.name}`").cast("string")
+            text = F.col(f"`{c.name}`") if c.utf8_shadow else raw
             charset = f" charset {c.charset}" if c.charset else ""
             stop = F.raise_error(F.concat(F.lit(f"{BAD_UTF8}["), wm, F.lit(f"] column {json.dumps(c.name)}{charset}")))
-            checked[c.name] = F.when(text.isNull() | F.is_valid_utf8(text), text).otherwise(stop)
+            checked[c.name] = F.when(raw.isNull() | F.is_valid_utf8(raw), text).otherwise(stop)
     if not checked:
         return df, fields
-    return df.withColumns(checked), {**fields, **{n: StructField(n, StringType(), fields[n].nullable)
-                                                 for n in checked}}
+    df = df.withColumns(checked)
+    shadowed = {c.name for c in shape.columns if c.utf8_shadow}
+    return df, {**fields, **{n: StructField(n, StringType(), fields[n].nullable) for n in checked
+                             if n not in shadowed}}
 
 
 def bad_utf8_error(table: str, message: str, timestamps: bool) -> BadRowError | None:

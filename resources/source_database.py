@@ -178,7 +178,7 @@ _NO_CHECK_TABLE_NAME: set[str] = set()
 
 def _charset_names(rows: Sequence[Any]) -> dict[str, str]:
     """Column -> charset, from information_schema (a charset's name goes into the read's SQL: only a plain one)."""
-    return {name: charset for name, charset, _ in rows if charset and re.fullmatch(r"[a-z0-9_]+", charset)}
+    return {row[0]: row[1] for row in rows if row[1] and re.fullmatch(r"[a-z0-9_]+", row[1])}
 
 
 # Charsets whose text is not ASCII bytes: a byte 3F is not always '?' there.
@@ -228,6 +228,10 @@ class ColumnInfo:
     # as its UTF-8 bytes where it converted exactly, else as a byte no UTF-8 has (`charset_checked`; utf8_bytes then
     # stops the read).
     charset: str = ""
+    # A MariaDB view's LONGTEXT column in a UTF-8 charset: it may be JSON, which the driver marks as such only while
+    # the column is read as text (no catalog tells, in a view). Read as text, with its bytes beside it
+    # (`TableShape.shadow_column`) checked in its place.
+    utf8_shadow: bool = False
 
 
 @dataclass(frozen=True)
@@ -290,6 +294,12 @@ class TableShape:
         return f"__rowrelay_text_{index}"
 
     @property
+    def utf8_shadows(self) -> dict[str, str]:
+        """Column name -> the column of its bytes, for the columns read as text whose bytes are checked
+        (`ColumnInfo.utf8_shadow`)."""
+        return {c.name: f"__rowrelay_bytes_{i}" for i, c in enumerate(self.columns) if c.utf8_shadow}
+
+    @property
     def source_texts(self) -> dict[str, str]:
         """Column name -> its source-rendered text column, for the columns the source renders."""
         return {c.name: self.text_column(i) for i, c in enumerate(self.columns) if c.source_text
@@ -300,14 +310,19 @@ class TableShape:
 
         Each rendered column also comes raw where its text does not serve (`source_rendering`), so the JDBC driver
         skips parsing the others; the watermark and tie_break stay whole (the read filters and sorts on them)."""
-        if not any(c.source_text or c.utf8_bytes for c in self.columns):
+        if not any(c.source_text or c.utf8_bytes or c.utf8_shadow for c in self.columns):
             return None
         whole = {self.watermark, self.tie_break}
         rendered = self.source_texts
+        shadows = self.utf8_shadows
         items: list[str] = []
         texts: list[str] = []
         for c in self.columns:
             q = quote(c.name)
+            if c.utf8_shadow:
+                items.append(q)
+                texts.append(f"CAST({q} AS BINARY) AS {quote(shadows[c.name])}")
+                continue
             if c.utf8_bytes and c.charset:  # never the watermark or tie_break (table_shape)
                 items.append(f"{charset_checked(q, c.charset)} AS {q}")
                 continue
@@ -501,7 +516,8 @@ class SourceDatabaseResource(ConfigurableResource):
             raise SourceError(f"{label}: key columns {missing_key} do not exist (columns: {list(t.c.keys())}); fix "
                               "`key:` in rowrelay.yaml")
         infos = []
-        charsets, json_text = self._text_charsets(schema, table) if self.dialect == "mysql" else ({}, set())
+        charsets, json_text, view_longtext = (self._text_charsets(schema, table) if self.dialect == "mysql"
+                                              else ({}, set(), set()))
         for name in wanted:
             col_type = t.c[name].type
             if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
@@ -524,10 +540,13 @@ class SourceDatabaseResource(ConfigurableResource):
             checked = (name in charsets and name != watermark and isinstance(col_type, sa.String)
                        and not isinstance(col_type, sa.Enum) and type(col_type).__name__ != "SET")
             charset = charsets[name] if checked and not charsets[name].startswith("utf8") else ""
+            shadow = checked and not charset and name in view_longtext and name != tie_break
+            checked = checked and not shadow
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON) or name in json_text,
                                     is_integer=isinstance(col_type, sa.Integer),
-                                    source_text=self._source_text(col_type), utf8_bytes=checked, charset=charset))
+                                    source_text=self._source_text(col_type), utf8_bytes=checked, charset=charset,
+                                    utf8_shadow=shadow))
         shape = TableShape(dialect=self.dialect, schema=schema, name=table, columns=tuple(infos), watermark=watermark,
                            where=where, watermark_kind=kind, tie_break=tie_break,
                            watermark_unit=self._watermark_unit(wm_type) if kind != "integer" else 1)
@@ -539,13 +558,16 @@ class SourceDatabaseResource(ConfigurableResource):
             self.check_watermark_times(shape, label)  # two indexed probes
         return shape
 
-    def _text_charsets(self, schema: str | None, table: str) -> tuple[dict[str, str], set[str]]:
+    def _text_charsets(self, schema: str | None, table: str) -> tuple[dict[str, str], set[str], set[str]]:
         """MariaDB/MySQL: the table's text columns whose values must be checked on the way (column -> charset):
         those in a UTF-8 charset (utf8mb3, utf8mb4) and those in a charset with bytes that have no character
         (all but latin1, whose 256 bytes all convert both ways); and which of them are MariaDB JSON (LONGTEXT with a
         json_valid() check: the driver marks it json only while it is read as text, so the check keeps it JSON
-        itself). MySQL's JSON type is stored parsed, always valid: not checked."""
-        columns = ("SELECT c.COLUMN_NAME, c.CHARACTER_SET_NAME, {json} FROM information_schema.COLUMNS c WHERE "
+        itself); and a view's LONGTEXT columns, which may be JSON with no check to tell (`ColumnInfo.utf8_shadow`).
+        MySQL's JSON type is stored parsed, always valid: not checked."""
+        columns = ("SELECT c.COLUMN_NAME, c.CHARACTER_SET_NAME, {json}, c.DATA_TYPE = 'longtext' AND EXISTS (SELECT 1 "
+                   "FROM information_schema.TABLES v WHERE v.TABLE_SCHEMA = c.TABLE_SCHEMA AND v.TABLE_NAME = "
+                   "c.TABLE_NAME AND v.TABLE_TYPE = 'VIEW') FROM information_schema.COLUMNS c WHERE "
                    "c.TABLE_SCHEMA = COALESCE(:schema, DATABASE()) AND c.TABLE_NAME = :table AND c.DATA_TYPE <> "
                    "'json' AND c.CHARACTER_SET_NAME NOT IN ('latin1', 'binary')")
         json_checks = ("EXISTS (SELECT 1 FROM information_schema.CHECK_CONSTRAINTS k WHERE "
@@ -561,8 +583,10 @@ class SourceDatabaseResource(ConfigurableResource):
                     conn.rollback()
                     _NO_CHECK_TABLE_NAME.add(server)  # not asked again on every table_shape of this process
                 else:
-                    return _charset_names(rows), {name for name, _, is_json in rows if is_json}
-            return _charset_names(conn.execute(sa.text(columns.format(json="0")), params).all()), set()
+                    return (_charset_names(rows), {name for name, _, is_json, _ in rows if is_json},
+                            {name for name, _, _, in_view in rows if in_view})
+            rows = conn.execute(sa.text(columns.format(json="0")), params).all()
+            return _charset_names(rows), set(), {name for name, _, _, in_view in rows if in_view}
 
     def _source_text(self, col_type: Any) -> str:
         """The PG_/MYSQL_TEXT_RENDERING kind of a column the source renders as text, or ""."""

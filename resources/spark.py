@@ -199,7 +199,8 @@ class SparkResource(ConfigurableResource):
         for key, value in options.items():
             reader = reader.option(key, value)
         frame = reader.load()
-        columns = [F.col(f"`{c}`") for c in shape.column_names] + [F.col(f"`{t}`") for t in shape.source_texts.values()]
+        columns = [F.col(f"`{c}`") for c in
+                   [*shape.column_names, *shape.source_texts.values(), *shape.utf8_shadows.values()]]
         if shape.timestamps:  # microseconds since 1970 UTC; a zone-less value is read as UTC (session zone)
             columns.append(F.unix_micros(F.col(f"`{shape.watermark}`").cast("timestamp")).alias(shape.frame_watermark))
         wm = F.col(f"`{shape.frame_watermark}`")
