@@ -31,7 +31,8 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from math import ceil
+from functools import partial
+from math import ceil, isnan
 from typing import TYPE_CHECKING, Any
 
 # numpy's OpenBLAS starts a thread per core at import, and they spin: ~0.1 CPU-s of a backfill on two cores for
@@ -42,6 +43,7 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import (  # noqa: E402
+    WATERMARK_HEADER,
     ProgressRecord,
     WatermarkChanged,
     live_records,
@@ -49,7 +51,13 @@ from resources.exactly_once import (  # noqa: E402
     read_progress_history,
     watermark_change,
 )
-from resources.slices import is_timestamp_key, micros_text, parse_watermark, watermark_text  # noqa: E402
+from resources.slices import (  # noqa: E402
+    SliceRange,
+    is_timestamp_key,
+    micros_text,
+    parse_watermark,
+    watermark_text,
+)
 
 if TYPE_CHECKING:
     from assets.relay import TableLag
@@ -757,7 +765,6 @@ class BackfillProgress:
 
     def _advance(self) -> None:
         from resources.exactly_once import ProgressTail, live_records, read_progress_history, records_in_range
-        from resources.slices import SliceRange
 
         # One long-lived reader, re-read only when the topic moved: polling costs the backfill next to nothing.
         progress = ProgressTail.for_channel(self.kafka, self.channel).read(timeout=10)
@@ -953,20 +960,32 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         # The bar (or, without a terminal, a line per run) and a failed run's `rowrelay:` line with its cause tell
         # the story; Dagster's step-by-step lines and a failure's stack traces stay in the run's event log (UI).
         run_config = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
-        with BackfillProgress(table.table_id, io_manager.kafka_conf(), channel, todo, plan.committed_hi, total_rows,
-                              tty=tty), contextlib.ExitStack() as cleanup:
-            cleanup.callback(EARLY_READS.discard)  # chunks no run took (its first slice was another)
-            for group in (todo[i:i + step] for i in range(0, len(todo), step)):
-                wait_for_running_runs(instance, job_name(table), table.table_id)
-                tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key, ASSET_PARTITION_RANGE_END_TAG: group[-1].key,
-                        "rowrelay/backfill": "cli"}
-                result = job.execute_in_process(run_config=run_config, instance=instance, tags=tags,
-                                                raise_on_error=False)
-                if not result.success:
-                    print(f"rowrelay: run {result.run_id} for slices {group[0].key}...{group[-1].key} failed: "
-                          f"{run_failure_text(instance, result)}", file=sys.stderr)
-                    return 1
-                print(f"slices {group[0].key}...{group[-1].key}: committed (run {result.run_id})", flush=True)
+        interrupted = False
+        try:
+            with BackfillProgress(table.table_id, io_manager.kafka_conf(), channel, todo, plan.committed_hi,
+                                  total_rows, tty=tty), contextlib.ExitStack() as cleanup:
+                cleanup.callback(EARLY_READS.discard)  # chunks no run took (its first slice was another)
+                for group in (todo[i:i + step] for i in range(0, len(todo), step)):
+                    wait_for_running_runs(instance, job_name(table), table.table_id)
+                    tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key,
+                            ASSET_PARTITION_RANGE_END_TAG: group[-1].key, "rowrelay/backfill": "cli"}
+                    result = job.execute_in_process(run_config=run_config, instance=instance, tags=tags,
+                                                    raise_on_error=False)
+                    if not result.success and run_interrupted(result):
+                        interrupted = True  # Dagster turned the Ctrl-C into a failed run: not a failure to explain
+                        break
+                    if not result.success:
+                        print(f"rowrelay: run {result.run_id} for slices {group[0].key}...{group[-1].key} failed: "
+                              f"{run_failure_text(instance, result)}", file=sys.stderr)
+                        return 1
+                    print(f"slices {group[0].key}...{group[-1].key}: committed (run {result.run_id})", flush=True)
+        except KeyboardInterrupt:  # between runs, outside Dagster's handler
+            interrupted = True
+        if interrupted:
+            progress = read_committed_progress(io_manager.kafka_conf(), channel)
+            upto = progress.hi if progress is not None else plan.committed_hi
+            print(f"rowrelay: {interrupted_text(table.table_id, todo, upto, plan.text)}", file=sys.stderr, flush=True)
+            return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
     print(f"{table.table_id}: backfill done in {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
@@ -997,6 +1016,31 @@ def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float 
                   "table)", flush=True)
             told = True
         time.sleep(poll_s)
+
+
+INTERRUPTS = {"DagsterExecutionInterruptedError", "KeyboardInterrupt"}
+
+
+def run_interrupted(result: Any) -> bool:
+    """Whether an in-process run failed because this process was interrupted (Ctrl-C): Dagster records the
+    interrupt as the failure of the step it stopped (DagsterExecutionInterruptedError), or of the run."""
+    for event in result.all_events:
+        error = getattr(event.event_specific_data, "error", None)  # a step's failure, the run's, an engine event's
+        while error is not None:
+            if error.cls_name in INTERRUPTS:
+                return True
+            error = error.cause or error.context
+    return False
+
+
+def interrupted_text(table_id: str, slices: Sequence[SliceRange], committed_hi: int,
+                     text: Callable[[int], str]) -> str:
+    """What an interrupted backfill says: where the table's progress stands and how to go on. Slices commit one
+    transaction each, so what committed stays; an open slice's transaction is aborted, none of it visible."""
+    done = sum(1 for s in slices if s.hi <= committed_hi)
+    return (f"{table_id}: backfill interrupted: committed up to {text(committed_hi)} ({done}/{len(slices)} slices "
+            "of this backfill); nothing of a slice that had not committed is visible. Run `rowrelay backfill "
+            f"--table {table_id}` again to continue")
 
 
 def run_failure_text(instance: Any, result: Any) -> str:
@@ -1056,20 +1100,48 @@ def watermark_is_timestamp(config: RelayConfig, table: TableConfig, reflected: t
     return None
 
 
+def reset_floor_error(table: TableConfig, after: int, timestamps: bool) -> str | None:
+    """The refusal for a reset below where the table starts: its `start_after` (unset or "latest": 0), the same
+    floor the cut keeps to, below which rows are never sent. Watermarks may be negative (a table whose `start_after`
+    is below them), so the floor is the table's, not 0. None when `after` is at or above it."""
+    floor = table.start_after_watermark or 0
+    if after >= floor:
+        return None
+    text = partial(watermark_text, timestamps=timestamps)
+    source = "its `start_after`" if table.start_after_watermark is not None else (
+        f"`start_after` is {'unset' if table.start_after is None else table.start_after}")
+    return (f"{table.table_id}: --after {text(after)} is below the table's start ({text(floor)}: {source}), and rows "
+            f"at or below it are never sent: give --after {text(floor)} or above, or set `start_after: {text(after)}` "
+            "(or lower) in the config first")
+
+
+def reset_outcome(part: SliceRange, replaced_hi: int, after_text: str, text: Callable[[int], str]
+                  ) -> tuple[int, str]:
+    """What became of the rows of a partition part (lo, hi] at or below a reset's watermark (`after_text`): those up
+    to the progress the reset replaced were published, the rest skipped by it. (watermark published up to, what)."""
+    sent_to = min(max(replaced_hi, part.lo), part.hi)
+    if sent_to == part.hi:
+        return sent_to, f"published before rowrelay reset after {after_text}"
+    if sent_to == part.lo:
+        return sent_to, f"never sent: skipped by rowrelay reset after {after_text}"
+    return sent_to, f"published up to {text(sent_to)} before rowrelay reset after {after_text}, the rest skipped"
+
+
 def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     """A deliberate new baseline: the table's progress says "committed up to W", recorded in Kafka (a progress
     record with the reason) and on the Dagster instance (an observation of the table's asset). Rows at or below W
     are then never sent again; rows above W are sent once, whatever the topic already holds. Partitions above W
     are deleted (they are cut again from W); one that straddles W (a slice or roll-up (lo, hi] with lo < W) keeps its
     part below W as the partition (lo, W], materialized: those rows were published before the reset, or, above the
-    old progress (a reset forward), skipped by it. Partitions at or below W are left as they are."""
+    old progress (a reset forward), skipped by it. Uncommitted partitions entirely at or below W (a reset forward
+    over slices cut but not published) are materialized alike: no run could ever commit them. Committed partitions
+    at or below W are left as they are."""
     from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue, RunsFilter
 
     from assets.relay import asset_key, channel_for, partitions_for
     from orchestration.factory import job_name
     from orchestration.sensors import ACTIVE
     from resources.exactly_once import SlicePublisher
-    from resources.slices import SliceRange
 
     (table,) = _tables(config, args.table)
     channel = channel_for(table, config.kafka.transactional_id_prefix)
@@ -1077,9 +1149,10 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     # Asked once: the refusal below, the texts after the reset, and the watermark the reset's value is one of.
     reflected = reflected_watermark(config, table)
     kind = watermark_is_timestamp(config, table, reflected)
-    wrong_kind = None if kind is None else watermark_kind_error(table.table_id, kind, "--after", args.after)
-    if wrong_kind:
-        print(f"rowrelay: {wrong_kind}; nothing was reset", file=sys.stderr)
+    wrong = (None if kind is None else watermark_kind_error(table.table_id, kind, "--after", args.after)) or \
+        reset_floor_error(table, int(args.after), bool(kind))
+    if wrong:
+        print(f"rowrelay: {wrong}; nothing was reset", file=sys.stderr)
         return 2
     args.after = int(args.after)  # a plain int from here: Dagster's metadata takes no int subclass
     with DagsterInstance.get() as instance:
@@ -1105,33 +1178,42 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         def text(value: int) -> str:
             return watermark_text(value, timestamps)
 
-        dropped = [k for k in keys if SliceRange.from_key(k).hi > args.after]
+        replaced_hi = before.hi if before else channel.start_after
+
+        def settle(key: str, part: SliceRange) -> None:
+            """Materialize `part` (of partition `key`) without a run, saying what became of its rows."""
+            sent_to, what = reset_outcome(part, replaced_hi, text(args.after), text)
+            of = f" of {key}" if part.key != key else ""
+            instance.report_runless_asset_event(AssetMaterialization(
+                asset_key=asset_key(table), partition=part.key, description=f"rows {part}{of}, {what}",
+                metadata={"rowrelay/before_reset_of": key, "rowrelay/published_up_to": sent_to,
+                          "reason": args.reason}))
+
+        ranges = {key: SliceRange.from_key(key) for key in keys}
+        dropped = [k for k, cut in ranges.items() if cut.hi > args.after]
+        # Cut above the old progress but not above W (a reset forward): below progress now, so no run would ever
+        # commit them and no cut deletes them; unmaterialized, they would stay so forever.
+        settled = [k for k, cut in ranges.items() if replaced_hi < cut.hi <= args.after]
         for key in dropped:
             instance.delete_dynamic_partition(partitions.name, key)
-            cut = SliceRange.from_key(key)
+            cut = ranges[key]
             if cut.lo < args.after:  # without it (lo, W] would have no partition: settled, sent or skipped
                 below = cut.span(cut.lo, args.after)
                 instance.add_dynamic_partitions(partitions.name, [below.key])
-                # Its rows up to the old progress were published; above it a reset forward skipped them.
-                sent_to = min(max(before.hi if before else channel.start_after, cut.lo), args.after)
-                if sent_to == args.after:
-                    what = f"published before rowrelay reset after {text(args.after)}"
-                elif sent_to == cut.lo:
-                    what = f"never sent: skipped by rowrelay reset after {text(args.after)}"
-                else:
-                    what = (f"published up to {text(sent_to)} before rowrelay reset after {text(args.after)}, the rest "
-                            "skipped")
-                instance.report_runless_asset_event(AssetMaterialization(
-                    asset_key=asset_key(table), partition=below.key, description=f"rows {below} of {cut.key}, {what}",
-                    metadata={"rowrelay/before_reset_of": key, "rowrelay/published_up_to": sent_to,
-                              "reason": args.reason}))
+                settle(key, below)
+        for key in settled:
+            settle(key, ranges[key])
         instance.report_runless_asset_event(AssetObservation(
             asset_key=asset_key(table), description=f"rowrelay reset: new baseline after watermark {text(args.after)}",
             metadata={"rowrelay/reset_after": args.after, "reason": args.reason,
                       "previous_progress": before.hi if before else MetadataValue.null(),
-                      "partitions_deleted": len(dropped), "committed_at": record.committed_at}))
+                      "partitions_deleted": len(dropped), "partitions_settled": len(settled),
+                      "committed_at": record.committed_at}))
+    below_text = (f"; {len(settled)} uncommitted partition(s) at or below it materialized as settled by the reset "
+                  f"(rows above {text(replaced_hi)} in them never sent)" if settled else "")
     print(f"{table.table_id}: progress reset to {text(args.after)} (was {text(before.hi) if before else 'empty'}); "
-          f"{len(dropped)} partition(s) above it deleted; rows after {text(args.after)} will be sent", flush=True)
+          f"{len(dropped)} partition(s) above it deleted{below_text}; rows after {text(args.after)} will be sent",
+          flush=True)
     return 0
 
 
@@ -1139,18 +1221,52 @@ class ReplayError(ValueError):
     """A replay request that cannot be served as asked; the message says what to fix. Nothing was produced."""
 
 
-def replay_records(history: list[Any], committed_hi: int | None, table_id: str, lo: int, hi: int) -> list[Any]:
-    """The committed slices' progress records that exactly cover (lo, hi], in order, or a ReplayError. For a
-    timestamp watermark (the slices' keys are times) the errors name UTC times, as --from and --to take them."""
-    # Resets (lo == hi) carry no messages, and a reset back supersedes the slices above it (live_records): after a
+@dataclass(frozen=True)
+class ReplayPiece:
+    """A committed range (lo, hi] replay can serve: a slice's messages, all of them, or, where a reset back landed
+    inside the slice, only those at or below the reset (`hi` below the record's): the rows above were sent again
+    by the slices cut after it."""
+
+    record: ProgressRecord
+    lo: int
+    hi: int
+
+    @property
+    def key(self) -> str:
+        """The piece as a slice key: the slice's own, or, cut by a reset, the partition the reset kept of it."""
+        if self.hi == self.record.hi:
+            return self.record.slice
+        return SliceRange(self.lo, self.hi, is_timestamp_key(self.record.slice)).key
+
+
+def live_pieces(history: Iterable[ProgressRecord]) -> list[ReplayPiece]:
+    """`live_records` for replay: the committed ranges still standing, in the progress topic's order. A reset (or
+    baseline) to `a` supersedes the ranges above it, as there, but a slice (lo, hi] with lo < a < hi keeps its part
+    (lo, a]: those rows were published by it and count as sent, and no later slice sends them again."""
+    pieces: list[ReplayPiece] = []
+    for record in history:
+        if record.hi > record.lo:
+            pieces.append(ReplayPiece(record, record.lo, record.hi))
+            continue
+        at = record.hi
+        pieces = [p if p.hi <= at else ReplayPiece(p.record, p.lo, at) for p in pieces if p.lo < at]
+    return pieces
+
+
+def replay_records(history: list[Any], committed_hi: int | None, table_id: str, lo: int, hi: int
+                   ) -> list[ReplayPiece]:
+    """The committed pieces (slices, or a slice's part below a reset inside it) that exactly cover (lo, hi], in
+    order, or a ReplayError. For a timestamp watermark (the slices' keys are times) the errors name UTC times, as
+    --from and --to take them."""
+    # Resets (lo == hi) carry no messages, and a reset back supersedes the slices above it (live_pieces): after a
     # table was re-created and reset, the old table's slices are not the range's, even where their bounds fit.
-    slices = {(r.lo, r.hi): r for r in live_records(history) if r.hi > r.lo}
-    timestamps = any(is_timestamp_key(r.slice) for r in slices.values())
+    pieces = {(p.lo, p.hi): p for p in live_pieces(history)}
+    timestamps = any(is_timestamp_key(p.record.slice) for p in pieces.values())
 
     def text(value: int) -> str:
         return watermark_text(value, timestamps)
 
-    if slices and (wrong := next(filter(None, (watermark_kind_error(table_id, timestamps, flag, value)
+    if pieces and (wrong := next(filter(None, (watermark_kind_error(table_id, timestamps, flag, value)
                                                 for flag, value in (("--from", lo), ("--to", hi)))), None)):
         raise ReplayError(wrong)
     if hi <= lo:
@@ -1158,23 +1274,23 @@ def replay_records(history: list[Any], committed_hi: int | None, table_id: str, 
     if committed_hi is None or hi > committed_hi:
         raise ReplayError(f"{table_id}: range ({text(lo)}, {text(hi)}] is not fully committed: committed progress "
                           f"ends at {text(committed_hi) if committed_hi is not None else 'nothing yet'}")
-    los, his = sorted({a for a, _ in slices}), sorted({b for _, b in slices})
-    bad = ([f"--from {text(lo)} is"] if lo not in los else []) + ([f"--to {text(hi)} is"] if hi not in his else [])
+    los, his = sorted({a for a, _ in pieces}), sorted({b for _, b in pieces})
+    bad = ([f"--from {text(lo)}"] if lo not in los else []) + ([f"--to {text(hi)}"] if hi not in his else [])
     if bad:
         def near(values: list[int], v: int) -> str:
             return ", ".join(map(text, sorted(sorted(values, key=lambda x: abs(x - v))[:5])))
-        raise ReplayError(f"{table_id}: {' and '.join(bad)} not a slice bound; slice lower bounds near it: "
-                          f"[{near(los, lo)}], upper bounds near it: [{near(his, hi)}]")
+        raise ReplayError(f"{table_id}: {' and '.join(f'{b} is not a slice bound' for b in bad)}; slice lower "
+                          f"bounds near --from: [{near(los, lo)}], upper bounds near --to: [{near(his, hi)}]")
     chain, at = [], lo
     while at < hi:
-        nxt = [r for (a, b), r in slices.items() if a == at and b <= hi]
+        nxt = [p for (a, b), p in pieces.items() if a == at and b <= hi]
         if not nxt:
             raise ReplayError(f"{table_id}: no committed slice starts at {text(at)} within ({text(lo)}, {text(hi)}] "
                               "(progress records compacted away or a reset in between); pick bounds inside one run "
                               "of slices")
-        record = max(nxt, key=lambda r: r.hi)
-        chain.append(record)
-        at = record.hi
+        piece = max(nxt, key=lambda p: p.hi)
+        chain.append(piece)
+        at = piece.hi
     return chain
 
 
@@ -1198,7 +1314,7 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
     if meta is None or meta.error is not None or not meta.partitions:
         raise ReplayError(f"topic {target!r} does not exist; create it first (rowrelay never creates a replay "
                           "target) or pass an existing --topic")
-    needed = max(int(p) for r in records for p in r.offsets) if any(r.offsets for r in records) else 0
+    needed = max((int(p) for piece in records for p in piece.record.offsets), default=0)
     if needed >= len(meta.partitions):
         raise ReplayError(f"topic {target!r} has {len(meta.partitions)} partition(s); the range's messages are in "
                           f"partition {needed} of {channel.topic}: give --topic a topic with at least {needed + 1}")
@@ -1211,16 +1327,20 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
         producer.init_transactions(60)  # fences an earlier replay of this table that is still open
         producer.begin_transaction()
         try:
-            for record in records:
-                for msg in read_published_messages(conf, record):
+            for piece in records:
+                read = 0
+                for msg in read_published_messages(conf, piece.record):
+                    read += 1  # the whole slice is read, a piece cut by a reset too: its count checks the read
+                    if piece.hi < piece.record.hi and message_watermark(msg) > piece.hi:
+                        continue  # above a reset inside the slice: sent again by a later slice, not this range's
                     # Same partition as the original: per partition, consumers see watermark order again.
                     producer.produce(target, msg.value(), msg.key(), partition=msg.partition(),
                                      headers=[*(msg.headers() or []), marker])
                     rows += 1
                     producer.poll(0)
-            if rows != sum(r.rows for r in records):
-                raise ReplayError(f"{table.table_id}: read {rows} messages, but the progress records say "
-                                  f"{sum(r.rows for r in records)}; nothing was replayed")
+                if read != piece.record.rows:
+                    raise ReplayError(f"{table.table_id}: read {read} messages of slice {piece.record.slice}, but "
+                                      f"its progress record says {piece.record.rows}; nothing was replayed")
             producer.commit_transaction(60)
         except BaseException:
             with contextlib.suppress(KafkaException):
@@ -1230,7 +1350,12 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
         producer.flush(5)
     return {"table": table.table_id, "replay_id": replay_id, "from": int(lo), "to": int(hi), "rows": rows,
             "topic": target,
-            "slices": [r.slice for r in records]}
+            "slices": [piece.key for piece in records]}
+
+
+def message_watermark(msg: Any) -> int:
+    """A published message's watermark, from its `rowrelay.watermark` header."""
+    return int(dict(msg.headers() or [])[WATERMARK_HEADER])
 
 
 def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
@@ -1302,9 +1427,15 @@ def cmd_schema(config: RelayConfig, args: argparse.Namespace) -> int:
         print(f"rowrelay: {exc}", file=sys.stderr)
         return 1
     channel = channel_for(table, config.kafka.transactional_id_prefix)
+    committed = read_committed_progress(kafka_conf(config), channel)
+    if committed is not None and [list(c) for c in committed.columns] == shape.schema_columns:
+        # Nothing stops the table for its columns (a run compares these), so a record would only add noise to its
+        # progress. Exit 0: what the command is for holds, the current columns are the accepted ones.
+        print(f"{table.table_id}: nothing to accept: the table's columns are those of its committed progress (up to "
+              f"{shape.watermark_text(committed.hi)}); nothing was recorded", flush=True)
+        return 0
     publisher = SlicePublisher(channel, kafka_conf(config))
     try:
-        committed = publisher.committed_progress()
         before = committed.columns if committed else []
         record = publisher.accept_schema(shape.schema_columns, shape.fingerprint, args.reason)
     except RelayError as exc:
@@ -1334,6 +1465,17 @@ def watermark(text: str) -> WatermarkArg:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     value.text, value.is_time = text, not _is_integer(text)
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type: a duration in seconds, 0 or more (a negative wait has no meaning; NaN never ends one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
     return value
 
 
@@ -1428,7 +1570,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "backfill":
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
             p.add_argument("--dry-run", action="store_true", help="cut and add the slices, run nothing")
-            p.add_argument("--settle-timeout", type=float, default=60.0,
+            p.add_argument("--settle-timeout", type=seconds, default=60.0,
                            help="seconds to wait, beyond the table's settle_seconds, for the newest rows to become "
                            "final (open transactions end); default 60")
         else:
@@ -1444,6 +1586,9 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools, "backfill": cmd_backfill,
                     "reset": cmd_reset, "replay": cmd_replay, "history": cmd_history, "schema": cmd_schema}
         return commands[args.cmd](config, args)
+    except KeyboardInterrupt:  # Ctrl-C: not a defect, no traceback (a backfill's runs say what committed)
+        print(f"rowrelay: {args.cmd} interrupted", file=sys.stderr)
+        return 130
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)
         return 2

@@ -522,3 +522,294 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     assert in_process_worker_gone(copied) is None
     elsewhere = run_of(gone.pid, "_ns", **{WORKER_HOST_TAG: stale.tags[WORKER_HOST_TAG].rsplit(":", 1)[0] + ":1"})
     assert in_process_worker_gone(elsewhere) is None
+
+
+def _config_file(cfg: RelayConfig, path: Path) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    return str(path)
+
+
+def _serial_table(engine, name: str, rows: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, {rows}) g"))
+
+
+def test_a_reset_forward_settles_every_uncommitted_partition_below_it(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """Committed up to 75, then (75,85], (85,95], (95,100] cut and `reset --after 90`: the reset kept (85,90] of the
+    straddling slice, materialized, but left (75,85] as it was. Its range is below progress now, so no run can
+    commit it and no cut deletes it: unmaterialized forever. Every uncommitted partition at or below the reset is
+    now materialized without a run, saying what became of its rows (an orphan (70,80] of a racing cut: published
+    up to 75, the rest skipped)."""
+    from resources.slices import SliceRange
+    from tests.pipeline import read_topic
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 75)
+    spec = {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 100}
+    cfg = relay_config(services, {"src": pg_database}, [spec])
+    table = cfg.tables[0]
+    config_file = _config_file(cfg, tmp_path / "a.yaml")
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'n' || g FROM generate_series(76, 100) g"))
+    config_file = _config_file(relay_config(services, {"src": pg_database}, [{**spec, "slice_max_rows": 10}]),
+                               tmp_path / "b.yaml")
+    assert main(["--config", config_file, "backfill", "--table", table.table_id, "--dry-run"]) == 0
+    partitions = f"{table.dagster_name}__slices"
+    assert dagster_instance.get_dynamic_partitions(partitions)[1:] == [
+        SliceRange(75, 85).key, SliceRange(85, 95).key, SliceRange(95, 100).key]
+    dagster_instance.add_dynamic_partitions(partitions, [SliceRange(70, 80).key])  # as a racing cut leaves one
+    capsys.readouterr()
+
+    assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", "90",
+                 "--reason", "skip 76-90"]) == 0
+    out = capsys.readouterr().out
+    assert "progress reset to 90 (was 75); 2 partition(s) above it deleted" in out, out
+    assert "2 uncommitted partition(s) at or below it materialized as settled by the reset" in out, out
+    h = Harness(cfg, dagster_instance)
+    expected = {  # partition: (before_reset_of, published_up_to, what the description says)
+        SliceRange(75, 85).key: (SliceRange(75, 85).key, 75, "never sent: skipped by rowrelay reset after 90"),
+        SliceRange(70, 80).key: (SliceRange(70, 80).key, 75,
+                                 "published up to 75 before rowrelay reset after 90, the rest skipped"),
+        SliceRange(85, 90).key: (SliceRange(85, 95).key, 85, "never sent: skipped by rowrelay reset after 90"),
+    }
+    from assets.relay import asset_key
+
+    descriptions = {r.asset_materialization.partition: r.asset_materialization.description
+                    for r in dagster_instance.fetch_materializations(asset_key(table), limit=100).records}
+    for key, (of, upto, what) in expected.items():
+        meta = h.materialization(table, key)
+        assert (meta["rowrelay/before_reset_of"], meta["rowrelay/published_up_to"], meta["reason"]) == (
+            of, upto, "skip 76-90"), key
+        assert what in descriptions[key], descriptions[key]
+
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    assert sorted(m.value["id"] for m in read_topic(services.kafka_bootstrap, table.topic_name)) == [
+        *range(1, 76), *range(91, 101)]
+    keys = dagster_instance.get_dynamic_partitions(partitions)
+    assert SliceRange(90, 100).key in keys
+    for key in keys:  # nothing left that no run will ever commit
+        h.materialization(table, key)
+
+
+def test_reset_refuses_an_after_below_the_tables_start_and_backfill_a_negative_wait(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """`reset --after -1` made keys like -00000000001-... and a record reset--1 on a table that starts at 0, and
+    `backfill --settle-timeout -5` was taken. Negative watermarks are real (a table whose `start_after` is below
+    them): an --after below the table's start is refused, saying what to give instead, as is a negative wait."""
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (-3, 'a'), (0, 'b'), (1, 'c'), (2, 'd')"))
+    spec = {"source": "src", "table": f"public.{name}", "watermark": "id", "start_after": -4}
+    negative = relay_config(services, {"src": pg_database}, [spec])
+    table = negative.tables[0]
+    unset = _config_file(relay_config(services, {"src": pg_database}, [{**spec, "start_after": None}]),
+                         tmp_path / "unset.yaml")
+    config_file = _config_file(negative, tmp_path / "negative.yaml")
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", config_file, "backfill", "--table", table.table_id, "--settle-timeout", "-5"])
+    assert exited.value.code == 2
+    assert "--settle-timeout: -5 is not a number of seconds >= 0" in capsys.readouterr().err
+    h = Harness(negative, dagster_instance)
+    assert h.progress(table) is None  # nothing ran
+
+    code = main(["--config", unset, "reset", "--table", table.table_id, "--after", "-1", "--reason", "x"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert (f"{table.table_id}: --after -1 is below the table's start (0: `start_after` is unset), and rows at or "
+            "below it are never sent: give --after 0 or above, or set `start_after: -1` (or lower) in the config "
+            "first; nothing was reset") in err, err
+    assert h.progress(table) is None
+    assert dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []
+
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    code = main(["--config", config_file, "reset", "--table", table.table_id, "--after", "-5", "--reason", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--after -5 is below the table's start (-4: its `start_after`)" in err, err
+    assert "give --after -4 or above, or set `start_after: -5` (or lower)" in err, err
+    assert h.progress(table).hi == 2
+    # At or above the table's start, a negative --after is an ordinary reset.
+    assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", "-2", "--reason",
+                 "re-send from -1"]) == 0
+    assert "progress reset to -2 (was 2)" in capsys.readouterr().out
+    assert (h.progress(table).slice, h.progress(table).hi) == ("reset--2", -2)
+
+
+def test_replay_serves_the_part_of_a_slice_below_a_reset_inside_it(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """Slices of 10 up to 75, `reset --after 65`, a backfill: rows 61-65 are committed and in the topic (the old
+    slice (60,70] published them; the reset kept (60,65] as a partition), but replay refused every range ending at
+    65 ("not a slice bound") or starting at 60: they could never be replayed. It now serves the old slice's
+    messages at or below the reset. Wrong bounds are still refused, each one named properly."""
+    from resources.slices import SliceRange
+    from tests.pipeline import read_topic
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 75)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "slice_max_rows": 10, "key": ["id"]}])
+    table = cfg.tables[0]
+    config_file = _config_file(cfg, tmp_path / "rowrelay.yaml")
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    original = {m.watermark: m for m in read_topic(services.kafka_bootstrap, table.topic_name)}
+    assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", "65", "--reason",
+                 "re-send 66-75"]) == 0
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    h = Harness(cfg, dagster_instance)
+    progress = h.progress(table)
+    assert progress.hi == 75
+    capsys.readouterr()
+
+    def replay(lo: int, hi: int) -> dict[str, Any]:
+        code = main(["--config", config_file, "replay", "--table", table.table_id, "--from", str(lo), "--to",
+                     str(hi), "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return json.loads(out)
+
+    def copies(replay_id: str) -> list[Any]:
+        return [m for m in read_topic(services.kafka_bootstrap, table.topic_name)
+                if m.headers.get("rowrelay.replay") == replay_id.encode()]
+
+    done = replay(60, 65)
+    assert (done["rows"], done["slices"]) == (5, [SliceRange(60, 65).key])
+    sent = copies(done["replay_id"])
+    assert [m.watermark for m in sent] == [61, 62, 63, 64, 65]
+    for m in sent:  # the messages the old slice published, headers and all
+        o = original[m.watermark]
+        assert (m.key, m.value) == (o.key, o.value)
+        assert {k: v for k, v in m.headers.items() if k != "rowrelay.replay"} == o.headers
+    done = replay(50, 65)
+    assert done["slices"] == [SliceRange(50, 60).key, SliceRange(60, 65).key]
+    assert [m.watermark for m in copies(done["replay_id"])] == list(range(51, 66))
+    done = replay(60, 75)  # the part below the reset, then the new slice that re-sent the rows above it
+    assert done["slices"] == [SliceRange(60, 65).key, SliceRange(65, 75).key]
+    assert [m.watermark for m in copies(done["replay_id"])] == list(range(61, 76))
+    assert replay(65, 75)["rows"] == 10
+
+    refusals = {
+        ("--from", "60", "--to", "70"): f"{table.table_id}: --to 70 is not a slice bound;",
+        ("--from", "62", "--to", "65"): f"{table.table_id}: --from 62 is not a slice bound;",
+        ("--from", "62", "--to", "68"): (f"{table.table_id}: --from 62 is not a slice bound and --to 68 is not a "
+                                         "slice bound;"),
+        ("--from", "60", "--to", "80"): "is not fully committed: committed progress ends at 75",
+    }
+    for bounds, message in refusals.items():
+        assert main(["--config", config_file, "replay", "--table", table.table_id, *bounds]) == 1, bounds
+        assert message in capsys.readouterr().err, bounds
+    assert h.progress(table) == progress  # replay never touches progress
+
+
+def test_schema_accept_with_nothing_changed_records_nothing(services, pg_database, pg_engine, dagster_home,
+                                                            dagster_instance, name, tmp_path, capsys,
+                                                            monkeypatch) -> None:
+    """`schema accept` with the table's columns those of its committed progress wrote a record anyway and said
+    "columns accepted (no change)". It now says there is nothing to accept and records nothing (exit 0: the
+    table's current columns are the accepted ones, which is what the command is for)."""
+    from assets.relay import channel_for
+    from resources.exactly_once import read_progress_history
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 5)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "on_schema_change": "fail"}])
+    table = cfg.tables[0]
+    config_file = _config_file(cfg, tmp_path / "rowrelay.yaml")
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    kafka = {"bootstrap.servers": services.kafka_bootstrap}
+    history = read_progress_history(kafka, channel_for(table))
+    capsys.readouterr()
+    assert main(["--config", config_file, "schema", "accept", "--table", table.table_id, "--reason", "x"]) == 0
+    out = capsys.readouterr().out
+    assert (f"{table.table_id}: nothing to accept: the table's columns are those of its committed progress "
+            "(up to 5); nothing was recorded") in out, out
+    assert read_progress_history(kafka, channel_for(table)) == history
+
+    with pg_engine.begin() as conn:  # a real change is still recorded
+        conn.execute(text(f"ALTER TABLE {name} ADD COLUMN extra int"))
+    assert main(["--config", config_file, "schema", "accept", "--table", table.table_id, "--reason", "x"]) == 0
+    assert "columns accepted (added extra)" in capsys.readouterr().out
+    assert len(read_progress_history(kafka, channel_for(table))) == len(history) + 1
+
+
+def test_an_interrupted_backfill_says_what_committed_and_how_to_continue(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, name, tmp_path) -> None:
+    """Ctrl-C during a backfill printed `failed: dagster._core.errors.DagsterExecutionInterruptedError (details in
+    the Dagster UI)`. It now says the backfill was interrupted, how far the table is committed and that running it
+    again continues (exit 130, as for SIGINT)."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.pipeline import ROOT, assert_exactly_once, read_topic
+
+    _serial_table(pg_engine, name, 60)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "slice_max_rows": 10,
+                                                         "max_slices_per_run": 2, "settle_seconds": 0}],
+                       spark_remote=True)
+    table = cfg.tables[0]
+    argv = [sys.executable, "-m", "orchestration.cli", "--config", _config_file(cfg, tmp_path / "rowrelay.yaml"),
+            "backfill", "--table", table.table_id]
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "ROWRELAY_FAILPOINT": "sleep:begun:1.5"}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if re.search(r"committed up to \d+: 1/6 slices", line):  # one slice committed, the next one open
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    h = Harness(cfg, dagster_instance)
+    committed = h.progress(table).hi
+    assert 10 <= committed < 60, (committed, "".join(lines) + out)
+    assert proc.returncode == 130, err
+    assert "DagsterExecutionInterruptedError" not in err and "Traceback" not in err, err
+    assert (f"rowrelay: {table.table_id}: backfill interrupted: committed up to {committed} ({committed // 10}/6 "
+            "slices of this backfill); nothing of a slice that had not committed is visible. Run `rowrelay backfill "
+            f"--table {table.table_id}` again to continue") in err, err
+
+    env.pop("ROWRELAY_FAILPOINT")
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 61)))
+
+
+def test_replay_pieces_follow_each_reset_inside_a_slice() -> None:
+    """The pure part of the replay fix: a reset back inside a slice keeps the slice's part below it; a later reset
+    further back cuts that part again; a reset at a slice bound or a reset forward changes nothing below it."""
+    from orchestration.cli import live_pieces
+    from resources.exactly_once import ProgressRecord
+    from resources.slices import SliceRange
+
+    def piece(lo: int, hi: int) -> ProgressRecord:
+        return ProgressRecord("t", SliceRange(lo, hi).key, lo, hi, hi - lo, 0, "", "topic")
+
+    def reset(at: int) -> ProgressRecord:
+        return ProgressRecord("t", f"reset-{at}", at, at, 0, 0, "", "topic")
+
+    def spans(history: list[ProgressRecord]) -> list[tuple[int, int, str]]:
+        return [(p.lo, p.hi, p.key) for p in live_pieces(history)]
+
+    history = [piece(0, 10), piece(10, 20), reset(15), piece(15, 25)]
+    assert spans(history) == [(0, 10, SliceRange(0, 10).key), (10, 15, SliceRange(10, 15).key),
+                              (15, 25, SliceRange(15, 25).key)]
+    assert spans([*history, reset(12)]) == [(0, 10, SliceRange(0, 10).key), (10, 12, SliceRange(10, 12).key)]
+    assert spans([*history, reset(10)]) == [(0, 10, SliceRange(0, 10).key)]
+    assert spans([*history, reset(40)]) == spans(history)  # forward: nothing above progress to cut
