@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from resources.exactly_once import ProgressRecord, tiling
+from resources.exactly_once import ProgressRecord, live_records, tiling
 from resources.slices import SliceRange
 
 HOUR_S = 3600.0
@@ -71,7 +71,9 @@ def plan_rollups(keys: list[SliceRange], records: list[ProgressRecord], now: dat
     commit) into one roll-up each. `keys`: the table's partition keys; `records`: the committed progress
     records covering (at least) the keys to consider, in commit order. A key not covered exactly by records
     (uncommitted, a gap, a reset inside it, records not read) is never rolled up and ends a group."""
-    records = sorted((r for r in records if r.hi > r.lo), key=lambda r: (r.lo, r.hi))
+    # The records still standing: after a reset back, the old slices' records (superseded, their rows published
+    # again under new ones) overlapped the new ones, and no key of the range was ever rolled up.
+    records = sorted((r for r in live_records(records) if r.hi > r.lo), key=lambda r: (r.lo, r.hi))
     los = [r.lo for r in records]
     groups: list[tuple[str, list[SliceRange], list[ProgressRecord]]] = []
     current: tuple[str, list[SliceRange], list[ProgressRecord]] | None = None

@@ -69,6 +69,16 @@ def test_rollups_never_span_a_gap_a_missing_record_or_an_uncommitted_key() -> No
     assert [r.hi for r in tiling(SliceRange(5, 8), records) or []] == [6, 7, 8]
 
 
+def test_rollups_after_a_reset_back_take_the_records_that_stand() -> None:
+    """A reset back to 0 re-published (0, 2]: the old records and the new overlapped, so the keys were never
+    rolled up. The records the reset superseded are left out; the roll-up sums the new ones."""
+    old, new = NOW - timedelta(days=6), NOW - timedelta(days=5)
+    reset = ProgressRecord("t", "reset-0", 0, 0, 0, 0, "", "topic", committed_at=new.isoformat())
+    records = [rec(0, 1, old), rec(1, 2, old), reset, rec(0, 1, new, rows=3), rec(1, 2, new, rows=4)]
+    (rollup,) = plan_rollups([SliceRange(0, 1), SliceRange(1, 2)], records, NOW, HistoryPolicy())
+    assert rollup.range == SliceRange(0, 2) and summarize(rollup.records)["rows"] == 7
+
+
 def test_summary_is_the_same_however_the_range_was_rolled_up() -> None:
     """The checksum is over the slices' checksums, so hourly-then-daily equals one daily roll-up; rows, bytes and
     offset ranges add up."""
