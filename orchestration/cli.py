@@ -47,6 +47,7 @@ from resources.exactly_once import (  # noqa: E402
     ProgressRecord,
     WatermarkChanged,
     live_records,
+    progress_missing,
     read_committed_progress,
     read_progress_history,
     watermark_change,
@@ -492,6 +493,8 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
         shape = reflect_table(config, table)
         if why := watermark_change(progress, shape.watermark, shape.watermark_kind):
             raise WatermarkChanged(why)
+    elif (missing := progress_missing(conf, channel)) is not None:
+        raise missing  # its rows were published under progress this table no longer reads: nothing to compare
     # The newest baseline or reset in progress, if any, is where the table starts; else its first slice (where the
     # publisher started: `start_after` as it was then, whatever the file says now), else `start_after`.
     start_at = next((r for r in reversed(history) if r.slice.startswith(("baseline-", "reset-"))), None)

@@ -1090,6 +1090,37 @@ def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChan
         consumer.close()
 
 
+def progress_missing(kafka_conf: dict[str, Any], channel: TableChannel) -> ProgressMissing | None:
+    """For a table whose committed progress is empty: the refusal if its rows were published all the same (its data
+    topic holds its messages, or another transactional_id_prefix's progress topic holds its progress), so that
+    publishing would send them again; None if nothing of it was published."""
+    ch = channel
+    in_topic = table_messages_high_watermark(kafka_conf, ch)
+    if in_topic is not None and in_topic > ch.start_after:
+        return ProgressMissing(
+            f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
+            f"{ch.transactional_id}), but topic {ch.topic} already holds this table's messages up to watermark "
+            f"{in_topic}: publishing would send them again. Restore the old transactional_id_prefix if it was "
+            f"changed, or run `rowrelay reset --table {ch.table} --after {in_topic}` to set a new baseline "
+            f"deliberately ({in_topic} is the last watermark of this table already in the topic; a lower value "
+            "sends rows again: only for a re-created table whose ids restarted)",
+            table=ch.table, topic_watermark=in_topic)
+    if in_topic is None and (elsewhere := progress_under_other_prefix(kafka_conf, ch)) is not None:
+        # The prefix and the topic changed together: the new topic is empty, but the table has committed progress
+        # under the old prefix.
+        name, record = elsewhere
+        at = watermark_text(record.hi, is_timestamp_key(record.slice))
+        return ProgressMissing(
+            f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
+            f"{ch.transactional_id}), but progress topic {name} holds this table's committed progress up to "
+            f"watermark {at} (its rows went to topic {record.topic}): publishing would send them again. "
+            "Restore the transactional_id_prefix that wrote it if it was changed, or run `rowrelay reset "
+            f"--table {ch.table} --after {at}` to continue from there under this prefix (a lower value, "
+            "`--after 0` included, sends rows again deliberately: another deployment of the same table)",
+            table=ch.table, topic_watermark=record.hi)
+    return None
+
+
 class SlicePublisher:
     """Publishes one table's slices through one transactional producer (one epoch)."""
 
@@ -1326,30 +1357,8 @@ class SlicePublisher:
         gave it a new, empty progress topic): publishing would send them all again. Checked once per publisher."""
         if self._topic_checked:
             return
-        ch = self.channel
-        in_topic = table_messages_high_watermark(self.kafka_conf, ch)
-        if in_topic is not None and in_topic > ch.start_after:
-            raise ProgressMissing(
-                f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
-                f"{ch.transactional_id}), but topic {ch.topic} already holds this table's messages up to watermark "
-                f"{in_topic}: publishing would send them again. Restore the old transactional_id_prefix if it was "
-                f"changed, or run `rowrelay reset --table {ch.table} --after {in_topic}` to set a new baseline "
-                f"deliberately ({in_topic} is the last watermark of this table already in the topic; a lower value "
-                "sends rows again: only for a re-created table whose ids restarted)",
-                table=ch.table, topic_watermark=in_topic)
-        if in_topic is None and (elsewhere := progress_under_other_prefix(self.kafka_conf, ch)) is not None:
-            # The prefix and the topic changed together: the new topic is empty, but the table has committed
-            # progress under the old prefix.
-            name, record = elsewhere
-            at = watermark_text(record.hi, is_timestamp_key(record.slice))
-            raise ProgressMissing(
-                f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
-                f"{ch.transactional_id}), but progress topic {name} holds this table's committed progress up to "
-                f"watermark {at} (its rows went to topic {record.topic}): publishing would send them again. "
-                "Restore the transactional_id_prefix that wrote it if it was changed, or run `rowrelay reset "
-                f"--table {ch.table} --after {at}` to continue from there under this prefix (a lower value, "
-                "`--after 0` included, sends rows again deliberately: another deployment of the same table)",
-                table=ch.table, topic_watermark=record.hi)
+        if (missing := progress_missing(self.kafka_conf, self.channel)) is not None:
+            raise missing
         self._topic_checked = True
 
     def _raise_if_timed_out(self, slice_range: SliceRange, exc: BaseException) -> None:

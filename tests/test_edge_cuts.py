@@ -215,6 +215,11 @@ def test_new_prefix_refuses_to_resend_and_reset_sets_a_baseline(services, pg_dat
             f"(its rows went to topic {table.topic_name})") in said, said
     assert f"`rowrelay reset --table {table_id} --after 3`" in said, said
     assert read_topic(services.kafka_bootstrap, f"{name}_moved", timeout=3.0) == []
+    # `verify` says the same, rather than comparing nothing ("0 source rows, 0 messages [OK]") or extras.
+    for config in (new, moved):
+        assert main(["--config", config, "verify", "--table", table_id]) == 1
+        said = capsys.readouterr().err
+        assert "not verified" in said and f"`rowrelay reset --table {table_id} --after 3`" in said, said
 
     assert main(["--config", new, "reset", "--table", table_id, "--after", "3", "--reason", "prefix renamed"]) == 0
     assert "progress reset to 3" in capsys.readouterr().out
