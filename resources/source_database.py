@@ -164,6 +164,12 @@ def exceeds_spark_decimal(type_name: str) -> bool:
     return precision > SPARK_MAX_DECIMAL_DIGITS or not 0 <= scale <= precision
 
 
+def base_type(col_type: Any) -> Any:
+    """A PostgreSQL domain as its base type (reflected as DOMAIN, it was refused as a type rowrelay cannot read):
+    the driver reads its values as the base type's, and its constraints are the database's business."""
+    return getattr(col_type, "data_type", None) or col_type if type(col_type).__name__ == "DOMAIN" else col_type
+
+
 def read_as_text(dialect: str, type_name: str) -> bool:
     """Whether Spark reads a column of this reflected type as the driver's text, to keep it exact (see
     `custom_schema_for` in resources/spark.py): decimals beyond Spark's and PostgreSQL real. Such a column's read
@@ -455,13 +461,11 @@ class SourceDatabaseResource(ConfigurableResource):
                               "check `table:` in rowrelay.yaml") from None
 
     def declared_type(self, t: sa.Table, column: str) -> str:
-        """The column's type as the database names it, for a refusal's message. SQLAlchemy reflects a type its
-        dialect does not know (PostgreSQL's xml or point, a column SQLite declared without a type) as NullType,
-        whose name is "NULL"; the catalog has the real one ("" for a SQLite column declared without a type). Best
+        """The column's type as the database names it, for a refusal's message: SQLAlchemy names a type its dialect
+        does not know (PostgreSQL's xml or point, a column SQLite declared without a type) "NULL", any array
+        "ARRAY"; the catalog has the real one ("integer[]"; "" for a SQLite column declared without a type). Best
         effort: SQLAlchemy's name where the lookup fails."""
         reflected = t.c[column].type
-        if not isinstance(reflected, sa.types.NullType):
-            return str(reflected)
         queries = {
             "postgresql": ("SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
                            "WHERE attrelid = CAST(:rel AS regclass) AND attname = :column"),
@@ -495,12 +499,12 @@ class SourceDatabaseResource(ConfigurableResource):
         label = f"{schema}.{table}" if schema else table
         if watermark not in t.c:
             raise SourceError(f"{label}: watermark column {watermark!r} does not exist (columns: {list(t.c.keys())})")
-        wm_type = t.c[watermark].type
+        wm_type = base_type(t.c[watermark].type)
         kind = self._watermark_kind(label, watermark, wm_type)
         if tie_break is not None and tie_break not in t.c:
             raise SourceError(f"{label}: tie_break column {tie_break!r} does not exist (columns: {list(t.c.keys())}); "
                               "fix `tie_break:` in rowrelay.yaml")
-        if tie_break is not None and read_as_text(self.dialect, str(t.c[tie_break].type)):
+        if tie_break is not None and read_as_text(self.dialect, str(base_type(t.c[tie_break].type))):
             raise SourceError(f"{label}: tie_break column {tie_break!r} has type {t.c[tie_break].type}, which rowrelay "
                               "reads as text to keep it exact, so it would order rows as text (10 before 9), not as "
                               "the database does; use an integer, text, UUID, timestamp or a decimal of at most "
@@ -519,7 +523,7 @@ class SourceDatabaseResource(ConfigurableResource):
         charsets, json_text, view_longtext = (self._text_charsets(schema, table) if self.dialect == "mysql"
                                               else ({}, set(), set()))
         for name in wanted:
-            col_type = t.c[name].type
+            col_type = base_type(t.c[name].type)
             if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
                 declared = self.declared_type(t, name)
                 kind = f"type {declared}" if declared else "no declared type"

@@ -449,7 +449,7 @@ def test_a_type_sqlalchemy_does_not_know_is_refused_by_its_database_name(pg_data
     from resources.source_database import SourceDatabaseResource, SourceError
 
     with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, doc xml, spot point, n int)"))
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, doc xml, spot point, n int, ids int[])"))
     with mariadb_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, addr inet6)"))
     lite = tmp_path / "lite.db"
@@ -458,6 +458,7 @@ def test_a_type_sqlalchemy_does_not_know_is_refused_by_its_database_name(pg_data
         conn.commit()
     cases = [(pg_database.render_as_string(hide_password=False), "public", "doc", r"has type 'xml', which"),
              (pg_database.render_as_string(hide_password=False), "public", "spot", r"has type 'point', which"),
+             (pg_database.render_as_string(hide_password=False), "public", "ids", r"has type 'integer\[\]', which"),
              (mariadb_database.render_as_string(hide_password=False), None, "addr", r"has type 'inet6', which"),
              (f"sqlite:///{lite}", None, "anything", r"has no declared type, which")]
     for url, schema, column, says in cases:
@@ -607,3 +608,20 @@ def test_postgres_watermark_and_tie_break_edges(services, pg_database, pg_engine
     got = read_topic(services.kafka_bootstrap, h.table().topic_name)
     assert_exactly_once(got, list(range(9223372036854775807 - 59999, 9223372036854775807 + 1)))
     assert (got[-1].value["Name"], got[-1].value["name"]) == ("N60000", "n60000")
+
+
+def test_postgres_domains_are_read_as_their_base_types(services, pg_database, pg_engine, dagster_instance, spark,
+                                                       name) -> None:
+    """A column of a domain type (a base type with a check) was refused as "type DOMAIN", though its values are the
+    base type's to every reader: relayed as the base type, a domain over bigint as the watermark too."""
+    with pg_engine.begin() as conn:
+        for domain, base in (("posid", "bigint CHECK (VALUE > 0)"), ("code", "varchar(8)"),
+                             ("money2", "numeric(7,2)"), ("instant", "timestamptz")):
+            conn.execute(text(f"CREATE DOMAIN {name}_{domain} AS {base}"))
+        conn.execute(text(f"CREATE TABLE {name} (id {name}_posid PRIMARY KEY, c {name}_code, m {name}_money2, "
+                          f"at {name}_instant)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 'ab', 1.50, '2026-11-27 10:00:00.123456+00'), "
+                          "(2, NULL, -0.01, NULL)"))
+    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 2)
+    assert got == [{"id": 1, "c": "ab", "m": "1.50", "at": "2026-11-27T10:00:00.123456+00:00"},
+                   {"id": 2, "c": None, "m": "-0.01", "at": None}]
