@@ -41,9 +41,11 @@ from resources.exactly_once import (
     PublishedSlice,
     SliceOutOfOrder,
     TableChannel,
+    WatermarkChanged,
     read_back_slice,
     read_committed_progress,
     tiles_by_range,
+    watermark_change,
 )
 from resources.kafka_io_manager import (
     COMMITTED_BEFORE_FAILURE_TAG,
@@ -206,6 +208,8 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     with nothing ever committed, the time since the table's first run (`first_run_at`, a lower bound: its rows
     have waited at least that long), else unknown."""
     shape = table_shape(source, table)
+    if progress is not None and (why := watermark_change(progress, shape.watermark, shape.watermark_kind)):
+        raise WatermarkChanged(why)  # a lag measured in another column's sense would be a wrong number
     hi = progress.hi if progress else start_after
     top = source.max_watermark(shape)
     # `start_after: latest` before its baseline: the rows there now are never sent, so none of them is lag.

@@ -171,10 +171,11 @@ def test_a_changed_watermark_column_or_type_stops_the_table_until_a_reset(servic
     refused before anything is cut or sent, until the table is put back or `rowrelay reset` says where it stands."""
     import yaml
 
-    from assets.relay import partitions_for
+    from assets.relay import measure_lag, partitions_for
     from orchestration.cli import main, verify_table
     from resources.exactly_once import WatermarkChanged
     from resources.slices import SliceRange
+    from resources.source_database import SourceDatabaseResource
 
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, seq bigint NOT NULL, "
@@ -203,6 +204,8 @@ def test_a_changed_watermark_column_or_type_stops_the_table_until_a_reset(servic
     assert not result.success and "watermark column 'id'" in failure_text(result)
     with pytest.raises(WatermarkChanged, match="now 'seq'"):
         verify_table(by_seq, by_seq.tables[0])
+    with pytest.raises(WatermarkChanged, match="now 'seq'"):  # the lag check and `status`: no lag in another sense
+        measure_lag(SourceDatabaseResource(url=by_seq.sources["src"].url), by_seq.tables[0], h.progress(table), 0)
     assert h.progress(table).hi == 50 and len(read_topic(services.kafka_bootstrap, table.topic_name)) == 50
     dagster_instance.delete_dynamic_partition(partitions_for(table).name, key)
 
