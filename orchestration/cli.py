@@ -31,8 +31,7 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
-from math import ceil, isnan
+from math import ceil, isfinite
 from typing import TYPE_CHECKING, Any
 
 # numpy's OpenBLAS starts a thread per core at import, and they spin: ~0.1 CPU-s of a backfill on two cores for
@@ -1103,21 +1102,6 @@ def watermark_is_timestamp(config: RelayConfig, table: TableConfig, reflected: t
     return None
 
 
-def reset_floor_error(table: TableConfig, after: int, timestamps: bool) -> str | None:
-    """The refusal for a reset below where the table starts: its `start_after` (unset or "latest": 0), the same
-    floor the cut keeps to, below which rows are never sent. Watermarks may be negative (a table whose `start_after`
-    is below them), so the floor is the table's, not 0. None when `after` is at or above it."""
-    floor = table.start_after_watermark or 0
-    if after >= floor:
-        return None
-    text = partial(watermark_text, timestamps=timestamps)
-    source = "its `start_after`" if table.start_after_watermark is not None else (
-        f"`start_after` is {'unset' if table.start_after is None else table.start_after}")
-    return (f"{table.table_id}: --after {text(after)} is below the table's start ({text(floor)}: {source}), and rows "
-            f"at or below it are never sent: give --after {text(floor)} or above, or set `start_after: {text(after)}` "
-            "(or lower) in the config first")
-
-
 def reset_outcome(part: SliceRange, replaced_hi: int, after_text: str, text: Callable[[int], str]
                   ) -> tuple[int, str]:
     """What became of the rows of a partition part (lo, hi] at or below a reset's watermark (`after_text`): those up
@@ -1152,8 +1136,7 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     # Asked once: the refusal below, the texts after the reset, and the watermark the reset's value is one of.
     reflected = reflected_watermark(config, table)
     kind = watermark_is_timestamp(config, table, reflected)
-    wrong = (None if kind is None else watermark_kind_error(table.table_id, kind, "--after", args.after)) or \
-        reset_floor_error(table, int(args.after), bool(kind))
+    wrong = None if kind is None else watermark_kind_error(table.table_id, kind, "--after", args.after)
     if wrong:
         print(f"rowrelay: {wrong}; nothing was reset", file=sys.stderr)
         return 2
@@ -1472,12 +1455,13 @@ def watermark(text: str) -> WatermarkArg:
 
 
 def seconds(text: str) -> float:
-    """argparse type: a duration in seconds, 0 or more (a negative wait has no meaning; NaN never ends one)."""
+    """argparse type: a duration in seconds, 0 or more and finite (a negative wait has no meaning; NaN and
+    infinity never end one)."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if isnan(value) or value < 0:
+    if not isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
     return value
 

@@ -165,15 +165,22 @@ def exceeds_spark_decimal(type_name: str) -> bool:
 
 
 def base_type(col_type: Any) -> Any:
-    """A PostgreSQL domain as its base type (reflected as DOMAIN, it was refused as a type rowrelay cannot read):
-    the driver reads its values as the base type's, and its constraints are the database's business."""
-    return getattr(col_type, "data_type", None) or col_type if type(col_type).__name__ == "DOMAIN" else col_type
+    """A PostgreSQL domain as its base type (reflected as DOMAIN, it was refused as a type rowrelay cannot read),
+    through domains over domains: the driver reads its values as the base type's, and its constraints are the
+    database's business."""
+    from sqlalchemy.dialects.postgresql import DOMAIN
+
+    while isinstance(col_type, DOMAIN) and col_type.data_type is not None:
+        col_type = col_type.data_type
+    return col_type
 
 
 def read_as_text(dialect: str, type_name: str) -> bool:
     """Whether Spark reads a column of this reflected type as the driver's text, to keep it exact (see
     `custom_schema_for` in resources/spark.py): decimals beyond Spark's and PostgreSQL real. Such a column's read
-    sorts as text (10 before 9), so it cannot order rows as `tie_break`."""
+    sorts as text (10 before 9): as `tie_break`, the source numbers the rows in its order (`TableShape.tie_order`)."""
+    if dialect not in ("postgresql", "mysql"):  # SQLite columns are read by their affinity (custom_schema_for)
+        return False
     return exceeds_spark_decimal(type_name) or (dialect == "postgresql" and type_name == "REAL")
 
 
@@ -184,7 +191,7 @@ _NO_CHECK_TABLE_NAME: set[str] = set()
 
 def _charset_names(rows: Sequence[Any]) -> dict[str, str]:
     """Column -> charset, from information_schema (a charset's name goes into the read's SQL: only a plain one)."""
-    return {row[0]: row[1] for row in rows if row[1] and re.fullmatch(r"[a-z0-9_]+", row[1])}
+    return {name: charset for name, charset, _ in rows if charset and re.fullmatch(r"[a-z0-9_]+", charset)}
 
 
 # Charsets whose text is not ASCII bytes: a byte 3F is not always '?' there.
@@ -234,9 +241,9 @@ class ColumnInfo:
     # as its UTF-8 bytes where it converted exactly, else as a byte no UTF-8 has (`charset_checked`; utf8_bytes then
     # stops the read).
     charset: str = ""
-    # A MariaDB view's LONGTEXT column in a UTF-8 charset: it may be JSON, which the driver marks as such only while
-    # the column is read as text (no catalog tells, in a view). Read as text, with its bytes beside it
-    # (`TableShape.shadow_column`) checked in its place.
+    # A MariaDB LONGTEXT column in a UTF-8 charset that may be JSON (a json_valid() check, or a view's), which the
+    # driver marks as such only while the column is read as text: read as text, with its bytes beside it
+    # (`TableShape.utf8_shadows`) checked in its place.
     utf8_shadow: bool = False
 
 
@@ -300,6 +307,15 @@ class TableShape:
         return f"__rowrelay_text_{index}"
 
     @property
+    def tie_order(self) -> str | None:
+        """The column of each row's place among the rows of its watermark value in `tie_break` order, where the
+        tie_break itself is read as text (`read_as_text`: sorted in Spark it would put 10 before 9); None where
+        Spark sorts the tie_break as the source does."""
+        if self.tie_break is None or not read_as_text(self.dialect, self.column(self.tie_break).type_name):
+            return None
+        return "__rowrelay_tie_order"
+
+    @property
     def utf8_shadows(self) -> dict[str, str]:
         """Column name -> the column of its bytes, for the columns read as text whose bytes are checked
         (`ColumnInfo.utf8_shadow`)."""
@@ -316,7 +332,7 @@ class TableShape:
 
         Each rendered column also comes raw where its text does not serve (`source_rendering`), so the JDBC driver
         skips parsing the others; the watermark and tie_break stay whole (the read filters and sorts on them)."""
-        if not any(c.source_text or c.utf8_bytes or c.utf8_shadow for c in self.columns):
+        if not any(c.source_text or c.utf8_bytes or c.utf8_shadow for c in self.columns) and not self.tie_order:
             return None
         whole = {self.watermark, self.tie_break}
         rendered = self.source_texts
@@ -329,7 +345,7 @@ class TableShape:
                 items.append(q)
                 texts.append(f"CAST({q} AS BINARY) AS {quote(shadows[c.name])}")
                 continue
-            if c.utf8_bytes and c.charset:  # never the watermark or tie_break (table_shape)
+            if c.utf8_bytes and c.charset:  # never the watermark (table_shape)
                 items.append(f"{charset_checked(q, c.charset)} AS {q}")
                 continue
             if c.utf8_bytes:
@@ -344,6 +360,9 @@ class TableShape:
             items.append(q if c.name in whole and c.source_text != "mysql_float" else f"{raw} AS {q}")
             if c.name in rendered:  # else the source renders no text of its own, only the raw value
                 texts.append(f"{text} AS {quote(rendered[c.name])}")
+        if self.tie_order:  # whole watermark values are in one chunk and one Spark partition: numbered within
+            texts.append(f"ROW_NUMBER() OVER (PARTITION BY {quote(self.watermark)} ORDER BY "
+                         f"{quote(self.tie_break or '')}) AS {quote(self.tie_order)}")
         return ", ".join(items + texts)
 
     @property
@@ -504,11 +523,6 @@ class SourceDatabaseResource(ConfigurableResource):
         if tie_break is not None and tie_break not in t.c:
             raise SourceError(f"{label}: tie_break column {tie_break!r} does not exist (columns: {list(t.c.keys())}); "
                               "fix `tie_break:` in rowrelay.yaml")
-        if tie_break is not None and read_as_text(self.dialect, str(base_type(t.c[tie_break].type))):
-            raise SourceError(f"{label}: tie_break column {tie_break!r} has type {t.c[tie_break].type}, which rowrelay "
-                              "reads as text to keep it exact, so it would order rows as text (10 before 9), not as "
-                              "the database does; use an integer, text, UUID, timestamp or a decimal of at most "
-                              f"{SPARK_MAX_DECIMAL_DIGITS} digits as tie_break, or cast it in a view")
         wanted = list(columns) if columns else list(t.c.keys())
         missing = [c for c in wanted if c not in t.c]
         if missing:
@@ -520,8 +534,7 @@ class SourceDatabaseResource(ConfigurableResource):
             raise SourceError(f"{label}: key columns {missing_key} do not exist (columns: {list(t.c.keys())}); fix "
                               "`key:` in rowrelay.yaml")
         infos = []
-        charsets, json_text, view_longtext = (self._text_charsets(schema, table) if self.dialect == "mysql"
-                                              else ({}, set(), set()))
+        charsets, shadowed = self._text_charsets(schema, table) if self.dialect == "mysql" else ({}, set())
         for name in wanted:
             col_type = base_type(t.c[name].type)
             if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
@@ -544,10 +557,10 @@ class SourceDatabaseResource(ConfigurableResource):
             checked = (name in charsets and name != watermark and isinstance(col_type, sa.String)
                        and not isinstance(col_type, sa.Enum) and type(col_type).__name__ != "SET")
             charset = charsets[name] if checked and not charsets[name].startswith("utf8") else ""
-            shadow = checked and not charset and name in view_longtext and name != tie_break
+            shadow = checked and not charset and name in shadowed and name != tie_break
             checked = checked and not shadow
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
-                                    is_json=isinstance(col_type, sa.JSON) or name in json_text,
+                                    is_json=isinstance(col_type, sa.JSON),
                                     is_integer=isinstance(col_type, sa.Integer),
                                     source_text=self._source_text(col_type), utf8_bytes=checked, charset=charset,
                                     utf8_shadow=shadow))
@@ -559,19 +572,20 @@ class SourceDatabaseResource(ConfigurableResource):
         if getattr(wm_type, "unsigned", False) and isinstance(wm_type, sa.BigInteger):
             self.check_watermark_range(shape)  # one indexed max query, only for BIGINT UNSIGNED watermarks
         if self.dialect == "postgresql" and shape.timestamps:
-            self.check_watermark_times(shape, label)  # two indexed probes
+            self.check_watermark_times(shape, label)  # one indexed probe
         return shape
 
-    def _text_charsets(self, schema: str | None, table: str) -> tuple[dict[str, str], set[str], set[str]]:
+    def _text_charsets(self, schema: str | None, table: str) -> tuple[dict[str, str], set[str]]:
         """MariaDB/MySQL: the table's text columns whose values must be checked on the way (column -> charset):
-        those in a UTF-8 charset (utf8mb3, utf8mb4) and those in a charset with bytes that have no character
-        (all but latin1, whose 256 bytes all convert both ways); and which of them are MariaDB JSON (LONGTEXT with a
-        json_valid() check: the driver marks it json only while it is read as text, so the check keeps it JSON
-        itself); and a view's LONGTEXT columns, which may be JSON with no check to tell (`ColumnInfo.utf8_shadow`).
-        MySQL's JSON type is stored parsed, always valid: not checked."""
-        columns = ("SELECT c.COLUMN_NAME, c.CHARACTER_SET_NAME, {json}, c.DATA_TYPE = 'longtext' AND EXISTS (SELECT 1 "
-                   "FROM information_schema.TABLES v WHERE v.TABLE_SCHEMA = c.TABLE_SCHEMA AND v.TABLE_NAME = "
-                   "c.TABLE_NAME AND v.TABLE_TYPE = 'VIEW') FROM information_schema.COLUMNS c WHERE "
+        those in a UTF-8 charset (utf8mb3, utf8mb4) and those in a charset with bytes that have no character (all
+        but latin1, whose 256 bytes all convert both ways). And those of them to read as text with their bytes beside
+        them (`ColumnInfo.utf8_shadow`): columns that may be JSON, which the driver marks as such only while it reads
+        them as text (its mark decides how they are sent, as before the check) — a LONGTEXT with a json_valid()
+        check (MariaDB's JSON; the catalog cannot tell a declared JSON from a hand-written check) and a view's
+        LONGTEXT (no catalog tells). MySQL's JSON type is stored parsed, always valid: not checked."""
+        columns = ("SELECT c.COLUMN_NAME, c.CHARACTER_SET_NAME, c.DATA_TYPE = 'longtext' AND ({json} OR EXISTS ("
+                   "SELECT 1 FROM information_schema.TABLES v WHERE v.TABLE_SCHEMA = c.TABLE_SCHEMA AND v.TABLE_NAME "
+                   "= c.TABLE_NAME AND v.TABLE_TYPE = 'VIEW')) FROM information_schema.COLUMNS c WHERE "
                    "c.TABLE_SCHEMA = COALESCE(:schema, DATABASE()) AND c.TABLE_NAME = :table AND c.DATA_TYPE <> "
                    "'json' AND c.CHARACTER_SET_NAME NOT IN ('latin1', 'binary')")
         json_checks = ("EXISTS (SELECT 1 FROM information_schema.CHECK_CONSTRAINTS k WHERE "
@@ -580,17 +594,16 @@ class SourceDatabaseResource(ConfigurableResource):
         params = {"schema": schema, "table": table}
         server = self.engine.url.render_as_string(hide_password=True)
         with self.engine.connect() as conn:
+            rows = None
             if server not in _NO_CHECK_TABLE_NAME:
                 try:
                     rows = conn.execute(sa.text(columns.format(json=json_checks)), params).all()
                 except sa.exc.DBAPIError:  # MySQL: CHECK_CONSTRAINTS without TABLE_NAME (or none); JSON is a type
                     conn.rollback()
                     _NO_CHECK_TABLE_NAME.add(server)  # not asked again on every table_shape of this process
-                else:
-                    return (_charset_names(rows), {name for name, _, is_json, _ in rows if is_json},
-                            {name for name, _, _, in_view in rows if in_view})
-            rows = conn.execute(sa.text(columns.format(json="0")), params).all()
-            return _charset_names(rows), set(), {name for name, _, _, in_view in rows if in_view}
+            if rows is None:
+                rows = conn.execute(sa.text(columns.format(json="FALSE")), params).all()
+        return _charset_names(rows), {name for name, _, shadowed in rows if shadowed}
 
     def _source_text(self, col_type: Any) -> str:
         """The PG_/MYSQL_TEXT_RENDERING kind of a column the source renders as text, or ""."""
@@ -952,25 +965,24 @@ class SourceDatabaseResource(ConfigurableResource):
             raise SourceError(self._range_message(shape, top))
 
     def check_watermark_times(self, shape: TableShape, label: str) -> None:
-        """Refuse a PostgreSQL timestamp watermark holding a value beyond the years 1-9999 (which rowrelay carries
-        as microseconds, and Python's datetime holds): 'infinity' or year 10000 made every cut fail with the
-        driver's "timestamp too large", naming neither table nor column."""
+        """Refuse a PostgreSQL timestamp watermark holding a value after the year 9999 (rowrelay carries it as
+        microseconds, within Python's datetime): 'infinity' or year 10000 made every cut fail with the driver's
+        "timestamp too large", naming neither table nor column."""
         q = self.engine.dialect.identifier_preparer.quote(shape.watermark)
         name = self.engine.dialect.identifier_preparer.format_table(self._table(shape))
         literal = "TIMESTAMPTZ '{} 00:00:00+00'" if shape.watermark_kind == "timestamptz" else "TIMESTAMP '{}'"
-        found = []
+        # Only above: the table's max is read as a time, every cut's too; rows before the year 1 ('-infinity') lie
+        # below any progress and are never read (a table holding them relays, with a `start_after`).
+        where = f" AND ({shape.where})" if shape.where else ""
         with self.engine.connect() as conn:
-            for test, what in ((f">= {literal.format('10000-01-01')}", "after the year 9999 ('infinity' included)"),
-                               (f"< {literal.format('0001-01-01')}", "before the year 1 ('-infinity' included)")):
-                where = f" AND ({shape.where})" if shape.where else ""
-                if conn.execute(sa.text(f"SELECT 1 FROM {name} WHERE {q} {test}{where} LIMIT 1")).first():
-                    found.append(what)
-        if found:
+            above = conn.execute(sa.text(f"SELECT 1 FROM {name} WHERE {q} >= {literal.format('10000-01-01')}{where} "
+                                         "LIMIT 1")).first()
+        if above:
             raise SourceError(
-                f"{label}: watermark column {shape.watermark!r} holds times {' and '.join(found)}; a timestamp "
-                "watermark must be a time of the years 1-9999 (rowrelay carries it as microseconds since 1970), so "
-                "no slice can be cut. Fix those rows, or leave them out with `where:` (for example "
-                f"{shape.watermark} < '10000-01-01'); nothing was sent")
+                f"{label}: watermark column {shape.watermark!r} holds times after the year 9999 ('infinity' "
+                "included); a timestamp watermark must be a time of the years 1-9999 (rowrelay carries it as "
+                "microseconds since 1970), so no slice can be cut. Fix those rows, or leave them out with `where:` "
+                f"(for example {shape.watermark} < '10000-01-01'); nothing was sent")
 
     def _range_message(self, shape: TableShape, value: int) -> str:
         label = f"{shape.schema}.{shape.name}" if shape.schema else shape.name

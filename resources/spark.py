@@ -199,12 +199,12 @@ class SparkResource(ConfigurableResource):
         for key, value in options.items():
             reader = reader.option(key, value)
         frame = reader.load()
-        columns = [F.col(f"`{c}`") for c in
-                   [*shape.column_names, *shape.source_texts.values(), *shape.utf8_shadows.values()]]
+        columns = [F.col(f"`{c}`") for c in [*shape.column_names, *shape.source_texts.values(),
+                                              *shape.utf8_shadows.values(), *filter(None, [shape.tie_order])]]
         if shape.timestamps:  # microseconds since 1970 UTC; a zone-less value is read as UTC (session zone)
             columns.append(F.unix_micros(F.col(f"`{shape.watermark}`").cast("timestamp")).alias(shape.frame_watermark))
         wm = F.col(f"`{shape.frame_watermark}`")
-        order = [wm] + ([F.col(f"`{shape.tie_break}`")] if shape.tie_break else [])
+        order = [wm] + ([F.col(f"`{shape.tie_order or shape.tie_break}`")] if shape.tie_break else [])
         return (frame.select(*columns)
                 .where((wm > F.lit(slice_range.lo)) & (wm <= F.lit(slice_range.hi)))
                 .sortWithinPartitions(*order))

@@ -44,7 +44,7 @@ def _run_manual_slice(h: Harness, key: str = "000000000000-000000000010"):
     ("CREATE TABLE {t} (id bigserial PRIMARY KEY, v text)", {"columns": ["id", "missing"]},
      "configured columns ['missing'] do not exist"),
     ("CREATE TABLE {t} (id bigserial PRIMARY KEY, v interval)", {},
-     "column 'v' has type INTERVAL, which rowrelay cannot serialize"),
+     "column 'v' has type 'interval', which rowrelay cannot serialize"),
 ])
 def test_bad_table_config_is_a_clear_error(services, pg_database, pg_engine, dagster_instance, spark, name,
                                            ddl, table_cfg, message) -> None:

@@ -121,9 +121,9 @@ def test_messages_about_a_timestamp_watermark_name_times() -> None:
 
     ranges = [SliceRange(day + i * 10, day + (i + 1) * 10, timestamps=True) for i in range(3)]
     history = [ProgressRecord("t", r.key, r.lo, r.hi, 1, 1, "c", "topic", {"0": [i, i]}) for i, r in enumerate(ranges)]
-    assert [r.slice for r in replay_records(history, day + 30, "t", day + 10, day + 30)] == [r.key for r in ranges[1:]]
+    assert [r.key for r in replay_records(history, day + 30, "t", day + 10, day + 30)] == [r.key for r in ranges[1:]]
     for lo, hi, expected in [
-        (day + 5, day + 30, f"--from {micros_text(day + 5)} is not a slice bound; slice lower bounds near it: "
+        (day + 5, day + 30, f"--from {micros_text(day + 5)} is not a slice bound; slice lower bounds near --from: "
                             f"[{micros_text(day)}, {micros_text(day + 10)}, {micros_text(day + 20)}]"),
         (day, day + 40, f"range ({micros_text(day)}, {micros_text(day + 40)}] is not fully committed: committed "
                         f"progress ends at {micros_text(day + 30)}"),
@@ -133,7 +133,7 @@ def test_messages_about_a_timestamp_watermark_name_times() -> None:
         assert expected in str(caught.value) and not raw.search(str(caught.value)), str(caught.value)
     # An integer watermark's values stay integers.
     numbers = [ProgressRecord("t", SliceRange(0, 10).key, 0, 10, 1, 1, "c", "topic", {"0": [0, 0]})]
-    with pytest.raises(ReplayError, match=r"--from 5 is not a slice bound; slice lower bounds near it: \[0\]"):
+    with pytest.raises(ReplayError, match=r"--from 5 is not a slice bound; slice lower bounds near --from: \[0\]"):
         replay_records(numbers, 10, "t", 5, 10)
 
 

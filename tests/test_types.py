@@ -579,10 +579,11 @@ def test_mariadb_json_through_a_view_stays_json_and_is_checked(services, mariadb
 
 def test_postgres_watermark_and_tie_break_edges(services, pg_database, pg_engine, dagster_instance, spark,
                                                 name) -> None:
-    """A tie_break rowrelay reads as text (numeric beyond 38 digits, real) sorted 10 before 9: refused at the table
-    check. A timestamp watermark at 'infinity' made every cut fail with the driver's "timestamp too large", naming
-    nothing: refused naming the column, and `where:` leaves such rows out. A slice ending at the largest
-    watermark (2^63 - 1) read in partitions overflowed Spark's bound; columns "Name" and name were one to Spark."""
+    """A tie_break rowrelay reads as text (numeric beyond 38 digits, real) sorted 10 before 9: rows sharing a time
+    now go out in the source's order of it. A timestamp watermark at 'infinity' made every cut fail with the
+    driver's "timestamp too large", naming nothing: refused naming the column, and `where:` leaves such rows out
+    ('-infinity' lies below any progress: not refused). A slice ending at the largest watermark (2^63 - 1) read in
+    partitions overflowed Spark's bound; columns "Name" and name were one to Spark."""
     from resources.source_database import SourceDatabaseResource, SourceError
 
     with pg_engine.begin() as conn:
@@ -590,17 +591,27 @@ def test_postgres_watermark_and_tie_break_edges(services, pg_database, pg_engine
                           "\"Name\" text, name text)"))
         conn.execute(text(f"INSERT INTO {name} SELECT 9223372036854775807 - 60000 + g, now(), g, g, 'N' || g, "
                           "'n' || g FROM generate_series(1, 60000) g"))
-        conn.execute(text(f"INSERT INTO {name} VALUES (1, 'infinity', 1, 1, 'x', 'y')"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, 'infinity', 1, 1, 'x', 'y'), (2, '-infinity', 1, 1, 'x', "
+                          "'y')"))
+        for column in ("n", "r"):  # a table each: one table id has one progress
+            conn.execute(text(f"CREATE TABLE {name}_{column} (id bigserial PRIMARY KEY, at timestamptz NOT NULL, "
+                              "n numeric, r real)"))
+            conn.execute(text(f"INSERT INTO {name}_{column} (at, n, r) SELECT '2026-11-27 10:00+00', v, v FROM "
+                              "unnest(ARRAY[100, 9, 1e30, 10, 9.5]) v"))
     source = SourceDatabaseResource(url=pg_database.render_as_string(hide_password=False))
     try:
-        for column in ("n", "r"):
-            with pytest.raises(SourceError, match=f"tie_break column '{column}' has type .* as text"):
-                source.table_shape("public", name, "at", tie_break=column)
         with pytest.raises(SourceError, match=r"watermark column 'at' holds times after the year 9999 \('infinity'"):
             source.table_shape("public", name, "at")
         source.table_shape("public", name, "at", where="at < 'infinity'")
     finally:
         source.dispose()
+    for column in ("n", "r"):
+        h = Harness(relay_config(services, {"src": pg_database}, [
+            {"source": "src", "table": f"public.{name}_{column}", "watermark": "at", "tie_break": column}]),
+            dagster_instance)
+        h.drain(h.table())
+        sent = [m.value[column] for m in read_topic(services.kafka_bootstrap, h.table().topic_name)]
+        assert [float(v) for v in sent] == [9, 9.5, 10, 100, 1e30], sent
     h = Harness(relay_config(services, {"src": pg_database}, [
         {"source": "src", "table": f"public.{name}", "watermark": "id", "start_after": 9223372036854775807 - 60000,
          "slice_max_rows": 100_000}]), dagster_instance)
