@@ -49,6 +49,7 @@ from resources.exactly_once import (  # noqa: E402
     progress_missing,
     read_committed_progress,
     read_progress_history,
+    recorded_watermark_kind,
     watermark_change,
 )
 from resources.slices import (  # noqa: E402
@@ -1114,6 +1115,28 @@ def reset_outcome(part: SliceRange, replaced_hi: int, after_text: str, text: Cal
     return sent_to, f"published up to {text(sent_to)} before rowrelay reset after {after_text}, the rest skipped"
 
 
+@dataclass(frozen=True)
+class ResetPartitions:
+    """What a reset to W does to a table's partitions (`reset_partitions`)."""
+
+    dropped: list[str]  # deleted
+    kept_below: dict[str, SliceRange]  # of those, a straddling one's part (lo, W], materialized without a run
+    settled: list[str]  # uncommitted, wholly at or below W: materialized without a run
+
+
+def reset_partitions(ranges: dict[str, SliceRange], after: int, replaced_hi: int, moved: bool) -> ResetPartitions:
+    """The partitions above W are cut again from W, one straddling W keeps its part (lo, W], and uncommitted ones
+    wholly at or below W (a reset forward) are settled: no run could ever commit them. `moved`: the reset also says
+    where a changed watermark (another column or kind) stands, so the partitions are ranges of the old one: those
+    above W or never committed are deleted (read as the new one's ranges they would be orphans, a settled part a
+    false statement), the committed ones below stay as the old watermark's history."""
+    if moved:
+        return ResetPartitions([k for k, r in ranges.items() if r.hi > after or r.hi > replaced_hi], {}, [])
+    dropped = [k for k, r in ranges.items() if r.hi > after]
+    kept = {k: ranges[k].span(ranges[k].lo, after) for k in dropped if ranges[k].lo < after}
+    return ResetPartitions(dropped, kept, [k for k, r in ranges.items() if replaced_hi < r.hi <= after])
+
+
 def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     """A deliberate new baseline: the table's progress says "committed up to W", recorded in Kafka (a progress
     record with the reason) and on the Dagster instance (an observation of the table's asset). Rows at or below W
@@ -1156,15 +1179,18 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
             publisher.close()
         partitions = partitions_for(table)
         keys = instance.get_dynamic_partitions(partitions.name)
+        moved = before is not None and reflected is not None and watermark_change(before, *reflected) is not None
         # A timestamp watermark's slices have times as keys: the texts below then name times, as --after takes them.
         timestamps = any(map(is_timestamp_key, keys)) or (before is not None and is_timestamp_key(before.slice))
-        if not keys and (before is None or before.hi == before.lo):  # no slice to tell: the source's column does
+        if moved or (not keys and (before is None or before.hi == before.lo)):  # the source's column tells
             timestamps = bool(kind)
 
         def text(value: int) -> str:
             return watermark_text(value, timestamps)
 
         replaced_hi = before.hi if before else channel.start_after
+        was = "empty" if before is None else watermark_text(before.hi, (recorded_watermark_kind(before) or (
+            "timestamp" if timestamps else "integer")) != "integer")
 
         def settle(key: str, part: SliceRange) -> None:
             """Materialize `part` (of partition `key`) without a run, saying what became of its rows."""
@@ -1175,20 +1201,15 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
                 metadata={"rowrelay/before_reset_of": key, "rowrelay/published_up_to": sent_to,
                           "reason": args.reason}))
 
-        ranges = {key: SliceRange.from_key(key) for key in keys}
-        dropped = [k for k, cut in ranges.items() if cut.hi > args.after]
-        # Cut above the old progress but not above W (a reset forward): below progress now, so no run would ever
-        # commit them and no cut deletes them; unmaterialized, they would stay so forever.
-        settled = [k for k, cut in ranges.items() if replaced_hi < cut.hi <= args.after]
+        plan = reset_partitions({key: SliceRange.from_key(key) for key in keys}, args.after, replaced_hi, moved)
+        dropped, settled = plan.dropped, plan.settled
         for key in dropped:
             instance.delete_dynamic_partition(partitions.name, key)
-            cut = ranges[key]
-            if cut.lo < args.after:  # without it (lo, W] would have no partition: settled, sent or skipped
-                below = cut.span(cut.lo, args.after)
+            if (below := plan.kept_below.get(key)) is not None:  # else (lo, W] would have no partition
                 instance.add_dynamic_partitions(partitions.name, [below.key])
                 settle(key, below)
         for key in settled:
-            settle(key, ranges[key])
+            settle(key, SliceRange.from_key(key))
         instance.report_runless_asset_event(AssetObservation(
             asset_key=asset_key(table), description=f"rowrelay reset: new baseline after watermark {text(args.after)}",
             metadata={"rowrelay/reset_after": args.after, "reason": args.reason,
@@ -1197,9 +1218,12 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
                       "committed_at": record.committed_at}))
     below_text = (f"; {len(settled)} uncommitted partition(s) at or below it materialized as settled by the reset "
                   f"(rows above {text(replaced_hi)} in them never sent)" if settled else "")
-    print(f"{table.table_id}: progress reset to {text(args.after)} (was {text(before.hi) if before else 'empty'}); "
-          f"{len(dropped)} partition(s) above it deleted{below_text}; rows after {text(args.after)} will be sent",
-          flush=True)
+    deleted = (f"{len(dropped)} partition(s) of the previous watermark deleted (above it or never committed), its "
+               "committed ones below it kept as its history" if moved else
+               f"{len(dropped)} partition(s) above it deleted{below_text}")
+    where = f" in watermark {reflected[0]!r} ({reflected[1]})" if moved and reflected else ""
+    print(f"{table.table_id}: progress reset to {text(args.after)}{where} (was {was}); {deleted}; rows after "
+          f"{text(args.after)} will be sent", flush=True)
     return 0
 
 

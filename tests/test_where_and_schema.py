@@ -164,7 +164,7 @@ def test_column_added_mid_stream(services, pg_database, pg_engine, dagster_insta
 
 def test_a_changed_watermark_column_or_type_stops_the_table_until_a_reset(services, pg_database, pg_engine,
                                                                           dagster_instance, spark, name, tmp_path,
-                                                                          monkeypatch) -> None:
+                                                                          monkeypatch, capsys) -> None:
     """Committed progress is a value of one watermark column. Switched to another column (`watermark: seq`), a
     relay of 50 ids took "50" as a seq value and sent the history again, and switched back it skipped new rows for
     good; a zone-less timestamp column retyped to timestamptz read its progress as another instant. Each is now
@@ -219,6 +219,9 @@ def test_a_changed_watermark_column_or_type_stops_the_table_until_a_reset(servic
     assert main(["--config", str(config_file), "reset", "--table", table.table_id, "--after", "1080",
                  "--reason", "watermark is seq now"]) == 0
     assert (hs.progress(table).watermark, hs.progress(table).hi) == ("seq", 1080)
+    said = capsys.readouterr().out  # the id partitions stay as the old watermark's history, none cut at 1080
+    assert "progress reset to 1080 in watermark 'seq' (integer) (was 80); 0 partition(s) of the previous" in said
+    assert len(dagster_instance.get_dynamic_partitions(partitions_for(table).name)) == 2
     with pg_engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {name} (seq, created_at) SELECT 1000 + g, TIMESTAMP '2026-11-27 10:00' "
                           "+ g * INTERVAL '1 second' FROM generate_series(81, 90) g"))
