@@ -43,8 +43,10 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import (  # noqa: E402
     WATERMARK_HEADER,
+    LivePiece,
     ProgressRecord,
     WatermarkChanged,
+    live_pieces,
     live_records,
     progress_missing,
     read_committed_progress,
@@ -1231,40 +1233,8 @@ class ReplayError(ValueError):
     """A replay request that cannot be served as asked; the message says what to fix. Nothing was produced."""
 
 
-@dataclass(frozen=True)
-class ReplayPiece:
-    """A committed range (lo, hi] replay can serve: a slice's messages, all of them, or, where a reset back landed
-    inside the slice, only those at or below the reset (`hi` below the record's): the rows above were sent again
-    by the slices cut after it."""
-
-    record: ProgressRecord
-    lo: int
-    hi: int
-
-    @property
-    def key(self) -> str:
-        """The piece as a slice key: the slice's own, or, cut by a reset, the partition the reset kept of it."""
-        if self.hi == self.record.hi:
-            return self.record.slice
-        return SliceRange(self.lo, self.hi, is_timestamp_key(self.record.slice)).key
-
-
-def live_pieces(history: Iterable[ProgressRecord]) -> list[ReplayPiece]:
-    """`live_records` for replay: the committed ranges still standing, in the progress topic's order. A reset (or
-    baseline) to `a` supersedes the ranges above it, as there, but a slice (lo, hi] with lo < a < hi keeps its part
-    (lo, a]: those rows were published by it and count as sent, and no later slice sends them again."""
-    pieces: list[ReplayPiece] = []
-    for record in history:
-        if record.hi > record.lo:
-            pieces.append(ReplayPiece(record, record.lo, record.hi))
-            continue
-        at = record.hi
-        pieces = [p if p.hi <= at else ReplayPiece(p.record, p.lo, at) for p in pieces if p.lo < at]
-    return pieces
-
-
 def replay_records(history: list[Any], committed_hi: int | None, table_id: str, lo: int, hi: int
-                   ) -> list[ReplayPiece]:
+                   ) -> list[LivePiece]:
     """The committed pieces (slices, or a slice's part below a reset inside it) that exactly cover (lo, hi], in
     order, or a ReplayError. For a timestamp watermark (the slices' keys are times) the errors name UTC times, as
     --from and --to take them."""

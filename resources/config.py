@@ -7,7 +7,6 @@ connection is made (see `resolve_env`).
 from __future__ import annotations
 
 import difflib
-import hashlib
 import os
 import re
 from datetime import datetime
@@ -17,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from resources.names import portable_name
 from resources.slices import datetime_to_micros
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -24,25 +24,11 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 # Dagster's name rule (dagster._core.definitions.utils.VALID_NAME_REGEX): job, sensor, op, partitions names.
 _DAGSTER_REFUSED = re.compile(r"[^A-Za-z0-9_]")
-# What both a Kafka topic name and a part of a Dagster asset key accept: the key is free text to Dagster, but its op
-# name (AssetKey.to_python_identifier: parts joined by "__", "-" and "." made "_") must follow the name rule.
-_PORTABLE = re.compile(r"[A-Za-z0-9_.-]+")
-_PORTABLE_REFUSED = re.compile(r"[^A-Za-z0-9_.-]")
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 class ConfigError(ValueError):
     """rowrelay.yaml is invalid; the message names the key and what to change."""
-
-
-def portable_name(name: str) -> str:
-    """A schema or table name (or a table id) as a Dagster asset key part or in a Kafka topic name. Unchanged where
-    both accept it (existing deployments keep their asset keys, partitions, run history, sensor cursors and topics);
-    otherwise each refused character (a space, non-ASCII, $, ...) becomes "_" and a hash of the true name is
-    appended, so that "a b" and "a_b" (or "ä" and "ö") never share a name."""
-    if _PORTABLE.fullmatch(name):
-        return name
-    return f"{_PORTABLE_REFUSED.sub('_', name)}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def dagster_op_name(path: list[str]) -> str:

@@ -45,7 +45,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from resources.arrow_produce import RowProducer
-from resources.config import portable_name
+from resources.names import portable_name
 from resources.slices import SliceRange, is_timestamp_key, watermark_text
 
 _log = logging.getLogger(__name__)
@@ -769,6 +769,39 @@ def live_records(history: Iterable[ProgressRecord]) -> list[ProgressRecord]:
             out = [r for r in out if r.hi <= record.hi or r.hi <= r.lo]
         out.append(record)
     return out
+
+
+@dataclass(frozen=True)
+class LivePiece:
+    """A committed range (lo, hi] still standing: a slice's messages, all of them, or, where a reset back landed
+    inside the slice, only those at or below the reset (`hi` below the record's): the rows above were sent again
+    by the slices cut after it."""
+
+    record: ProgressRecord
+    lo: int
+    hi: int
+
+    @property
+    def key(self) -> str:
+        """The piece as a slice key: the slice's own, or, cut by a reset, the partition the reset kept of it."""
+        if self.hi == self.record.hi:
+            return self.record.slice
+        return SliceRange(self.lo, self.hi, is_timestamp_key(self.record.slice)).key
+
+
+def live_pieces(history: Iterable[ProgressRecord]) -> list[LivePiece]:
+    """`live_records` as ranges (replay serves them): the committed ranges still standing, in the progress topic's
+    order. A reset (or baseline) to `a` supersedes the ranges above it, as there, but a slice (lo, hi] with
+    lo < a < hi keeps its part (lo, a]: those rows were published by it and count as sent, and no later slice sends
+    them again."""
+    pieces: list[LivePiece] = []
+    for record in history:
+        if record.hi > record.lo:
+            pieces.append(LivePiece(record, record.lo, record.hi))
+            continue
+        at = record.hi
+        pieces = [p if p.hi <= at else LivePiece(p.record, p.lo, at) for p in pieces if p.lo < at]
+    return pieces
 
 
 def tiling(key: SliceRange, records: list[ProgressRecord]) -> list[ProgressRecord] | None:

@@ -782,8 +782,7 @@ def test_an_interrupted_backfill_says_what_committed_and_how_to_continue(
 def test_replay_pieces_follow_each_reset_inside_a_slice() -> None:
     """The pure part of the replay fix: a reset back inside a slice keeps the slice's part below it; a later reset
     further back cuts that part again; a reset at a slice bound or a reset forward changes nothing below it."""
-    from orchestration.cli import live_pieces
-    from resources.exactly_once import ProgressRecord
+    from resources.exactly_once import ProgressRecord, live_pieces
     from resources.slices import SliceRange
 
     def piece(lo: int, hi: int) -> ProgressRecord:

@@ -109,7 +109,7 @@ def test_source_name_must_be_a_dagster_name() -> None:
 
 
 def test_portable_name() -> None:
-    from resources.config import portable_name
+    from resources.names import portable_name
 
     assert portable_name("shop.public.orders-2") == "shop.public.orders-2"
     assert re.fullmatch(r"Order_Items_[0-9a-f]{8}", portable_name("Order Items"))
