@@ -31,6 +31,7 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from math import ceil, isfinite
 from typing import TYPE_CHECKING, Any
 
@@ -971,7 +972,8 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                                   total_rows, tty=tty), contextlib.ExitStack() as cleanup:
                 cleanup.callback(EARLY_READS.discard)  # chunks no run took (its first slice was another)
                 for group in (todo[i:i + step] for i in range(0, len(todo), step)):
-                    wait_for_running_runs(instance, job_name(table), table.table_id)
+                    wait_for_running_runs(instance, job_name(table), table.table_id, on_dead=partial(
+                        record_slices_of_dead_run, instance, table, io_manager.kafka_conf(), channel))
                     tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key,
                             ASSET_PARTITION_RANGE_END_TAG: group[-1].key, "rowrelay/backfill": "cli"}
                     result = job.execute_in_process(run_config=run_config, instance=instance, tags=tags,
@@ -995,7 +997,8 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float = 1.0) -> None:
+def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float = 1.0,
+                          on_dead: Callable[[Any], list[str]] | None = None) -> None:
     """Wait until no run of the table is starting or running. A backfill executes its runs in its own process,
     outside the run queue where the table's pool (limit 1) is enforced: this is its part of the pool. A run that
     starts meanwhile is still kept exactly once by fencing and the order check (one of the two stops as fenced)."""
@@ -1010,8 +1013,10 @@ def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float 
         for run in runs:  # a run of an earlier backfill whose process died would be waited for forever
             if (gone := in_process_worker_gone(run)) is not None:
                 instance.report_run_failed(run, f"{gone}; marked failed by rowrelay backfill")
-                print(f"{table_id}: run {run.run_id} was left running by a process that is gone: marked failed",
-                      flush=True)
+                recorded = on_dead(run) if on_dead is not None else []
+                slices = f"; {len(recorded)} slice(s) it committed recorded" if recorded else ""
+                print(f"{table_id}: run {run.run_id} was left running by a process that is gone: marked failed"
+                      f"{slices}", flush=True)
             else:
                 alive.append(run.run_id)
         if not alive:
@@ -1021,6 +1026,43 @@ def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float 
                   "table)", flush=True)
             told = True
         time.sleep(poll_s)
+
+
+def record_slices_of_dead_run(instance: Any, table: TableConfig, conf: dict[str, Any], channel: Any, run: Any
+                              ) -> list[str]:
+    """The slices a run committed before its process died (SIGKILL, OOM) have no materialization: the run recorded
+    none, and no retry of it comes (a backfill executes its runs in its own process; the next backfill cuts on from
+    Kafka's progress). Recorded now from their progress records, as a failed range run's are
+    (`rowrelay/run_failed_later`). Returns the keys recorded."""
+    from dagster import AssetMaterialization, AssetRecordsFilter, MetadataValue
+
+    from assets.relay import asset_key, partitions_for
+    from orchestration.sensors import run_slices
+    from resources.exactly_once import tiles_by_range
+
+    span = run_slices(dict(run.tags))
+    if span is None:
+        return []
+    ranges = {k: r for k in instance.get_dynamic_partitions(partitions_for(table).name)
+              if span[0].lo <= (r := SliceRange.from_key(k)).lo <= span[1].lo}
+    tiles = tiles_by_range(conf, channel, list(ranges.values())) if ranges else {}
+    committed = {k: tiles[r][0] for k, r in ranges.items() if len(tiles.get(r, [])) == 1}
+    if not committed:
+        return []
+    known = instance.fetch_materializations(AssetRecordsFilter(asset_key=asset_key(table),
+                                                                asset_partitions=list(committed)), limit=1000).records
+    recorded = {r.asset_materialization.partition for r in known if r.asset_materialization is not None}
+    for key, p in committed.items():
+        if key in recorded:
+            continue
+        instance.report_runless_asset_event(AssetMaterialization(
+            asset_key=asset_key(table), partition=key,
+            description=f"slice {key} committed by run {run.run_id}, whose process died before recording it",
+            metadata={"rows": p.rows, "bytes": p.bytes, "topic": p.topic, "offsets": MetadataValue.json(p.offsets),
+                      "watermark_lo": p.lo, "watermark_hi": p.hi, "checksum": p.checksum,
+                      "transactional_id": p.transactional_id, "committed_at": p.committed_at,
+                      "rowrelay/run_failed_later": run.run_id}))
+    return [k for k in committed if k not in recorded]
 
 
 INTERRUPTS = {"DagsterExecutionInterruptedError", "KeyboardInterrupt"}

@@ -779,6 +779,48 @@ def test_an_interrupted_backfill_says_what_committed_and_how_to_continue(
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 61)))
 
 
+def test_a_backfill_killed_after_a_commit_has_its_committed_slice_recorded_by_the_next(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path) -> None:
+    """A backfill SIGKILLed right after its first slice's commit left that slice committed in Kafka but without a
+    materialization: its run recorded none, no retry of it comes, and the next backfill cuts on from Kafka's
+    progress. The next backfill, which fails the dead run, now records it from its progress record."""
+    import os
+    import subprocess
+    import sys
+
+    from assets.relay import asset_key, channel_for
+    from resources.exactly_once import read_progress_history
+    from resources.slices import SliceRange
+    from tests.pipeline import ROOT, assert_exactly_once
+
+    _serial_table(pg_engine, name, 40)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "slice_max_rows": 10,
+                                                         "max_slices_per_run": 2, "settle_seconds": 0}],
+                       spark_remote=True)
+    table = cfg.tables[0]
+    argv = [sys.executable, "-m", "orchestration.cli", "--config", _config_file(cfg, tmp_path / "rowrelay.yaml"),
+            "backfill", "--table", table.table_id]
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home)}
+    killed = subprocess.run(argv, cwd=ROOT, env={**env, "ROWRELAY_FAILPOINT": "committed"}, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    h = Harness(cfg, dagster_instance)
+    assert h.progress(table).hi == 10
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "marked failed; 1 slice(s) it committed recorded" in done.stdout, done.stdout
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 41)))
+    first = SliceRange(0, 10).key
+    recorded = [r.asset_materialization for r in dagster_instance.fetch_materializations(asset_key(table),
+                                                                                          limit=20).records
+                if r.asset_materialization is not None and r.asset_materialization.partition == first]
+    assert len(recorded) == 1 and recorded[0].metadata["rows"].value == 10, recorded
+    assert recorded[0].metadata["checksum"].value == next(
+        r for r in read_progress_history({"bootstrap.servers": services.kafka_bootstrap}, channel_for(table))
+        if r.slice == first).checksum
+
+
 def test_replay_pieces_follow_each_reset_inside_a_slice() -> None:
     """The pure part of the replay fix: a reset back inside a slice keeps the slice's part below it; a later reset
     further back cuts that part again; a reset at a slice bound or a reset forward changes nothing below it."""
