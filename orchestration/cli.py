@@ -1203,6 +1203,11 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     # Asked once: the refusal below, the texts after the reset, and the watermark the reset's value is one of.
     reflected = reflected_watermark(config, table)
     kind = watermark_is_timestamp(config, table, reflected)
+    prior = read_committed_progress(conf, channel) if reflected is None else None
+    if prior is not None and prior.watermark == table.watermark and prior.watermark_kind:
+        # The source away (or the table gone), the column unchanged: the reset keeps the watermark its progress is
+        # of, so the next cut still compares it (a record without one would compare nothing from then on).
+        reflected = (prior.watermark, prior.watermark_kind)
     wrong = None if kind is None else watermark_kind_error(table.table_id, kind, "--after", args.after)
     if wrong:
         print(f"rowrelay: {wrong}; nothing was reset", file=sys.stderr)
@@ -1223,7 +1228,10 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
             publisher.close()
         partitions = partitions_for(table)
         keys = instance.get_dynamic_partitions(partitions.name)
-        moved = before is not None and reflected is not None and watermark_change(before, *reflected) is not None
+        # The reset also says where a changed watermark stands: the config's column against the progress's (the
+        # source away), or the reflected column and kind.
+        moved = before is not None and (watermark_change(before, *reflected) is not None if reflected is not None
+                                        else before.watermark is not None and before.watermark != table.watermark)
         # A timestamp watermark's slices have times as keys: the texts below then name times, as --after takes them.
         timestamps = any(map(is_timestamp_key, keys)) or (before is not None and is_timestamp_key(before.slice))
         if moved or (not keys and (before is None or before.hi == before.lo)):  # the source's column tells

@@ -265,7 +265,14 @@ def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: 
     """With `start_after` unset, rows at or below 0 would be skipped silently: refuse, saying what to set."""
     if table.start_after is not None:
         return  # set explicitly: rows at or below it are skipped on purpose
-    below = source.max_watermark(shape, upto=start)
+    try:
+        below = source.max_watermark(shape, upto=start)
+    except sa.exc.DataError as exc:  # PostgreSQL '-infinity' (or a time before the year 1): no datetime holds it
+        raise SourceError(
+            f"{table.table_id}: rows with watermark times before the year 1 ('-infinity' included) exist; with "
+            f"`start_after` unset rowrelay starts after {shape.watermark_text(start)} and would skip them, and such "
+            f"times cannot be carried (microseconds since 1970 within the years 1-9999). Set `start_after: "
+            f"{shape.watermark_text(start)}` (or an earlier time) to skip them deliberately") from exc
     if below is not None:
         lowest = source.nth_watermark(shape, -(2**63), 1, start)
         text = shape.watermark_text

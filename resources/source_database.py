@@ -177,11 +177,13 @@ def base_type(col_type: Any) -> Any:
 
 def read_as_text(dialect: str, type_name: str) -> bool:
     """Whether Spark reads a column of this reflected type as the driver's text, to keep it exact (see
-    `custom_schema_for` in resources/spark.py): decimals beyond Spark's and PostgreSQL real. Such a column's read
+    `custom_schema_for` in resources/spark.py): decimals beyond Spark's, PostgreSQL numeric (it may hold 'NaN') and
+    real. Such a column's read
     sorts as text (10 before 9): as `tie_break`, the source numbers the rows in its order (`TableShape.tie_order`)."""
     if dialect not in ("postgresql", "mysql"):  # SQLite columns are read by their affinity (custom_schema_for)
         return False
-    return exceeds_spark_decimal(type_name) or (dialect == "postgresql" and type_name == "REAL")
+    return exceeds_spark_decimal(type_name) or (dialect == "postgresql" and (
+        type_name == "REAL" or DECIMAL_TYPE.match(type_name) is not None))
 
 
 # Servers (URLs, no password) whose information_schema.CHECK_CONSTRAINTS has no TABLE_NAME (MySQL): the UTF-8 column
@@ -361,8 +363,10 @@ class TableShape:
             if c.name in rendered:  # else the source renders no text of its own, only the raw value
                 texts.append(f"{text} AS {quote(rendered[c.name])}")
         if self.tie_order:  # whole watermark values are in one chunk and one Spark partition: numbered within
+            # NULLs first, as Spark sorts them (and MariaDB does; PostgreSQL would put them last).
+            nulls = " NULLS FIRST" if self.dialect == "postgresql" else ""
             texts.append(f"ROW_NUMBER() OVER (PARTITION BY {quote(self.watermark)} ORDER BY "
-                         f"{quote(self.tie_break or '')}) AS {quote(self.tie_order)}")
+                         f"{quote(self.tie_break or '')}{nulls}) AS {quote(self.tie_order)}")
         return ", ".join(items + texts)
 
     @property
@@ -557,7 +561,7 @@ class SourceDatabaseResource(ConfigurableResource):
             checked = (name in charsets and name != watermark and isinstance(col_type, sa.String)
                        and not isinstance(col_type, sa.Enum) and type(col_type).__name__ != "SET")
             charset = charsets[name] if checked and not charsets[name].startswith("utf8") else ""
-            shadow = checked and not charset and name in shadowed and name != tie_break
+            shadow = checked and not charset and name in shadowed  # a tie_break too: its text sorts as its bytes
             checked = checked and not shadow
             infos.append(ColumnInfo(name=name, type_name=str(col_type), nullable=bool(t.c[name].nullable),
                                     is_json=isinstance(col_type, sa.JSON),

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from resources.config import resolve_env
 from resources.slices import SliceRange, micros_to_datetime
-from resources.source_database import DECIMAL_TYPE, MAX_MICROS, MAX_WATERMARK, read_as_text, sqlite_affinity
+from resources.source_database import MAX_MICROS, MAX_WATERMARK, read_as_text, sqlite_affinity
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -70,12 +70,12 @@ def custom_schema_for(shape: TableShape) -> str:
 
     Decimals beyond DecimalType (PostgreSQL unconstrained or numeric(78,0), numeric(5,7), MariaDB
     DECIMAL(65,30)) would be rounded or overflow: read the driver's own text instead, which is exact, in plain
-    notation and keeps the column's scale. So is every PostgreSQL numeric (but a tie_break, which the read sorts
-    on): any of them may hold 'NaN' (and, from PostgreSQL 14, 'Infinity'), which the driver cannot make a
-    BigDecimal of, so the read failed; the text is the same string the decimal gave otherwise. PostgreSQL real
-    (float4) through Java 17's Float.toString is not the shortest text, so read PostgreSQL's own text and cast to
-    double. A MariaDB FLOAT is selected as an exact double and read back as a 32-bit float. Decided from the
-    reflected types, which saves Spark a second schema round trip.
+    notation and keeps the column's scale. So is every PostgreSQL numeric (as a tie_break, the source orders its
+    rows: TableShape.tie_order): any of them may hold 'NaN' (and, from PostgreSQL 14, 'Infinity'), which the
+    driver cannot make a BigDecimal of, so the read failed; the text is the same string the decimal gave otherwise.
+    PostgreSQL real (float4) through Java 17's Float.toString is not the shortest text, so read PostgreSQL's own
+    text and cast to double. A MariaDB FLOAT is selected as an exact double and read back as a 32-bit float.
+    Decided from the reflected types, which saves Spark a second schema round trip.
 
     SQLite stores every integer in up to 8 bytes, but its driver reports a column declared INTEGER (or INT,
     SMALLINT...) as 32-bit, and Spark wrapped values above 2^31-1: such a watermark fell out of its own slice's range.
@@ -90,10 +90,7 @@ def custom_schema_for(shape: TableShape) -> str:
                          if (sqlite_type := SQLITE_READ_TYPES.get(sqlite_affinity(c.type_name.upper()))))
     if shape.dialect not in ("postgresql", "mysql"):
         return ""
-    pg = shape.dialect == "postgresql"
-    # (A tie_break is never one read as text: the table check refuses those, `read_as_text`.)
-    as_text = [c.name for c in shape.columns if read_as_text(shape.dialect, c.type_name) or (
-        pg and DECIMAL_TYPE.match(c.type_name) and c.name != shape.tie_break)]
+    as_text = [c.name for c in shape.columns if read_as_text(shape.dialect, c.type_name)]
     # MariaDB FLOAT, selected as its exact double (MYSQL_TEXT_RENDERING): back to the 32-bit float it is.
     floats = [c.name for c in shape.columns if c.source_text == "mysql_float"]
     return ", ".join([f"`{c}` STRING" for c in as_text] + [f"`{c}` FLOAT" for c in floats])
@@ -170,6 +167,11 @@ class SparkResource(ConfigurableResource):
             column = preparer.quote(shape.watermark)
             predicates += [f"{column} > {shape.watermark_sql_literal(slice_range.lo)}",
                            f"{column} <= {shape.watermark_sql_literal(slice_range.hi)}"]
+        elif shape.tie_order:
+            # The tie order's window is computed inside the subquery: bounded there, not left to the database to
+            # push Spark's outer filter through the window (older MySQL 8.0 would number the whole table per chunk).
+            column = preparer.quote(shape.watermark)
+            predicates += [f"{column} > {int(slice_range.lo)}", f"{column} <= {int(slice_range.hi)}"]
         # The source renders dates and timestamps as text itself (TableShape.rendered_select): PostgreSQL's is
         # cheaper than the driver parsing and Spark formatting them; MariaDB's is exact where those are not.
         select = shape.rendered_select(preparer.quote)

@@ -593,11 +593,11 @@ def test_postgres_watermark_and_tie_break_edges(services, pg_database, pg_engine
                           "'n' || g FROM generate_series(1, 60000) g"))
         conn.execute(text(f"INSERT INTO {name} VALUES (1, 'infinity', 1, 1, 'x', 'y'), (2, '-infinity', 1, 1, 'x', "
                           "'y')"))
-        for column in ("n", "r"):  # a table each: one table id has one progress
+        for column in ("n", "r", "p"):  # a table each: one table id has one progress
             conn.execute(text(f"CREATE TABLE {name}_{column} (id bigserial PRIMARY KEY, at timestamptz NOT NULL, "
-                              "n numeric, r real)"))
-            conn.execute(text(f"INSERT INTO {name}_{column} (at, n, r) SELECT '2026-11-27 10:00+00', v, v FROM "
-                              "unnest(ARRAY[100, 9, 1e30, 10, 9.5]) v"))
+                              "n numeric, r real, p numeric(38, 2))"))
+            conn.execute(text(f"INSERT INTO {name}_{column} (at, n, r, p) SELECT '2026-11-27 10:00+00', v, v, v FROM "
+                              "unnest(ARRAY[100, 9, 1e30, 10, 9.5, NULL]) v"))
     source = SourceDatabaseResource(url=pg_database.render_as_string(hide_password=False))
     try:
         with pytest.raises(SourceError, match=r"watermark column 'at' holds times after the year 9999 \('infinity'"):
@@ -605,13 +605,20 @@ def test_postgres_watermark_and_tie_break_edges(services, pg_database, pg_engine
         source.table_shape("public", name, "at", where="at < 'infinity'")
     finally:
         source.dispose()
-    for column in ("n", "r"):
+    for column in ("n", "r", "p"):  # NULL first, as Spark sorts the tie_breaks it reads itself
         h = Harness(relay_config(services, {"src": pg_database}, [
             {"source": "src", "table": f"public.{name}_{column}", "watermark": "at", "tie_break": column}]),
             dagster_instance)
         h.drain(h.table())
         sent = [m.value[column] for m in read_topic(services.kafka_bootstrap, h.table().topic_name)]
-        assert [float(v) for v in sent] == [9, 9.5, 10, 100, 1e30], sent
+        assert [v if v is None else float(v) for v in sent] == [None, 9, 9.5, 10, 100, 1e30], sent
+    # '-infinity' lies below any progress, but with `start_after` unset the check for rows below 1970 read it: the
+    # driver's bare "timestamp too small"; now it says to set `start_after`.
+    unset = Harness(relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "at", "where": "at < 'infinity'"}]),
+        dagster_instance)
+    with pytest.raises(Exception, match=r"times before the year 1 \('-infinity' included\).*Set `start_after"):
+        unset.tick(unset.table())
     h = Harness(relay_config(services, {"src": pg_database}, [
         {"source": "src", "table": f"public.{name}", "watermark": "id", "start_after": 9223372036854775807 - 60000,
          "slice_max_rows": 100_000}]), dagster_instance)
