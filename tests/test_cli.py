@@ -524,6 +524,23 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     assert in_process_worker_gone(elsewhere) is None
 
 
+def _backfill_of_ten_row_slices(services, pg_database, pg_engine, dagster_home, name: str, tmp_path: Path,
+                                rows: int) -> tuple[RelayConfig, list[str], dict[str, str]]:
+    """A table of `rows` ids in 10-row slices, two per run, on Spark Connect: the config, the argv of a `rowrelay
+    backfill` subprocess of it, and its environment."""
+    import os
+    import sys
+
+    _serial_table(pg_engine, name, rows)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "slice_max_rows": 10,
+                                                         "max_slices_per_run": 2, "settle_seconds": 0}],
+                       spark_remote=True)
+    argv = [sys.executable, "-m", "orchestration.cli", "--config", _config_file(cfg, tmp_path / "rowrelay.yaml"),
+            "backfill", "--table", cfg.tables[0].table_id]
+    return cfg, argv, {**os.environ, "DAGSTER_HOME": str(dagster_home)}
+
+
 def _config_file(cfg: RelayConfig, path: Path) -> str:
     import yaml
 
@@ -734,23 +751,15 @@ def test_an_interrupted_backfill_says_what_committed_and_how_to_continue(
     """Ctrl-C during a backfill printed `failed: dagster._core.errors.DagsterExecutionInterruptedError (details in
     the Dagster UI)`. It now says the backfill was interrupted, how far the table is committed and that running it
     again continues (exit 130, as for SIGINT)."""
-    import os
     import re
     import signal
     import subprocess
-    import sys
 
     from tests.pipeline import ROOT, assert_exactly_once, read_topic
 
-    _serial_table(pg_engine, name, 60)
-    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
-                                                         "watermark": "id", "slice_max_rows": 10,
-                                                         "max_slices_per_run": 2, "settle_seconds": 0}],
-                       spark_remote=True)
+    cfg, argv, env = _backfill_of_ten_row_slices(services, pg_database, pg_engine, dagster_home, name, tmp_path, 60)
     table = cfg.tables[0]
-    argv = [sys.executable, "-m", "orchestration.cli", "--config", _config_file(cfg, tmp_path / "rowrelay.yaml"),
-            "backfill", "--table", table.table_id]
-    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "ROWRELAY_FAILPOINT": "sleep:begun:1.5"}
+    env["ROWRELAY_FAILPOINT"] = "sleep:begun:1.5"
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -784,24 +793,15 @@ def test_a_backfill_killed_after_a_commit_has_its_committed_slice_recorded_by_th
     """A backfill SIGKILLed right after its first slice's commit left that slice committed in Kafka but without a
     materialization: its run recorded none, no retry of it comes, and the next backfill cuts on from Kafka's
     progress. The next backfill, which fails the dead run, now records it from its progress record."""
-    import os
     import subprocess
-    import sys
 
     from assets.relay import asset_key, channel_for
     from resources.exactly_once import read_progress_history
     from resources.slices import SliceRange
     from tests.pipeline import ROOT, assert_exactly_once
 
-    _serial_table(pg_engine, name, 40)
-    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
-                                                         "watermark": "id", "slice_max_rows": 10,
-                                                         "max_slices_per_run": 2, "settle_seconds": 0}],
-                       spark_remote=True)
+    cfg, argv, env = _backfill_of_ten_row_slices(services, pg_database, pg_engine, dagster_home, name, tmp_path, 40)
     table = cfg.tables[0]
-    argv = [sys.executable, "-m", "orchestration.cli", "--config", _config_file(cfg, tmp_path / "rowrelay.yaml"),
-            "backfill", "--table", table.table_id]
-    env = {**os.environ, "DAGSTER_HOME": str(dagster_home)}
     killed = subprocess.run(argv, cwd=ROOT, env={**env, "ROWRELAY_FAILPOINT": "committed"}, capture_output=True,
                             text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-3000:]
