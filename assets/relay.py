@@ -41,11 +41,10 @@ from resources.exactly_once import (
     PublishedSlice,
     SliceOutOfOrder,
     TableChannel,
-    WatermarkChanged,
     read_back_slice,
     read_committed_progress,
+    refuse_watermark_change,
     tiles_by_range,
-    watermark_change,
 )
 from resources.kafka_io_manager import (
     COMMITTED_BEFORE_FAILURE_TAG,
@@ -208,8 +207,7 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     with nothing ever committed, the time since the table's first run (`first_run_at`, a lower bound: its rows
     have waited at least that long), else unknown."""
     shape = table_shape(source, table)
-    if progress is not None and (why := watermark_change(progress, shape.watermark, shape.watermark_kind)):
-        raise WatermarkChanged(why)  # a lag measured in another column's sense would be a wrong number
+    refuse_watermark_change(progress, shape.watermark_id)  # a lag in another column's sense would be wrong
     hi = progress.hi if progress else start_after
     top = source.max_watermark(shape)
     # `start_after: latest` before its baseline: the rows there now are never sent, so none of them is lag.
@@ -329,7 +327,7 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
                        columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed,
-                       where=table.where or "", watermark=(shape.watermark, shape.watermark_kind))
+                       where=table.where or "", watermark=shape.watermark_id)
 
 
 def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: str, kind: str, value: str

@@ -46,13 +46,14 @@ from resources.exactly_once import (  # noqa: E402
     WATERMARK_HEADER,
     LivePiece,
     ProgressRecord,
-    WatermarkChanged,
     live_pieces,
     live_records,
+    message_watermark,
     progress_missing,
     read_committed_progress,
     read_progress_history,
     recorded_watermark_kind,
+    refuse_watermark_change,
     watermark_change,
 )
 from resources.slices import (  # noqa: E402
@@ -178,7 +179,6 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
         FAST_READS,
         REPLAY_HEADER,
         TABLE_HEADER,
-        WATERMARK_HEADER,
         base_conf,
         partition_watermarks,
     )
@@ -493,9 +493,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     history = read_progress_history(conf, channel)  # oldest first: the last record is the committed progress
     progress = history[-1] if history else None
     if progress is not None:  # a comparison in another column's (or kind's) sense would be meaningless
-        shape = reflect_table(config, table)
-        if why := watermark_change(progress, shape.watermark, shape.watermark_kind):
-            raise WatermarkChanged(why)
+        refuse_watermark_change(progress, reflect_table(config, table).watermark_id)
     elif (missing := progress_missing(conf, channel)) is not None:
         raise missing  # its rows were published under progress this table no longer reads: nothing to compare
     # The newest baseline or reset in progress, if any, is where the table starts; else its first slice (where the
@@ -1034,11 +1032,12 @@ def record_slices_of_dead_run(instance: Any, table: TableConfig, conf: dict[str,
     none, and no retry of it comes (a backfill executes its runs in its own process; the next backfill cuts on from
     Kafka's progress). Recorded now from their progress records, as a failed range run's are
     (`rowrelay/run_failed_later`). Returns the keys recorded."""
-    from dagster import AssetMaterialization, AssetRecordsFilter, MetadataValue
+    from dagster import AssetMaterialization, AssetRecordsFilter
 
     from assets.relay import asset_key, partitions_for
     from orchestration.sensors import run_slices
     from resources.exactly_once import tiles_by_range
+    from resources.kafka_io_manager import progress_metadata
 
     span = run_slices(dict(run.tags))
     if span is None:
@@ -1058,10 +1057,7 @@ def record_slices_of_dead_run(instance: Any, table: TableConfig, conf: dict[str,
         instance.report_runless_asset_event(AssetMaterialization(
             asset_key=asset_key(table), partition=key,
             description=f"slice {key} committed by run {run.run_id}, whose process died before recording it",
-            metadata={"rows": p.rows, "bytes": p.bytes, "topic": p.topic, "offsets": MetadataValue.json(p.offsets),
-                      "watermark_lo": p.lo, "watermark_hi": p.hi, "checksum": p.checksum,
-                      "transactional_id": p.transactional_id, "committed_at": p.committed_at,
-                      "rowrelay/run_failed_later": run.run_id}))
+            metadata={**progress_metadata(p), "rowrelay/run_failed_later": run.run_id}))
     return [k for k in committed if k not in recorded]
 
 
@@ -1128,7 +1124,7 @@ def reflected_watermark(config: RelayConfig, table: TableConfig) -> tuple[str, s
         shape = reflect_table(config, table)
     except Exception:  # noqa: BLE001 - a reset must stay possible with the table gone
         return None
-    return shape.watermark, shape.watermark_kind
+    return shape.watermark_id
 
 
 def watermark_is_timestamp(config: RelayConfig, table: TableConfig, reflected: tuple[str, str] | None
@@ -1361,7 +1357,8 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
                 read = 0
                 for msg in read_published_messages(conf, piece.record):
                     read += 1  # the whole slice is read, a piece cut by a reset too: its count checks the read
-                    if piece.hi < piece.record.hi and message_watermark(msg) > piece.hi:
+                    wm = message_watermark(msg) if piece.hi < piece.record.hi else None
+                    if wm is not None and wm > piece.hi:
                         continue  # above a reset inside the slice: sent again by a later slice, not this range's
                     # Same partition as the original: per partition, consumers see watermark order again.
                     producer.produce(target, msg.value(), msg.key(), partition=msg.partition(),
@@ -1381,11 +1378,6 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
     return {"table": table.table_id, "replay_id": replay_id, "from": int(lo), "to": int(hi), "rows": rows,
             "topic": target,
             "slices": [piece.key for piece in records]}
-
-
-def message_watermark(msg: Any) -> int:
-    """A published message's watermark, from its `rowrelay.watermark` header."""
-    return int(dict(msg.headers() or [])[WATERMARK_HEADER])
 
 
 def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:

@@ -44,10 +44,9 @@ from resources.exactly_once import (
     ProgressRecord,
     SlicePublisher,
     TableChannel,
-    WatermarkChanged,
     read_progress_tail,
+    refuse_watermark_change,
     transaction_timeout_ms,
-    watermark_change,
 )
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle, watermark_text
@@ -256,7 +255,7 @@ def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: Ta
     publisher = SlicePublisher(channel, kafka_conf)
     try:
         # Recorded in Kafka like any progress, so a lost orchestrator database cannot re-send old rows.
-        return publisher.publish_baseline(hi, (shape.watermark, shape.watermark_kind)), SensorState()
+        return publisher.publish_baseline(hi, shape.watermark_id), SensorState()
     finally:
         publisher.close()
 
@@ -306,8 +305,7 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
         if progress is None:
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
-    if progress is not None and (why := watermark_change(progress, shape.watermark, shape.watermark_kind)):
-        raise WatermarkChanged(why)  # before anything is cut: "nothing new" would skip rows as surely
+    refuse_watermark_change(progress, shape.watermark_id)  # before any cut: "nothing new" would skip rows too
     committed_hi = progress.hi if progress else channel.start_after
     if progress is None and not slices:
         check_start_after(source, shape, table, committed_hi)

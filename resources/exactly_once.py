@@ -153,6 +153,18 @@ class WatermarkChanged(RelayError):
     measured in: the progress value would be read in another sense, sending rows again or skipping rows for good."""
 
 
+def progress_topic_suffix(table: str) -> str:
+    """What a table's progress topic ends with under any transactional_id_prefix (`_<prefix>` before it). A table
+    id Kafka refuses in a topic name (a space, non-ASCII) is mapped, as its default data topic is."""
+    return f".progress.{portable_name(table)}"
+
+
+def message_watermark(msg: Any) -> int | None:
+    """A published message's watermark, from its `rowrelay.watermark` header; None without one."""
+    value = next((v for k, v in msg.headers() or () if k == WATERMARK_HEADER), None)
+    return None if value is None else int(value)
+
+
 @dataclass(frozen=True)
 class TableChannel:
     """Where one table's rows and progress go in Kafka."""
@@ -168,8 +180,7 @@ class TableChannel:
     @classmethod
     def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
                   replication_factor: int = -1, prefix: str = "rowrelay") -> TableChannel:
-        # A table id Kafka refuses in a topic name (a space, non-ASCII) is mapped, as its default data topic is.
-        return cls(table=table, topic=topic, progress_topic=f"_{prefix}.progress.{portable_name(table)}",
+        return cls(table=table, topic=topic, progress_topic=f"_{prefix}{progress_topic_suffix(table)}",
                    transactional_id=f"{prefix}.{table}", start_after=start_after,
                    topic_partitions=topic_partitions, replication_factor=replication_factor)
 
@@ -354,19 +365,22 @@ def recorded_watermark_kind(record: ProgressRecord) -> str | None:
 def watermark_change(record: ProgressRecord, column: str, kind: str) -> str | None:
     """Why the table's committed progress (`record`) cannot be read as a value of watermark `column` of `kind`, or
     None if it can (the same column and kind, or nothing recorded to compare with)."""
-    table, at = record.table, watermark_text(record.hi, (recorded_watermark_kind(record) or kind) != "integer")
+    recorded = recorded_watermark_kind(record)
+    moved = record.watermark is not None and record.watermark != column
+    # An older record knows integer from timestamp only (by its key), not the two timestamp kinds apart.
+    retyped = recorded is not None and recorded != kind and not (
+        record.watermark_kind is None and {recorded, kind} <= {"timestamp", "timestamptz"})
+    if not (moved or retyped):
+        return None
+    table, at = record.table, watermark_text(record.hi, (recorded or kind) != "integer")
     fix = f"`rowrelay reset --table {table} --after W`"
-    if record.watermark is not None and record.watermark != column:
+    if moved:
         return (f"{table}: its committed progress ({at}) is a value of watermark column {record.watermark!r}, but "
                 f"the table's watermark is now {column!r}: a value of one column says nothing about another, so "
                 "relaying on would send rows again or skip rows for good. Nothing was cut or sent. Put "
                 f"`watermark: {record.watermark}` back, or set where {column!r} stands deliberately with {fix}, W "
                 f"being the highest {column} among the rows already sent (those whose {record.watermark} is at most "
                 f"{at}): rows with {column} at or below W are then never sent, the rows above it once")
-    recorded = recorded_watermark_kind(record)
-    if recorded is None or recorded == kind or (record.watermark_kind is None and {recorded, kind} <= {
-            "timestamp", "timestamptz"}):
-        return None
     same = (" (if the database and its writers keep UTC, W is the progress itself)"
             if {recorded, kind} == {"timestamp", "timestamptz"} else "")
     return (f"{table}: its committed progress ({at}) was recorded while watermark column {column!r} was "
@@ -375,6 +389,13 @@ def watermark_change(record: ProgressRecord, column: str, kind: str) -> str | No
             "so relaying on could skip rows for good or send them again. Nothing was cut or sent. Check the "
             f"column's values around the progress, then set it deliberately with {fix}, W being the last value "
             f"already sent as the column holds it now{same}")
+
+
+def refuse_watermark_change(record: ProgressRecord | None, watermark: tuple[str, str]) -> None:
+    """Raise WatermarkChanged where the committed progress (`record`; None: none yet) is not a value of `watermark`
+    (column, kind): the cut, the publish, `verify` and the lag all stop there, before reading in another sense."""
+    if record is not None and (why := watermark_change(record, *watermark)):
+        raise WatermarkChanged(why)
 
 
 def watermark_fields(watermark: tuple[str, str] | None) -> dict[str, str]:
@@ -730,7 +751,7 @@ def progress_under_other_prefix(kafka_conf: dict[str, Any], channel: TableChanne
     """A progress topic of the same table under another transactional_id_prefix that holds a committed record:
     (its name, its last record), else None. One listing of the cluster's topics (~10 ms with 2,500 topics)."""
     admin = AdminClient(base_conf(kafka_conf))
-    suffix = f".progress.{portable_name(channel.table)}"
+    suffix = progress_topic_suffix(channel.table)
     names = sorted(n for n in list_topics(admin, kafka_conf, timeout=timeout).topics
                    if n.startswith("_") and n.endswith(suffix) and n != channel.progress_topic)
     for name in names:
@@ -1051,8 +1072,8 @@ def read_back_slice(kafka_conf: dict[str, Any], record: ProgressRecord, timeout:
         return PublishedSlice(rows + len(chunk), digest.hexdigest())
     gathered: list[tuple[int, int, bytes]] = []  # (watermark, partition, value), each partition in publish order
     for msg in read_published_messages(kafka_conf, record, timeout):
-        wm = next((v for k, v in msg.headers() or () if k == WATERMARK_HEADER), None)
-        gathered.append((int(wm) if wm is not None else -1, msg.partition(), msg.value()))
+        wm = message_watermark(msg)
+        gathered.append((wm if wm is not None else -1, msg.partition(), msg.value()))
     gathered.sort(key=lambda g: g[0])  # stable: within one partition, publish order
     spread = any(a[0] == b[0] and a[1] != b[1] for a, b in zip(gathered, gathered[1:], strict=False))
     if spread:
@@ -1258,8 +1279,8 @@ class SlicePublisher:
         self.on_stage("progress_read")
         if committed is None:
             self._refuse_if_progress_missing()
-        elif watermark is not None and (why := watermark_change(committed, *watermark)):
-            raise WatermarkChanged(why)
+        elif watermark is not None:
+            refuse_watermark_change(committed, watermark)
         committed_hi = committed.hi if committed else self.channel.start_after
         if committed_hi >= slice_range.hi:
             # A baseline or reset record (lo == hi) is not this slice's record.

@@ -76,6 +76,13 @@ CHANNEL_METADATA = ("rowrelay/table", "rowrelay/topic", "rowrelay/progress_topic
                     "rowrelay/start_after")
 
 
+def progress_metadata(p: ProgressRecord) -> dict[str, Any]:
+    """A committed slice's materialization metadata from its progress record: what it published, and where."""
+    return {"rows": p.rows, "bytes": p.bytes, "topic": p.topic, "offsets": MetadataValue.json(p.offsets),
+            "watermark_lo": p.lo, "watermark_hi": p.hi, "checksum": p.checksum,
+            "transactional_id": p.transactional_id, "committed_at": p.committed_at}
+
+
 def channel_metadata(channel: TableChannel) -> dict[str, Any]:
     """Definition metadata an asset carries so load_input can find its channel."""
     return {"rowrelay/table": channel.table, "rowrelay/topic": channel.topic,
@@ -266,23 +273,15 @@ class KafkaIOManager(ConfigurableIOManager):
 
     @staticmethod
     def slice_metadata(obj: TableSlices, result: PublishResult) -> dict[str, Any]:
-        p = result.progress
         return {
             "already_committed": result.already_committed,
             "status": MetadataValue.text("already committed: published nothing" if result.already_committed
                                          else "published"),
-            "rows": p.rows,
-            "bytes": p.bytes,
-            "topic": p.topic,
-            "offsets": MetadataValue.json(p.offsets),
-            "watermark_lo": p.lo,
-            "watermark_hi": p.hi,
-            "checksum": p.checksum,
+            **progress_metadata(result.progress),
             "duration_s": round(result.duration_s, 3),
             "rows_per_s": round(result.rows_per_s, 1),
             "bytes_per_s": round(result.bytes_per_s, 1),
             "transactional_id": obj.channel.transactional_id,
-            "committed_at": p.committed_at,
         }
 
     def load_input(self, context: InputContext) -> "DataFrame":

@@ -137,10 +137,8 @@ def utf8_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShap
             checked[c.name] = F.when(raw.isNull() | F.is_valid_utf8(raw), text).otherwise(stop)
     if not checked:
         return df, fields
-    df = df.withColumns(checked)
-    shadowed = {c.name for c in shape.columns if c.utf8_shadow}
-    return df, {**fields, **{n: StructField(n, StringType(), fields[n].nullable) for n in checked
-                             if n not in shadowed}}
+    return df.withColumns(checked), {**fields, **{n: StructField(n, StringType(), fields[n].nullable)
+                                                 for n in checked if n not in shadows}}
 
 
 def bad_utf8_error(table: str, message: str, timestamps: bool) -> BadRowError | None:

@@ -273,12 +273,20 @@ class TableShape:
         return self.watermark_kind != "integer"
 
     @property
+    def watermark_id(self) -> tuple[str, str]:
+        """(column, kind): what a progress record says its value is of (`watermark_change`)."""
+        return self.watermark, self.watermark_kind
+
+    @property
     def frame_watermark(self) -> str:
         """The watermark's column in a slice's Spark frame: a timestamp's microseconds are a column of their own."""
         return FRAME_WATERMARK if self.timestamps else self.watermark
 
     def watermark_sql_literal(self, value: int) -> str:
-        """A timestamp watermark as an SQL literal the source reads the same whatever its session's zone."""
+        """A watermark as an SQL literal: the integer, or a timestamp as the source reads it whatever its session's
+        zone."""
+        if self.watermark_kind == "integer":
+            return str(int(value))
         text = micros_to_datetime(value).strftime("%Y-%m-%d %H:%M:%S.%f")
         if self.watermark_kind == "timestamptz":
             return f"TIMESTAMPTZ '{text}+00:00'"
@@ -972,15 +980,14 @@ class SourceDatabaseResource(ConfigurableResource):
         """Refuse a PostgreSQL timestamp watermark holding a value after the year 9999 (rowrelay carries it as
         microseconds, within Python's datetime): 'infinity' or year 10000 made every cut fail with the driver's
         "timestamp too large", naming neither table nor column."""
-        q = self.engine.dialect.identifier_preparer.quote(shape.watermark)
-        name = self.engine.dialect.identifier_preparer.format_table(self._table(shape))
-        literal = "TIMESTAMPTZ '{} 00:00:00+00'" if shape.watermark_kind == "timestamptz" else "TIMESTAMP '{}'"
         # Only above: the table's max is read as a time, every cut's too; rows before the year 1 ('-infinity') lie
         # below any progress and are never read (a table holding them relays, with a `start_after`).
-        where = f" AND ({shape.where})" if shape.where else ""
+        t = self._table(shape)
+        bound = sa.literal_column("TIMESTAMPTZ '10000-01-01 00:00:00+00'" if shape.watermark_kind == "timestamptz"
+                                  else "TIMESTAMP '10000-01-01'")
+        q = self.filtered(sa.select(sa.literal(1)).select_from(t).where(t.c[shape.watermark] >= bound), shape)
         with self.engine.connect() as conn:
-            above = conn.execute(sa.text(f"SELECT 1 FROM {name} WHERE {q} >= {literal.format('10000-01-01')}{where} "
-                                         "LIMIT 1")).first()
+            above = conn.execute(q.limit(1)).first()
         if above:
             raise SourceError(
                 f"{label}: watermark column {shape.watermark!r} holds times after the year 9999 ('infinity' "

@@ -161,17 +161,15 @@ class SparkResource(ConfigurableResource):
         if shape.schema:
             qualified = f"{preparer.quote_schema(shape.schema)}.{qualified}"
         predicates = [f"({shape.where})"] if shape.where else []  # the same predicate counts and cuts use
-        if shape.timestamps:
-            # The slice's bounds as the source's own timestamp literals (indexed, exact to the microsecond); Spark
-            # would render its pushed-down timestamp filters in the JVM's zone.
+        tie_order = shape.tie_order
+        if shape.timestamps or tie_order:
+            # The slice's bounds inside the subquery, as the source's own literals: a timestamp's (indexed, exact to
+            # the microsecond; Spark would render its pushed-down timestamp filters in the JVM's zone), and where a
+            # tie order's window is computed there (not left to the database to push Spark's outer filter through
+            # the window: older MySQL 8.0 would number the whole table per chunk).
             column = preparer.quote(shape.watermark)
             predicates += [f"{column} > {shape.watermark_sql_literal(slice_range.lo)}",
                            f"{column} <= {shape.watermark_sql_literal(slice_range.hi)}"]
-        elif shape.tie_order:
-            # The tie order's window is computed inside the subquery: bounded there, not left to the database to
-            # push Spark's outer filter through the window (older MySQL 8.0 would number the whole table per chunk).
-            column = preparer.quote(shape.watermark)
-            predicates += [f"{column} > {int(slice_range.lo)}", f"{column} <= {int(slice_range.hi)}"]
         # The source renders dates and timestamps as text itself (TableShape.rendered_select): PostgreSQL's is
         # cheaper than the driver parsing and Spark formatting them; MariaDB's is exact where those are not.
         select = shape.rendered_select(preparer.quote)
@@ -202,11 +200,11 @@ class SparkResource(ConfigurableResource):
             reader = reader.option(key, value)
         frame = reader.load()
         columns = [F.col(f"`{c}`") for c in [*shape.column_names, *shape.source_texts.values(),
-                                              *shape.utf8_shadows.values(), *filter(None, [shape.tie_order])]]
+                                              *shape.utf8_shadows.values(), *filter(None, [tie_order])]]
         if shape.timestamps:  # microseconds since 1970 UTC; a zone-less value is read as UTC (session zone)
             columns.append(F.unix_micros(F.col(f"`{shape.watermark}`").cast("timestamp")).alias(shape.frame_watermark))
         wm = F.col(f"`{shape.frame_watermark}`")
-        order = [wm] + ([F.col(f"`{shape.tie_order or shape.tie_break}`")] if shape.tie_break else [])
+        order = [wm] + ([F.col(f"`{tie_order or shape.tie_break}`")] if shape.tie_break else [])
         return (frame.select(*columns)
                 .where((wm > F.lit(slice_range.lo)) & (wm <= F.lit(slice_range.hi)))
                 .sortWithinPartitions(*order))
