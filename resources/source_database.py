@@ -832,6 +832,7 @@ class SourceDatabaseResource(ConfigurableResource):
         coarse = shape.watermark_unit > 1
         earliest: float | None = None  # MariaDB: the start (epoch seconds) of the earliest statement still running
         with self.engine.connect() as conn:
+            self.refuse_replica(shape, conn)
             if self.dialect == "postgresql":
                 # Same statement, same snapshot: the xmax the later xmin must reach. now(): this transaction's
                 # start, before every transaction this look does not wait for.
@@ -871,6 +872,49 @@ class SourceDatabaseResource(ConfigurableResource):
             below = math.floor(earliest * 1_000_000)  # microseconds since 1970 UTC, as timestamp watermarks are
             value = min(value, below // shape.watermark_unit * shape.watermark_unit - 1)
         return WatermarkCandidate(value, float(row[1]), waits)
+
+    def refuse_replica(self, shape: TableShape, conn: sa.Connection | None = None) -> None:
+        """Refuse a source that receives the table's rows by replication: a PostgreSQL standby, a table a logical
+        replication subscription fills, a MariaDB server whose replication runs.
+
+        There rows arrive in the primary's commit order, while the transactions still open on the primary — those
+        the safe high watermark waits for — are invisible: on a standby the cut saw id 3 final while the primary
+        still held id 2 drawn and uncommitted (a cut there would skip it for good). Checked before every cut
+        (`observe`) and every run's read; `verify` and `status` may still read a replica. Readable by any role: the
+        recovery flag, pg_subscription_rel, MariaDB's Slaves_running status. MySQL's replication state needs a
+        privilege rowrelay does not ask for: not checked there (README)."""
+        label = f"{shape.schema}.{shape.name}" if shape.schema else shape.name
+        if conn is None:
+            with self.engine.connect() as own:
+                return self.refuse_replica(shape, own)
+        remedy = "point the source's url at the primary and run again; nothing was cut or sent"
+        if self.dialect == "postgresql":
+            standby, subscription = conn.execute(sa.text(
+                "SELECT pg_is_in_recovery(), (SELECT s.subname FROM pg_subscription_rel r JOIN pg_subscription s "
+                "ON s.oid = r.srsubid WHERE r.srrelid = CAST(:rel AS regclass) LIMIT 1)"),
+                {"rel": self.engine.dialect.identifier_preparer.format_table(self._table(shape))}).one()
+            if standby:
+                raise SourceError(
+                    f"{label}: source {self.safe_description} is a PostgreSQL standby (pg_is_in_recovery()). A "
+                    "standby cannot show the primary's open transactions, so rowrelay cannot tell there when new "
+                    "rows are final: a row whose id was drawn before a higher one committed could be cut past and "
+                    f"never sent; {remedy}")
+            if subscription is not None:
+                raise SourceError(
+                    f"{label}: the table is filled by logical replication (subscription {subscription!r}) on source "
+                    f"{self.safe_description}. Its rows arrive in the publisher's commit order and the publisher's "
+                    "open transactions are invisible here, so rowrelay cannot tell when new rows are final: a row "
+                    "whose id was drawn before a higher one committed could be cut past and never sent; relay the "
+                    "table from the publisher (its url) and run again; nothing was cut or sent")
+        elif self.dialect == "mysql" and getattr(conn.dialect, "is_mariadb", False):
+            running = conn.execute(sa.text("SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS "
+                                           "WHERE VARIABLE_NAME = 'SLAVES_RUNNING'")).scalar()
+            if running is not None and int(running) > 0:
+                raise SourceError(
+                    f"{label}: source {self.safe_description} is a MariaDB replica (Slaves_running = {running}). On "
+                    "a replica rows arrive in the primary's commit order and the primary's open transactions are "
+                    "invisible, so rowrelay cannot tell when new rows are final: a row whose id was drawn before a "
+                    f"higher one committed could be cut past and never sent; {remedy}")
 
     def _earliest_running_write(self, conn: sa.Connection, now: float) -> float | None:
         """MariaDB: the start, in epoch seconds on the database clock, of the earliest statement of another session
