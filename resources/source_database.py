@@ -832,7 +832,7 @@ class SourceDatabaseResource(ConfigurableResource):
         coarse = shape.watermark_unit > 1
         earliest: float | None = None  # MariaDB: the start (epoch seconds) of the earliest statement still running
         with self.engine.connect() as conn:
-            self.refuse_replica(shape, conn)
+            self.refuse_unknowable_finality(shape, conn)
             if self.dialect == "postgresql":
                 # Same statement, same snapshot: the xmax the later xmin must reach. now(): this transaction's
                 # start, before every transaction this look does not wait for.
@@ -873,26 +873,40 @@ class SourceDatabaseResource(ConfigurableResource):
             value = min(value, below // shape.watermark_unit * shape.watermark_unit - 1)
         return WatermarkCandidate(value, float(row[1]), waits)
 
-    def refuse_replica(self, shape: TableShape, conn: sa.Connection | None = None) -> None:
-        """Refuse a source that receives the table's rows by replication: a PostgreSQL standby, a table a logical
-        replication subscription fills, a MariaDB server whose replication runs.
+    def refuse_unknowable_finality(self, shape: TableShape, conn: sa.Connection | None = None) -> None:
+        """Refuse a source where `is_final` cannot know when new rows are final, so a cut could skip a row for good:
 
-        There rows arrive in the primary's commit order, while the transactions still open on the primary — those
-        the safe high watermark waits for — are invisible: on a standby the cut saw id 3 final while the primary
-        still held id 2 drawn and uncommitted (a cut there would skip it for good). Checked before every cut
-        (`observe`) and every run's read; `verify` and `status` may still read a replica. Readable by any role: the
-        recovery flag, pg_subscription_rel, MariaDB's Slaves_running status. MySQL's replication state needs a
-        privilege rowrelay does not ask for: not checked there (README)."""
+        - a source that receives the table's rows by replication: a PostgreSQL standby, a table a logical
+          replication subscription fills, a MariaDB server whose replication runs. Rows arrive there in the
+          primary's commit order, while the transactions still open on the primary — those the safe high watermark
+          waits for — are invisible: on a standby the check saw id 3 final while the primary still held id 2 drawn
+          and uncommitted;
+        - a PostgreSQL integer watermark drawn from a sequence with CACHE > 1: each session draws its ids from a
+          cache of its own, so a session can insert id 2 long after another committed 21, in a transaction that
+          began after the cut (nothing the cut could wait for).
+
+        Checked before every cut (`observe`) and every run's read; `verify` and `status` may still read a replica.
+        Readable by any role: the recovery flag, the catalogs, MariaDB's Slaves_running status. MySQL's replication
+        state needs a privilege rowrelay does not ask for: not checked there (README)."""
         label = f"{shape.schema}.{shape.name}" if shape.schema else shape.name
         if conn is None:
             with self.engine.connect() as own:
-                return self.refuse_replica(shape, own)
+                return self.refuse_unknowable_finality(shape, own)
         remedy = "point the source's url at the primary and run again; nothing was cut or sent"
         if self.dialect == "postgresql":
-            standby, subscription = conn.execute(sa.text(
+            # The watermark's sequences: its serial or identity sequence, and any its DEFAULT expression calls.
+            standby, subscription, cache, sequence = conn.execute(sa.text(
                 "SELECT pg_is_in_recovery(), (SELECT s.subname FROM pg_subscription_rel r JOIN pg_subscription s "
-                "ON s.oid = r.srsubid WHERE r.srrelid = CAST(:rel AS regclass) LIMIT 1)"),
-                {"rel": self.engine.dialect.identifier_preparer.format_table(self._table(shape))}).one()
+                "ON s.oid = r.srsubid WHERE r.srrelid = CAST(:rel AS regclass) LIMIT 1), q.seqcache, "
+                "CAST(CAST(q.seqrelid AS regclass) AS text) FROM (SELECT 1) one LEFT JOIN LATERAL ("
+                "SELECT s.seqcache, s.seqrelid FROM pg_sequence s WHERE :integer AND (s.seqrelid = "
+                "CAST(pg_get_serial_sequence(:rel, :column) AS regclass) OR s.seqrelid IN (SELECT dep.refobjid "
+                "FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum "
+                "JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = ad.oid AND "
+                "dep.refclassid = 'pg_class'::regclass WHERE ad.adrelid = CAST(:rel AS regclass) AND "
+                "a.attname = :column)) ORDER BY s.seqcache DESC LIMIT 1) q ON true"),
+                {"rel": self.engine.dialect.identifier_preparer.format_table(self._table(shape)),
+                 "column": shape.watermark, "integer": shape.watermark_kind == "integer"}).one()
             if standby:
                 raise SourceError(
                     f"{label}: source {self.safe_description} is a PostgreSQL standby (pg_is_in_recovery()). A "
@@ -906,6 +920,13 @@ class SourceDatabaseResource(ConfigurableResource):
                     "open transactions are invisible here, so rowrelay cannot tell when new rows are final: a row "
                     "whose id was drawn before a higher one committed could be cut past and never sent; relay the "
                     "table from the publisher (its url) and run again; nothing was cut or sent")
+            if cache is not None and int(cache) > 1:
+                raise SourceError(
+                    f"{label}: watermark column {shape.watermark!r} takes its ids from sequence {sequence}, which "
+                    f"caches {cache} per session (CACHE {cache}): a session can insert an id from its cache long "
+                    "after another session committed a higher one, in a transaction no cut can wait for, and that "
+                    f"row would never be sent. Run `ALTER SEQUENCE {sequence} CACHE 1` (ids are then drawn in "
+                    "order of asking) and run again; nothing was cut or sent")
         elif self.dialect == "mysql" and getattr(conn.dialect, "is_mariadb", False):
             running = conn.execute(sa.text("SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS "
                                            "WHERE VARIABLE_NAME = 'SLAVES_RUNNING'")).scalar()
@@ -948,8 +969,8 @@ class SourceDatabaseResource(ConfigurableResource):
           xid (before BEFORE-ROW triggers run; only 1 in 32 nextval calls writes WAL and takes an xid early).
           pg_locks and the pid/datid of pg_stat_activity are readable by any role. It also waits for unrelated
           transactions open in that database then (a long report query, an idle-in-transaction session).
-          Not covered: sequences with CACHE > 1 (another session may hold a lower cached value for long) and
-          client-supplied ids.
+          Not covered: client-supplied ids (a watermark sequence with CACHE > 1 is refused:
+          `refuse_unknowable_finality`).
         - MariaDB/MySQL: `settle_seconds` have passed on the database clock AND none of the InnoDB transactions
           open when the max was seen is still open. Needs the PROCESS privilege (`SourceError` otherwise).
           A timestamp watermark's candidate also stays below every running writing statement's start

@@ -158,6 +158,37 @@ def test_postgres_id_drawn_before_its_xid_holds_the_watermark(services, pg_datab
             source.dispose()
 
 
+@pytest.mark.parametrize(("ddl", "sequence", "cache"), [
+    ("CREATE TABLE {t} (id bigserial PRIMARY KEY, v int); ALTER SEQUENCE {t}_id_seq CACHE 20", "{t}_id_seq", 20),
+    ("CREATE TABLE {t} (id bigint GENERATED ALWAYS AS IDENTITY (CACHE 5) PRIMARY KEY, v int)", "{t}_id_seq", 5),
+    ("CREATE SEQUENCE {t}_ids CACHE 3; CREATE TABLE {t} (id bigint DEFAULT nextval('{t}_ids') PRIMARY KEY, v int)",
+     "{t}_ids", 3),
+    ("CREATE TABLE {t} (id bigserial PRIMARY KEY, v int)", None, 1),
+], ids=["serial", "identity", "default", "cache_1"])
+def test_postgres_watermark_sequence_caching_ids_per_session_is_refused(services, pg_database, pg_engine, name, ddl,
+                                                                        sequence, cache) -> None:
+    """With CACHE 20, session A draws 1 (and holds 2..20), B draws 21 and commits; A inserts 2 in a transaction that
+    begins after a cut at 21: nothing the cut could wait for. Refused, naming the sequence and the fix."""
+    with pg_engine.begin() as conn:
+        for statement in ddl.format(t=name).split("; "):
+            conn.execute(text(statement))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
+    with unprivileged_pg_role(services, pg_database, pg_engine, name) as reader_url:
+        source = SourceDatabaseResource(url=source_url(reader_url))
+        try:
+            shape = source.table_shape("public", name, "id")
+            if sequence is None:
+                seen = source.observe(shape)
+                assert seen is not None and seen.watermark == 1
+            else:
+                with pytest.raises(SourceError, match=rf"takes its ids from sequence {sequence.format(t=name)}, which "
+                                                      rf"caches {cache} per session.*ALTER SEQUENCE "
+                                                      rf"{sequence.format(t=name)} CACHE 1.*nothing was cut or sent"):
+                    source.observe(shape)
+        finally:
+            source.dispose()
+
+
 def test_postgres_backfill_does_not_skip_an_id_drawn_before_its_xid(services, pg_database, pg_engine, dagster_home,
                                                                       dagster_instance, spark, name, tmp_path,
                                                                       monkeypatch) -> None:
