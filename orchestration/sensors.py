@@ -67,7 +67,9 @@ class SensorState:
     waiting_since: float | None = None
 
     def to_cursor(self) -> str:
-        data: dict[str, Any] = {"pending": [[c.watermark, c.marker, list(c.waits)] for c in self.pending]}
+        data: dict[str, Any] = {"pending": [[c.watermark, c.marker, list(c.waits),
+                                             *([c.durable_at] if c.durable_at is not None else [])]
+                                            for c in self.pending]}
         if self.chain is not None:
             data["chain"] = [[s.lo, s.hi] for s in self.chain]
             if any(s.timestamps for s in self.chain):
@@ -83,7 +85,8 @@ class SensorState:
         data = json.loads(cursor)
         timestamps = bool(data.get("timestamps"))
         chain = [SliceRange(int(lo), int(hi), timestamps) for lo, hi in data["chain"]] if "chain" in data else None
-        return cls([WatermarkCandidate(int(c[0]), float(c[1]), tuple(c[2]) if len(c) > 2 else ())
+        return cls([WatermarkCandidate(int(c[0]), float(c[1]), tuple(c[2]) if len(c) > 2 else (),
+                                       int(c[3]) if len(c) > 3 else None)
                     for c in data.get("pending", [])], chain, data.get("waiting_since"))
 
 

@@ -144,11 +144,14 @@ class WatermarkCandidate:
     transaction with a smaller id must have ended); for MariaDB/SQLite the database clock in seconds.
     `waits` names the transactions (database-specific ids) that were open when the max was seen: one of
     them may hold a lower watermark it has not committed yet, so all must have ended first.
+    `durable_at`: MariaDB, the redo log position when the max was seen; with no `waits`, every row at or below the
+    max is durable once the log is flushed that far (None: not known; the position at the check is used).
     """
 
     watermark: int
     marker: float
     waits: tuple[str, ...] = ()
+    durable_at: int | None = None
 
 
 def settle(candidates: list[WatermarkCandidate], is_final: Callable[[WatermarkCandidate], bool]

@@ -831,6 +831,7 @@ class SourceDatabaseResource(ConfigurableResource):
         wm = t.c[shape.watermark]
         coarse = shape.watermark_unit > 1
         earliest: float | None = None  # MariaDB: the start (epoch seconds) of the earliest statement still running
+        durable_at: int | None = None
         with self.engine.connect() as conn:
             self.refuse_unknowable_finality(shape, conn)
             if self.dialect == "postgresql":
@@ -855,6 +856,8 @@ class SourceDatabaseResource(ConfigurableResource):
                 if row[0] is not None and shape.timestamps:
                     earliest = self._earliest_running_write(conn, float(row[1]))
                 waits = self._innodb_trx_open_since(conn, int(row[2])) if row[0] is not None else ()
+                # Every row at or below the max committed before this point of the redo log (see is_final).
+                durable_at = _innodb_lsns(conn).get("innodb_lsn_current") if row[0] is not None else None
             else:
                 row, waits = (conn.execute(sa.select(sa.func.max(wm)).select_from(t)).scalar(), time.time()), ()
                 clock = None
@@ -871,7 +874,7 @@ class SourceDatabaseResource(ConfigurableResource):
             # Its rows carry its start time (CURRENT_TIMESTAMP is the statement's), in the watermark's unit.
             below = math.floor(earliest * 1_000_000)  # microseconds since 1970 UTC, as timestamp watermarks are
             value = min(value, below // shape.watermark_unit * shape.watermark_unit - 1)
-        return WatermarkCandidate(value, float(row[1]), waits)
+        return WatermarkCandidate(value, float(row[1]), waits, durable_at)
 
     def refuse_unknowable_finality(self, shape: TableShape, conn: sa.Connection | None = None) -> None:
         """Refuse a source where `is_final` cannot know when new rows are final, so a cut could skip a row for good:
@@ -980,25 +983,45 @@ class SourceDatabaseResource(ConfigurableResource):
           under READ COMMITTED), a SELECT whose stored function inserts rows, and client-supplied ids.
         - SQLite: one writer at a time; `settle_seconds` on this host's clock.
 
+        And durable: committed is not enough where commits are acknowledged before the log is on disk
+        (PostgreSQL's synchronous_commit=off, MariaDB's innodb_flush_log_at_trx_commit=0 or 2). A crash of the
+        server then loses the last commits and gives their ids out again: rows sent would vanish from the source and
+        new rows with the same ids would never be sent (measured: three committed rows, visible to every session,
+        gone after a crash). So the write-ahead (redo) log must be flushed past the point where all those commits
+        lay: PostgreSQL's insert position once the transactions waited for have ended; MariaDB's, seen with the
+        max when nothing was waited for, else at the check. The check waits up to DURABLE_WAIT_S for the flush (the
+        WAL writer's interval, 0.2 s by default; InnoDB's once a second), then answers False. Not covered: MySQL
+        (no such status readable without privileges) and SQLite; a failover to a replica that lags.
+
         A check that fails (connection lost, server away) answers False: not final, never final by default.
         """
         try:
             with self.engine.connect() as conn:
                 if self.dialect == "postgresql":
-                    xmin, still_open = conn.execute(sa.text(
+                    xmin, still_open, flushed, lsn = conn.execute(sa.text(
                         "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, EXISTS (SELECT 1 FROM pg_locks "
-                        "WHERE locktype = 'virtualxid' AND granted AND virtualxid = ANY(CAST(:waits AS text[])))"),
+                        "WHERE locktype = 'virtualxid' AND granted AND virtualxid = ANY(CAST(:waits AS text[]))), "
+                        "pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn(), pg_current_wal_insert_lsn()::text"),
                         {"waits": list(candidate.waits)}).one()
-                    return int(xmin) >= candidate.marker and not still_open
+                    if int(xmin) < candidate.marker or still_open:
+                        return False
+                    return flushed or _flushed_within(lambda: conn.execute(sa.text(
+                        "SELECT pg_current_wal_flush_lsn() >= CAST(:lsn AS pg_lsn)"), {"lsn": lsn}).scalar())
                 if self.dialect == "mysql":
                     now = float(conn.execute(sa.text("SELECT UNIX_TIMESTAMP(NOW(6))")).scalar())
                     if now - candidate.marker < settle_seconds:
                         return False
-                    if not candidate.waits:
-                        return True
                     # A stale cache can only list a transaction that has ended since: never calls one ended too soon.
-                    open_now = self._innodb_trx(conn)
-                    return not any(_same_innodb_trx(wait, open_now) for wait in candidate.waits)
+                    if candidate.waits and any(_same_innodb_trx(wait, self._innodb_trx(conn))
+                                               for wait in candidate.waits):
+                        return False
+                    lsns = _innodb_lsns(conn)
+                    if "innodb_lsn_flushed" not in lsns:  # MySQL: not readable (docstring)
+                        return True
+                    target = (candidate.durable_at if candidate.durable_at is not None and not candidate.waits
+                              else lsns["innodb_lsn_current"])
+                    return lsns["innodb_lsn_flushed"] >= target or _flushed_within(
+                        lambda: _innodb_lsns(conn)["innodb_lsn_flushed"] >= target)
         except sa.exc.DBAPIError as exc:
             # Logged: a check that keeps failing stalls the table, and this says why.
             _log.warning("watermark %s not known final yet: the check failed: %s", candidate.watermark,
@@ -1140,6 +1163,27 @@ def _sqlite_misfit_sql(declared: str, c: str, t: str) -> str:
     bound = f"1e{max(digits - scale, 0)}"  # not abs(): it overflows on the smallest integer
     return (f"NOT (typeof({c}) = 'null' OR ({c} > -{bound} AND {c} < {bound} AND "
             f"(typeof({c}) = 'integer' OR (typeof({c}) = 'real' AND {fits}))))")
+
+
+DURABLE_WAIT_S = 1.2  # InnoDB flushes a lazily written log once a second (innodb_flush_log_at_timeout)
+
+
+def _flushed_within(flushed: Callable[[], bool], wait_s: float = DURABLE_WAIT_S) -> bool:
+    """Whether `flushed()` turns true within `wait_s`, asked every 10 ms."""
+    deadline = time.monotonic() + wait_s
+    while not flushed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _innodb_lsns(conn: sa.Connection) -> dict[str, int]:
+    """MariaDB's redo log positions (Innodb_lsn_current, Innodb_lsn_flushed; lower-case keys), readable by any
+    user; empty on MySQL, which has no such status variables."""
+    rows = conn.execute(sa.text("SHOW GLOBAL STATUS WHERE Variable_name IN "
+                                "('Innodb_lsn_current', 'Innodb_lsn_flushed')")).all()
+    return {str(name).lower(): int(value) for name, value in rows}
 
 
 def _innodb_trx_key(row: sa.Row) -> str:
