@@ -123,7 +123,8 @@ def partitions_for(table: TableConfig) -> DynamicPartitionsDefinition:
 def channel_for(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> TableChannel:
     start = table.start_after_watermark or 0
     return TableChannel.for_table(table.table_id, table.topic_name, start_after=start,
-                                  topic_partitions=table.topic_partitions, prefix=transactional_id_prefix)
+                                  topic_partitions=table.topic_partitions, prefix=transactional_id_prefix,
+                                  keyed=table.key != "none")
 
 
 def table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:

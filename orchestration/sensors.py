@@ -408,6 +408,7 @@ NEXT_STEP = {
     "rows_mismatch": "the source's rows changed under the read (see the run's message) and run it again",
     "progress_missing": "see the runbook (progress missing) before anything runs again",
     "producer_settings": "fix `kafka.producer` as the run's message says and run it again",
+    "topic_settings": "fix the topic's settings (or the table's `key:`) as the run's message says and run it again",
     "watermark_changed": "the table's watermark column or its type changed since its progress was recorded: put it "
                          "back, or set where the new one stands with `rowrelay reset` (see the run's message)",
     TIMED_OUT: "the table's sensor (with the daemon) cuts the slice smaller and runs it again; without it, lower "

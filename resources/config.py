@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from resources.names import portable_name
+from resources.names import portable_name, progress_topic_suffix
 from resources.slices import datetime_to_micros
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -214,10 +214,36 @@ class TableConfig(_Strict):
         return _DAGSTER_REFUSED.sub("_", ".".join(self.asset_path))
 
 
+# Producer settings rowrelay sets itself: a value in kafka.producer would be overridden or break the protocol.
+_OWN_PRODUCER_SETTINGS = {
+    "transactional.id": "rowrelay sets it per table (<transactional_id_prefix>.<table>); to keep two deployments "
+                        "apart on one cluster, give each its own kafka.transactional_id_prefix",
+    "delivery.report.only.error": "rowrelay records each slice's offsets from its delivery reports",
+}
+
+
 class KafkaConfig(_Strict):
     bootstrap_servers: str
     producer: dict[str, Any] = Field(default_factory=dict, description="extra librdkafka settings")
     transactional_id_prefix: str = "rowrelay"
+
+    @field_validator("producer")
+    @classmethod
+    def _settings_rowrelay_owns(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for name, why in _OWN_PRODUCER_SETTINGS.items():
+            if name in v:
+                raise ValueError(f"{name!r} cannot be set: {why}")
+        return v
+
+    @field_validator("transactional_id_prefix")
+    @classmethod
+    def _prefix_names_topics(cls, v: str) -> str:
+        # It names each table's progress topic (_<prefix>.progress.<table>) and transactional id: a character a
+        # topic name cannot hold failed every run with librdkafka's "Unknown topic", naming nothing.
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", v):
+            raise ValueError(f"{v!r} may hold only letters, digits, '.', '_' and '-': it names each table's progress "
+                             "topic (_<prefix>.progress.<table>) and transactional id")
+        return v
 
 
 class SparkConfig(_Strict):
@@ -250,6 +276,10 @@ class RelayConfig(_Strict):
             if t.table_id in seen:
                 raise ValueError(f"tables[{i}]: table {t.table_id} is configured twice")
             seen.add(t.table_id)
+            progress = f"_{self.kafka.transactional_id_prefix}{progress_topic_suffix(t.table_id)}"
+            if len(progress) > 249:
+                raise ValueError(f"tables[{i}]: its progress topic {progress[:60]}... would be {len(progress)} "
+                                 "characters, over Kafka's 249: shorten kafka.transactional_id_prefix")
         self._dagster_names_distinct()
         return self
 

@@ -45,7 +45,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from resources.arrow_produce import RowProducer
-from resources.names import portable_name
+from resources.names import progress_topic_suffix
 from resources.slices import SliceRange, is_timestamp_key, watermark_text
 
 _log = logging.getLogger(__name__)
@@ -153,12 +153,6 @@ class WatermarkChanged(RelayError):
     measured in: the progress value would be read in another sense, sending rows again or skipping rows for good."""
 
 
-def progress_topic_suffix(table: str) -> str:
-    """What a table's progress topic ends with under any transactional_id_prefix (`_<prefix>` before it). A table
-    id Kafka refuses in a topic name (a space, non-ASCII) is mapped, as its default data topic is."""
-    return f".progress.{portable_name(table)}"
-
-
 def message_watermark(msg: Any) -> int | None:
     """A published message's watermark, from its `rowrelay.watermark` header; None without one."""
     value = next((v for k, v in msg.headers() or () if k == WATERMARK_HEADER), None)
@@ -176,13 +170,14 @@ class TableChannel:
     start_after: int = 0  # watermark below which nothing is ever published
     topic_partitions: int = 1
     replication_factor: int = -1  # -1: the broker's default
+    keyed: bool = True  # the table's messages carry a key (`key:` other than none)
 
     @classmethod
     def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
-                  replication_factor: int = -1, prefix: str = "rowrelay") -> TableChannel:
+                  replication_factor: int = -1, prefix: str = "rowrelay", keyed: bool = True) -> TableChannel:
         return cls(table=table, topic=topic, progress_topic=f"_{prefix}{progress_topic_suffix(table)}",
                    transactional_id=f"{prefix}.{table}", start_after=start_after,
-                   topic_partitions=topic_partitions, replication_factor=replication_factor)
+                   topic_partitions=topic_partitions, replication_factor=replication_factor, keyed=keyed)
 
 
 @dataclass(frozen=True)
@@ -597,8 +592,88 @@ def _topic_metadata(admin: AdminClient, kafka_conf: dict[str, Any], topics: list
     return found
 
 
-def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> int:
-    """Create the channel's topics if missing; returns the data topic's partition count."""
+class TopicSettingsError(RelayError):
+    """A topic that exists with settings the table cannot be relayed with; a retry fails the same way."""
+
+
+@dataclass(frozen=True)
+class TopicsReady:
+    """What `ensure_topics` found: the data topic's partition count and, where readable, its max.message.bytes."""
+
+    partitions: int
+    max_message_bytes: int | None = None
+
+
+# Existing topics found fit (and the data topic's max.message.bytes), per process: an early read and the run it
+# feeds, seconds apart, check them once.
+_TOPICS_FIT: dict[tuple[str, str, str, bool], tuple[float, int | None]] = {}
+TOPICS_FIT_TTL_S = 60.0
+
+
+def _topic_configs(admin: AdminClient, topics: list[str], timeout: float) -> dict[str, dict[str, str]]:
+    """Each topic's configuration (name -> value); a topic whose configuration is not readable (no DescribeConfigs
+    permission) is left out: its checks are skipped, the broker still enforces what it enforces."""
+    resources = {name: ConfigResource(ConfigResource.Type.TOPIC, name) for name in topics}
+    found: dict[str, dict[str, str]] = {}
+    if not resources:
+        return found
+    for name, fut in zip(resources, admin.describe_configs(list(resources.values()),
+                                                           request_timeout=timeout).values(), strict=True):
+        try:
+            found[name] = {k: e.value for k, e in fut.result(timeout=timeout).items() if e.value is not None}
+        except Exception:  # noqa: BLE001 - unreadable: skip the checks (docstring)
+            _log.info("configuration of topic %s not readable; its settings are not checked", name)
+    return found
+
+
+def _check_existing_topics(admin: AdminClient, channel: TableChannel, existing: dict[str, Any],
+                           timeout: float) -> int | None:
+    """Refuse topics someone else created with settings rowrelay cannot work with; returns the data topic's
+    max.message.bytes where readable.
+
+    - The progress topic is read at partition 0 only: a record in another partition (a topic created with the
+      cluster's default partition count, before rowrelay produced to partition 0 explicitly) would be progress
+      never seen, and its slices sent again.
+    - Progress must never expire: a table whose progress expired would be sent again from its start, so the
+      progress topic must be compacted and nothing else (`compact,delete` expires too).
+    - A compacted data topic refuses messages without a key (the broker's INVALID_RECORD).
+    """
+    ch = channel
+    mine = [t for t in (ch.topic, ch.progress_topic) if t in existing]
+    configs = _topic_configs(admin, mine, timeout)
+    if ch.progress_topic in existing:
+        others = [TopicPartition(ch.progress_topic, p) for p in existing[ch.progress_topic].partitions if p != 0]
+        if others:
+            from confluent_kafka.admin import OffsetSpec
+
+            ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in others}, request_timeout=timeout)
+            held = sorted(tp.partition for tp, fut in ends.items() if fut.result(timeout=timeout).offset > 0)
+            if held:
+                raise TopicSettingsError(
+                    f"{ch.table}: progress topic {ch.progress_topic} has {len(others) + 1} partitions and its "
+                    f"partition(s) {held} hold records; rowrelay reads progress from partition 0 only, so those "
+                    "records were never seen, and slices they record may have been sent twice. Stop the table, "
+                    f"run `rowrelay verify --table {ch.table}`, then re-create the progress topic with one partition "
+                    "and cleanup.policy=compact holding the last record of partition 0 (or set a new baseline with "
+                    "`rowrelay reset`); nothing was sent")
+        policy = configs.get(ch.progress_topic, {}).get("cleanup.policy")
+        if policy is not None and policy.replace(" ", "") != "compact":
+            raise TopicSettingsError(
+                f"{ch.table}: progress topic {ch.progress_topic} has cleanup.policy={policy}: its records expire "
+                "(retention.ms), and a table whose progress expired would be sent again from its start. Make it "
+                f"compacted only: kafka-configs.sh --alter --entity-type topics --entity-name {ch.progress_topic} "
+                "--add-config cleanup.policy=compact; nothing was sent")
+    data = configs.get(ch.topic, {})
+    if not ch.keyed and "compact" in data.get("cleanup.policy", ""):
+        raise TopicSettingsError(
+            f"{ch.table}: topic {ch.topic} is compacted (cleanup.policy={data['cleanup.policy']}), and Kafka refuses "
+            "a message without a key there; the table has `key: none`. Set `key:` (its primary key, or hash_row) "
+            "or relay it to a topic that is not compacted; nothing was sent")
+    return int(data["max.message.bytes"]) if "max.message.bytes" in data else None
+
+
+def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> TopicsReady:
+    """Create the channel's topics if missing, and check those that existed (`_check_existing_topics`)."""
     # No automatic creation by asking about a topic (librdkafka's producer-type clients, AdminClient among
     # them, would let a broker with auto.create.topics.enable create it with the broker's defaults): the
     # progress topic must be created compacted, below.
@@ -608,6 +683,14 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
         partitions = len(existing[channel.topic].partitions)
     else:
         partitions = channel.topic_partitions
+    memo = (str(kafka_conf.get("bootstrap.servers")), channel.topic, channel.progress_topic, channel.keyed)
+    hit = _TOPICS_FIT.get(memo)
+    if hit is not None and time.monotonic() - hit[0] < TOPICS_FIT_TTL_S and len(existing) == 2:
+        ready = TopicsReady(partitions, hit[1])
+    else:
+        ready = TopicsReady(partitions, _check_existing_topics(admin, channel, existing, timeout))
+        if len(existing) == 2:
+            _TOPICS_FIT[memo] = (time.monotonic(), ready.max_message_bytes)
     wanted = []
     if channel.topic not in existing:
         wanted.append(NewTopic(channel.topic, channel.topic_partitions, channel.replication_factor))
@@ -617,7 +700,7 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
         wanted.append(NewTopic(channel.progress_topic, 1, channel.replication_factor,
                                config={"cleanup.policy": "compact"}))
     if not wanted:
-        return partitions
+        return ready
     for topic, fut in admin.create_topics(wanted, request_timeout=timeout).items():
         try:
             fut.result(timeout=timeout)
@@ -631,9 +714,9 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
         topics = _topic_metadata(admin, kafka_conf, names, timeout)
         if all(n in topics and topics[n].partitions and all(p.leader >= 0 for p in topics[n].partitions.values())
                for n in names):
-            return partitions
+            return ready
         time.sleep(0.05)  # a new topic's leader is usually elected within tens of milliseconds
-    return partitions
+    return ready
 
 
 # A reader fetches again 10 ms after its queue was full, not librdkafka's default 1000 ms (fetch.queue.backoff.ms):
@@ -1204,6 +1287,7 @@ class SlicePublisher:
             "transaction.timeout.ms": self.transaction_timeout_ms,
         }
         self.max_message_bytes = int(producer_conf.get("message.max.bytes", 1_000_000))
+        self._producer_conf = producer_conf
         try:
             self.producer = Producer(with_error_cb(producer_conf))
         except KafkaException as exc:  # e.g. message.timeout.ms over transaction.timeout.ms
@@ -1226,7 +1310,9 @@ class SlicePublisher:
 
     def init(self) -> None:
         # First: an unreachable broker fails here, clearly.
-        self._data_partitions = ensure_topics(self.kafka_conf, self.channel)
+        ready = ensure_topics(self.kafka_conf, self.channel)
+        self._data_partitions = ready.partitions
+        self._fit_batches_to(ready.max_message_bytes)
         broker_max = broker_max_transaction_timeout_ms(self.kafka_conf)
         if broker_max is not None and self.transaction_timeout_ms > broker_max:
             raise ProducerSettingsError(self._timeout_over_max(broker_max))
@@ -1244,6 +1330,20 @@ class SlicePublisher:
             raise RelayError(f"init_transactions for {self.channel.transactional_id}: {_fatal_message(err)}") from exc
         self._initialized = True
         self.on_stage("initialized")
+
+    def _fit_batches_to(self, topic_max_bytes: int | None) -> None:
+        """Batches no larger than the data topic accepts. The broker refuses a whole batch over the topic's
+        max.message.bytes, and librdkafka, unlike Kafka's Java producer, does not split it: every slice then failed,
+        blaming its largest row however small. Before init_transactions the producer has done nothing: it is made
+        again with a batch.size the topic takes (lz4's worst-case growth left aside)."""
+        batch = int(self._producer_conf.get("batch.size", 1_000_000))
+        if topic_max_bytes is None or batch <= topic_max_bytes:
+            return
+        fitted = max(1, (topic_max_bytes - 128) * 255 // 256)
+        _log.info("%s: batch.size %d is over topic %s's max.message.bytes %d: %d used", self.channel.table, batch,
+                  self.channel.topic, topic_max_bytes, fitted)
+        self._producer_conf = {**self._producer_conf, "batch.size": fitted}
+        self.producer = Producer(with_error_cb(self._producer_conf))
 
     def _timeout_over_max(self, broker_max: int | None) -> str:
         limit = f"the brokers' transaction.max.timeout.ms ({broker_max} ms)" if broker_max is not None else \
@@ -1352,7 +1452,8 @@ class SlicePublisher:
         try:
             self._call(self.producer.begin_transaction)
             self._txn_began, self._txn_rows = time.monotonic(), 0
-            self._produce(self.channel.progress_topic, record.slice.encode(), record.to_json(), None, None, None)
+            self._produce(self.channel.progress_topic, record.slice.encode(), record.to_json(), None, None, None,
+                          partition=0)  # read at partition 0 whatever partitions the topic has
             self._commit()
             self._txn_began = None
         except _AbortAndRedo as exc:
@@ -1583,8 +1684,14 @@ class SlicePublisher:
         if failure is not None or errors:
             # The transaction's own error names the cause; a delivery report may only say its message was purged.
             err = failure if failure is not None else errors[0][0]
-            if err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE,
-                              KafkaError.INVALID_RECORD):
+            if err.code() == KafkaError.INVALID_RECORD:
+                raise TopicSettingsError(
+                    f"{ch.table}: the broker refused a message of slice {slice_range} as invalid ({err.str()}): a "
+                    f"compacted topic refuses messages without a key (is topic {ch.topic} compacted while the table "
+                    "has `key: none`?), or a broker-side record check (a timestamp outside "
+                    "message.timestamp.*.max.ms) failed. Nothing of the slice is visible; fix the topic's settings "
+                    "or the table's `key:`")
+            if err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE):
                 size, wm, value = largest
                 column, hint = _column_hint(value)
                 raise BadRowError(
@@ -1616,7 +1723,8 @@ class SlicePublisher:
             columns=columns, schema_fingerprint=schema_fingerprint, where=where, skipped=skipped,
             **watermark_fields(watermark),
         )
-        self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None)
+        self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None,
+                      partition=0)  # read at partition 0 whatever partitions the topic has
         self.on_stage("before_commit")
         clock = time.monotonic()
         self._commit()

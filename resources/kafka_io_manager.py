@@ -22,6 +22,7 @@ from resources.exactly_once import (
     SlicePublisher,
     SliceRowsMismatch,
     TableChannel,
+    TopicSettingsError,
     TransactionTimedOut,
     WatermarkChanged,
     read_published_messages,
@@ -67,6 +68,7 @@ STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
     (TransactionTimedOut, "transaction_timeout"),  # before "fenced": the coordinator's abort looks like one
     (ProgressMissing, "progress_missing"),
     (ProducerSettingsError, "producer_settings"),
+    (TopicSettingsError, "topic_settings"),
     (SliceRowsMismatch, "rows_mismatch"),
     (PublisherFenced, "fenced"),
     (WatermarkChanged, "watermark_changed"),

@@ -20,3 +20,9 @@ def portable_name(name: str) -> str:
     if _PORTABLE.fullmatch(name):
         return name
     return f"{_PORTABLE_REFUSED.sub('_', name)}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def progress_topic_suffix(table: str) -> str:
+    """What a table's progress topic ends with under any transactional_id_prefix (`_<prefix>` before it). A table
+    id Kafka refuses in a topic name (a space, non-ASCII) is mapped, as its default data topic is."""
+    return f".progress.{portable_name(table)}"

@@ -25,6 +25,7 @@ from resources.exactly_once import (
 )
 from resources.kafka_io_manager import STOPPED_TAG
 from resources.slices import SliceRange
+from tests.conftest import partition_ends
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, visible_progress
 from tests.test_errors import failure_text
 
@@ -353,8 +354,8 @@ def test_topics_are_made_from_their_own_metadata_not_the_whole_clusters(services
 
     monkeypatch.setattr(eo, "list_topics", spy)
     monkeypatch.setattr(eo, "_broker_max_timeout_ms", {})  # read it again, through DescribeCluster
-    assert eo.ensure_topics(conf, channel) == 2  # the existing topic's own partition count
-    assert eo.ensure_topics(conf, channel) == 2  # both exist now: nothing to create
+    assert eo.ensure_topics(conf, channel).partitions == 2  # the existing topic's own partition count
+    assert eo.ensure_topics(conf, channel).partitions == 2  # both exist now: nothing to create
     assert asked and None not in asked, f"whole-cluster metadata asked: {asked}"
     assert set(asked) == {channel.topic, channel.progress_topic}
     progress = ConfigResource(ConfigResource.Type.TOPIC, channel.progress_topic)
@@ -364,3 +365,79 @@ def test_topics_are_made_from_their_own_metadata_not_the_whole_clusters(services
     assert progress_config["min.insync.replicas"].source != ConfigSource.DYNAMIC_TOPIC_CONFIG.value
     assert len(admin.list_topics(channel.topic, timeout=10).topics[channel.topic].partitions) == 2
     assert eo.broker_max_transaction_timeout_ms(conf) == 900_000  # the stack broker's (Kafka's default)
+
+
+# --------------------------------------------------------------------------- topics someone else created
+
+
+def _create_topic(services, topic: str, partitions: int = 1, **config: str) -> None:
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, partitions, 1, config=config)])[topic].result(timeout=30)
+
+
+def test_a_progress_topic_with_several_partitions_keeps_every_record_in_the_one_read(services, name,
+                                                                                     monkeypatch) -> None:
+    """An admin created the progress topic with the cluster's usual partition count. Records spread by key hash
+    over its partitions, while progress is read at partition 0: each backfill sent everything after the first slice
+    again (found by review: 900 messages for 400 rows after three backfills)."""
+    conf = _conf(services)
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    _create_topic(services, channel.progress_topic, 3, **{"cleanup.policy": "compact"})
+    for lo in range(0, 400, 100):
+        eo.publish_slice(channel, conf, SliceRange(lo, lo + 100), _rows(lo, lo + 100))
+    again = eo.publish_slice(channel, conf, SliceRange(100, 200), _rows(100, 200))
+    assert again.already_committed
+    assert_exactly_once(read_topic(services.kafka_bootstrap, name), list(range(1, 401)))
+    progress = read_committed_progress(conf, channel)
+    assert progress is not None and progress.hi == 400
+    assert [partition_ends(services.kafka_bootstrap, channel.progress_topic, p)[1] for p in (1, 2)] == [0, 0]
+    # Records an older release left in another partition are never read: refused, naming them, before anything.
+    stray = Producer({"bootstrap.servers": services.kafka_bootstrap})
+    stray.produce(channel.progress_topic, b"{}", b"000000000400-000000000500", partition=2)
+    stray.flush(10)
+    monkeypatch.setattr(eo, "_TOPICS_FIT", {})  # as a process started later (the check is kept for a minute)
+    with pytest.raises(eo.TopicSettingsError, match=r"partition\(s\) \[2\] hold records.*reads progress from "
+                                                    r"partition 0 only.*nothing was sent"):
+        eo.publish_slice(channel, conf, SliceRange(400, 500), _rows(400, 500))
+    assert len(read_topic(services.kafka_bootstrap, name)) == 400
+
+
+@pytest.mark.parametrize("policy", ["delete", "compact,delete"])
+def test_a_progress_topic_whose_records_expire_is_refused(services, name, policy) -> None:
+    conf = _conf(services)
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    _create_topic(services, channel.progress_topic, **{"cleanup.policy": policy})
+    with pytest.raises(eo.TopicSettingsError, match=rf"has cleanup.policy={policy}: its records expire.*"
+                                                    rf"--entity-name {channel.progress_topic} --add-config "
+                                                    r"cleanup.policy=compact; nothing was sent"):
+        eo.publish_slice(channel, conf, SliceRange(0, 3), _rows(0, 3))
+    assert read_topic(services.kafka_bootstrap, name, timeout=2) == []
+
+
+def test_a_compacted_data_topic_needs_a_key(services, name) -> None:
+    """Kafka refuses a message without a key in a compacted topic (INVALID_RECORD); it was reported as a row too
+    large, with advice to skip rows."""
+    conf = _conf(services)
+    _create_topic(services, name, **{"cleanup.policy": "compact"})
+    unkeyed = TableChannel.for_table(f"edge.public.{name}", name, keyed=False)
+    with pytest.raises(eo.TopicSettingsError, match=rf"topic {name} is compacted \(cleanup.policy=compact\).*"
+                                                    r"`key: none`.*nothing was sent"):
+        eo.publish_slice(unkeyed, conf, SliceRange(0, 3), _rows(0, 3))
+    # Keyed (as _rows' messages are), the same topic takes them.
+    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}", name), conf, SliceRange(0, 3), _rows(0, 3))
+    assert_exactly_once(read_topic(services.kafka_bootstrap, name), [1, 2, 3])
+
+
+def test_batches_fit_a_data_topic_with_a_small_max_message_bytes(services, name) -> None:
+    """A topic limit of 4,000 bytes against the producer's 1 MB batches: the broker refused every batch and each
+    slice failed blaming its largest row (145 bytes); librdkafka does not split a refused batch as Java's does."""
+    conf = _conf(services)
+    _create_topic(services, name, **{"max.message.bytes": "4000"})
+    channel = TableChannel.for_table(f"edge.public.{name}", name)
+
+    def rows() -> Iterator[list[OutgoingMessage]]:
+        yield [OutgoingMessage(str(i).encode(), f'{{"id":{i},"note":"{"x" * 120}"}}'.encode(), i)
+               for i in range(1, 301)]
+
+    eo.publish_slice(channel, conf, SliceRange(0, 300), rows)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, name), list(range(1, 301)))

@@ -121,6 +121,15 @@ def test_config_defaults_and_names() -> None:
     # A key column left out of `columns:` failed every run with a bare KeyError, retried forever.
     (lambda c: c["tables"][0].update(columns=["id", "a"], key=["b"]),
      "key columns ['b'] are not among the columns read (['id', 'a']); add them to `columns:`"),
+    # The prefix names each progress topic: a '/' failed every run with librdkafka's "Unknown topic".
+    (lambda c: c["kafka"].update(transactional_id_prefix="rr/stg"),
+     "kafka.transactional_id_prefix: Value error, 'rr/stg' may hold only letters, digits"),
+    (lambda c: c["kafka"].update(transactional_id_prefix="r" * 240), "characters, over Kafka's 249"),
+    # Settings rowrelay owns: silently overridden, or failing every run as "Expected ... bool type, not str".
+    (lambda c: c["kafka"].update(producer={"transactional.id": "prod"}),
+     "'transactional.id' cannot be set: rowrelay sets it per table"),
+    (lambda c: c["kafka"].update(producer={"delivery.report.only.error": True}),
+     "'delivery.report.only.error' cannot be set"),
 ])
 def test_config_errors_name_the_key(change, message) -> None:
     import copy
