@@ -25,6 +25,7 @@ from dagster import (
     AssetsDefinition,
     BackfillPolicy,
     BetaWarning,
+    DagsterInstance,
     DynamicPartitionsDefinition,
     Failure,
     HookContext,
@@ -333,6 +334,20 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
                        where=table.where or "", watermark=shape.watermark_id)
 
 
+def last_recorded_slice(instance: DagsterInstance, key: AssetKey) -> SliceRange | None:
+    """The slice of the table's last materialization (Dagster's record of a committed slice), if any: asked only
+    where Kafka's progress is empty, so that a progress topic lost after its data topic's messages expired does not
+    send the table again (the publisher refuses: `recorded`)."""
+    event = instance.get_latest_materialization_event(key)
+    partition = event.asset_materialization.partition if event and event.asset_materialization else None
+    if partition is None:
+        return None
+    try:
+        return SliceRange.from_key(partition)
+    except ValueError:
+        return None
+
+
 def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: str, kind: str, value: str
                         ) -> BadRowError:
     """What a slice holding a SQLite value its column cannot carry stops with (see `sqlite_misfit`)."""
@@ -401,6 +416,8 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
             reason = "schema_change" if isinstance(exc, SchemaChanged) else "source"
             context.instance.add_run_tags(context.run_id, stopped_tags(reason))
             raise Failure(description=str(exc), allow_retries=False) from exc
+        if committed is None and result.pending:
+            result.recorded = last_recorded_slice(context.instance, context.asset_key)
         if result.schema_change:
             context.log.warning(f"{table.table_id}: columns changed since the last committed slice: "
                                 f"{result.schema_change} (on_schema_change: follow)")

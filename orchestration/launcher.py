@@ -321,16 +321,24 @@ class WarmWorker:
     start: int | None
     server_pid: int
 
+    run_id: str | None = None  # the run it was forked for (None in tags of earlier releases)
+
     def to_tag(self) -> str:
-        return json.dumps({"pid": self.pid, "host": self.host, "start": self.start, "server_pid": self.server_pid})
+        return json.dumps({"pid": self.pid, "host": self.host, "start": self.start, "server_pid": self.server_pid,
+                           "run": self.run_id})
 
     @classmethod
     def from_run(cls, run: DagsterRun) -> WarmWorker | None:
+        """The run's worker; None when it has none, or when the tag was copied from another run (Dagster's retry
+        copies its parent's tags: a retry never launched named its parent's worker in its failure)."""
         raw = run.tags.get(WORKER_TAG)
         if raw is None:
             return None
         data = json.loads(raw)
-        return cls(int(data["pid"]), str(data["host"]), data.get("start"), int(data.get("server_pid", 0)))
+        if data.get("run") not in (None, run.run_id):
+            return None
+        return cls(int(data["pid"]), str(data["host"]), data.get("start"), int(data.get("server_pid", 0)),
+                   data.get("run"))
 
     def status(self) -> tuple[WorkerStatus, str]:
         if self.host != socket.gethostname():
@@ -497,7 +505,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
                         raise
             if not answer.get("ok"):
                 raise ForkServerUnavailable(answer.get("error", "fork refused"))
-            worker = WarmWorker(answer["pid"], socket.gethostname(), answer.get("start"), server.pid)
+            worker = WarmWorker(answer["pid"], socket.gethostname(), answer.get("start"), server.pid, run.run_id)
             try:
                 # Recorded before the worker may start: health checks and terminate always find it.
                 self._instance.add_run_tags(run.run_id, {WORKER_TAG: worker.to_tag()})

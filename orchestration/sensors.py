@@ -409,6 +409,8 @@ NEXT_STEP = {
     "progress_missing": "see the runbook (progress missing) before anything runs again",
     "producer_settings": "fix `kafka.producer` as the run's message says and run it again",
     "topic_settings": "fix the topic's settings (or the table's `key:`) as the run's message says and run it again",
+    "progress_shared": "two deployments share the table's progress: give each its own `kafka.transactional_id_prefix` "
+                       "(or `rowrelay reset` if `topic:` was moved back on purpose; see the run's message)",
     "watermark_changed": "the table's watermark column or its type changed since its progress was recorded: put it "
                          "back, or set where the new one stands with `rowrelay reset` (see the run's message)",
     TIMED_OUT: "the table's sensor (with the daemon) cuts the slice smaller and runs it again; without it, lower "
@@ -465,6 +467,37 @@ def fail_dead_runs(context: SensorEvaluationContext, job_name: str, active: list
         context.instance.report_run_failed(run, f"run worker pid {pid} is gone (killed?); marked failed by {host}")
         failed.append(run.run_id)
     return failed
+
+
+UNSTARTED_GRACE_S = 30.0  # a run leaves NOT_STARTED within a second when it is queued or executed in-process
+
+
+def cancel_unstartable_runs(context: SensorEvaluationContext, partitions_name: str, active: list[Any]) -> list[str]:
+    """Cancel runs left NOT_STARTED past UNSTARTED_GRACE_S whose slices no longer exist.
+
+    Dagster's retry of a run whose slices were deleted (by hand in the UI, or cut again by this sensor when they
+    no longer continued Kafka's progress) is created but can never be queued ("Nonexistent partition keys"); run
+    monitoring failed it only after its start timeout (120 s), the next retry the same way, five times: the table
+    counted them as active and waited ~10 minutes (found by review). A canceled run is not retried; the sensor
+    requests the slices as they are now under new runs."""
+    unstarted = [r.run_id for r in active if r.status == DagsterRunStatus.NOT_STARTED]
+    if not unstarted:
+        return []
+    canceled = []
+    for record in context.instance.get_run_records(RunsFilter(run_ids=unstarted)):
+        run = record.dagster_run
+        span = run_slices(dict(run.tags))
+        if span is None or time.time() - record.create_timestamp.timestamp() < UNSTARTED_GRACE_S:
+            continue
+        gone = [s.key for s in dict.fromkeys(span)
+                if not context.instance.has_dynamic_partition(partitions_name, s.key)]
+        if gone:
+            context.instance.report_run_canceled(
+                run, f"slice(s) {gone} of this run no longer exist (deleted by hand, or cut again from Kafka's "
+                     "progress): it can never start; canceled by the table's sensor, which requests the table's "
+                     "slices as they are now under new runs")
+            canceled.append(run.run_id)
+    return canceled
 
 
 def pid_alive(pid: int) -> bool:
@@ -563,7 +596,8 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
     # query is a new PostgreSQL connection: ~10 ms of an idle tick).
     if active_runs is None:
         active_runs = instance.get_runs(RunsFilter(job_name=job_name, statuses=ACTIVE))
-    if active_runs and fail_dead_runs(context, job_name, active_runs):
+    if active_runs and (fail_dead_runs(context, job_name, active_runs)
+                        or cancel_unstartable_runs(context, partitions.name, active_runs)):
         active_runs = instance.get_runs(RunsFilter(job_name=job_name, statuses=ACTIVE))
     cached_table_shape(source, table)  # a broken table or config fails the tick with its reason, every tick
     channel = channel_for(table, io_manager.transactional_id_prefix)

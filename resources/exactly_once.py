@@ -148,6 +148,11 @@ class ProgressMissing(RelayError):
         self.topic_watermark = topic_watermark  # the highest watermark of the table already in the topic
 
 
+class ProgressShared(RelayError):
+    """The table's progress moved to another topic and back: two deployments share it under one
+    transactional_id_prefix, each skipping the rows the other sent."""
+
+
 class WatermarkChanged(RelayError):
     """The table's watermark is another column, or another kind of column, than the one its committed progress was
     measured in: the progress value would be read in another sense, sending rows again or skipping rows for good."""
@@ -1263,8 +1268,12 @@ class SlicePublisher:
 
     def __init__(self, channel: TableChannel, kafka_conf: dict[str, Any], *,
                  on_stage: StageHook | None = None, max_attempts: int = 3, init_timeout_s: float = 60.0,
-                 flush_timeout_s: float = 300.0, abort_timeout_s: float = 10.0) -> None:
+                 flush_timeout_s: float = 300.0, abort_timeout_s: float = 10.0,
+                 recorded: SliceRange | None = None) -> None:
         self.channel = channel
+        # The newest slice the orchestrator recorded as committed, where Kafka's progress looked empty to it (None:
+        # nothing recorded, or progress was there): see `_refuse_if_progress_missing`.
+        self.recorded = recorded
         self.flush_timeout_s = flush_timeout_s
         self.kafka_conf = kafka_conf
         self.on_stage = on_stage or env_failpoint
@@ -1295,6 +1304,7 @@ class SlicePublisher:
         self._initialized = False
         self._own_progress: ProgressRecord | None = None
         self._topic_checked = False  # the data topic was checked for this table's messages (empty progress)
+        self._topic_checked_back = False  # a topic change was checked for a deployment sharing the progress
         self._data_partitions = channel.topic_partitions
         # A delivery report per row costs a Python Message and a callback per row (a third of the produce loop).
         # With one data partition the first and last row of each batch give the slice's offsets, and a failed row
@@ -1379,8 +1389,10 @@ class SlicePublisher:
         self.on_stage("progress_read")
         if committed is None:
             self._refuse_if_progress_missing()
-        elif watermark is not None:
-            refuse_watermark_change(committed, watermark)
+        else:
+            if watermark is not None:
+                refuse_watermark_change(committed, watermark)
+            self._refuse_topic_taken_back(committed)
         committed_hi = committed.hi if committed else self.channel.start_after
         if committed_hi >= slice_range.hi:
             # A baseline or reset record (lo == hi) is not this slice's record.
@@ -1507,13 +1519,47 @@ class SlicePublisher:
 
     # -- internals ----------------------------------------------------------------------------------
 
+    def _refuse_topic_taken_back(self, committed: ProgressRecord) -> None:
+        """Refuse when the table's progress was last written for another topic after earlier records of this
+        run's topic. A `topic:` change moves a table once (the new topic gets the rows after it); progress going
+        back and forth is two deployments (staging and production on one cluster) sharing one transactional_id
+        prefix with their own topics: each continued from the other's progress and skipped the rows the other had
+        sent, with every backfill exiting 0 (found by review). Reads the history only when the topics differ."""
+        ch = self.channel
+        if not committed.topic or committed.topic == ch.topic or self._topic_checked_back:
+            return
+        history = read_progress_history(self.kafka_conf, ch)
+        if any(r.topic == ch.topic for r in history[:-1]):
+            at = watermark_text(committed.hi, is_timestamp_key(committed.slice))
+            raise ProgressShared(
+                f"{ch.table}: its committed progress was last written for topic {committed.topic} (slice "
+                f"{committed.slice}, committed {committed.committed_at}), after earlier slices of this run's topic "
+                f"{ch.topic}: two deployments relaying this table under one transactional id ({ch.transactional_id}) "
+                "take turns, each skipping the rows the other sent. Give each deployment its own "
+                "kafka.transactional_id_prefix. If `topic:` was moved back on purpose, run `rowrelay reset --table "
+                f"{ch.table} --after {at}` to continue in {ch.topic} from there; nothing was sent")
+        self._topic_checked_back = True
+
     def _refuse_if_progress_missing(self) -> None:
         """Empty progress but the table's messages already in its data topic (e.g. a new transactional_id_prefix
-        gave it a new, empty progress topic): publishing would send them all again. Checked once per publisher."""
+        gave it a new, empty progress topic), or slices of it recorded committed by the orchestrator (`recorded`:
+        the progress topic deleted after the data topic's messages expired): publishing would send them all again.
+        Checked once per publisher."""
         if self._topic_checked:
             return
         if (missing := progress_missing(self.kafka_conf, self.channel)) is not None:
             raise missing
+        ch = self.channel
+        if self.recorded is not None and self.recorded.hi > ch.start_after:
+            at = watermark_text(self.recorded.hi, self.recorded.timestamps)
+            raise ProgressMissing(
+                f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}), but the slices of "
+                f"this table recorded as committed reach watermark {at} (its last materialization): the progress "
+                "topic was deleted or its records expired, and the data topic no longer shows those rows, so "
+                f"publishing would send them again. Run `rowrelay reset --table {ch.table} --after {at}` to continue "
+                "after them (a lower value, `--after 0` included, sends rows again deliberately: a new cluster or "
+                "topic meant to get the whole table); nothing was sent", table=ch.table,
+                topic_watermark=self.recorded.hi)
         self._topic_checked = True
 
     def _raise_if_timed_out(self, slice_range: SliceRange, exc: BaseException) -> None:

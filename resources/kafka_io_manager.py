@@ -16,6 +16,7 @@ from resources.exactly_once import (
     ProducerSettingsError,
     ProgressMissing,
     ProgressRecord,
+    ProgressShared,
     PublisherFenced,
     PublishResult,
     RelayError,
@@ -72,6 +73,7 @@ STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
     (SliceRowsMismatch, "rows_mismatch"),
     (PublisherFenced, "fenced"),
     (WatermarkChanged, "watermark_changed"),
+    (ProgressShared, "progress_shared"),
 )
 _STOPPING_ERRORS = tuple(cls for cls, _ in STOP_REASONS)
 CHANNEL_METADATA = ("rowrelay/table", "rowrelay/topic", "rowrelay/progress_topic", "rowrelay/transactional_id",
@@ -107,8 +109,8 @@ class KafkaIOManager(ConfigurableIOManager):
         conf["bootstrap.servers"] = resolve_env(self.bootstrap_servers)
         return conf
 
-    def publisher(self, channel: TableChannel) -> SlicePublisher:
-        return SlicePublisher(channel, self.kafka_conf())
+    def publisher(self, channel: TableChannel, recorded: SliceRange | None = None) -> SlicePublisher:
+        return SlicePublisher(channel, self.kafka_conf(), recorded=recorded)
 
     def handle_output(self, context: OutputContext, obj: TableSlices) -> None:
         """Publish each pending slice in its own transaction, in watermark order, with one producer epoch.
@@ -149,7 +151,7 @@ class KafkaIOManager(ConfigurableIOManager):
             ahead = ReadAhead(frames_in_order(), self.chunk_rows, self.prefetch_chunks)
             completed = False
             try:
-                publisher = self.publisher(obj.channel)
+                publisher = self.publisher(obj.channel, obj.recorded)
                 for slice_range in obj.pending:
                     frame = ahead.frame_at_head()
                     if frame is None or frame.slice != slice_range:

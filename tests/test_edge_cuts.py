@@ -453,3 +453,40 @@ def test_settled_rows_are_asked_about_once_and_a_recount_asks_again(services, pg
     finally:
         SETTLED_ANSWERS.clear()
         source.dispose()
+
+
+def test_a_retry_whose_slices_were_deleted_does_not_hold_the_table(services, pg_database, pg_engine,
+                                                                  dagster_instance, spark, name, monkeypatch) -> None:
+    """An admin deleted a queued run's partitions in the UI; the sensor cut the range again (its last slice, short
+    before, now longer), and Dagster's retry of a run on the old slices was created but could never be queued
+    ("Nonexistent partition keys"): five retries in a row, each failed by run monitoring after 120 s, while the
+    sensor counted them as queued and held the table ~10 minutes (found by review). Now such a run is canceled
+    (a canceled run is not retried) and the table's slices go on."""
+    from dagster import DagsterRunStatus
+    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+    from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
+
+    from orchestration import sensors
+    from orchestration.factory import job_name
+
+    _pg_table(pg_engine, name, 25)
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, slice_max_rows=10,
+                                                                           settle_seconds=0)]), dagster_instance)
+    table = h.table()
+    first, last = h.cut(table)[0].split("...")
+    assert last == "000000000020-000000000025"
+    stuck = create_run_for_test(dagster_instance, job_name=job_name(table), status=DagsterRunStatus.NOT_STARTED,
+                                tags={ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last})
+    partitions = sensors.partitions_for(table).name
+    for key in dagster_instance.get_dynamic_partitions(partitions):
+        dagster_instance.delete_dynamic_partition(partitions, key)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' FROM generate_series(1, 10)"))
+    assert h.cut(table) == [f"{first}...000000000030-000000000035"]  # cut again: (20, 25] is no slice any more
+    h.tick(table)  # within the grace a run just created is let be queued
+    assert "still queued or running" in (h.skip_messages[table.table_id] or "")
+    monkeypatch.setattr(sensors, "UNSTARTED_GRACE_S", 0.0)  # as 30 s later
+    h.tick(table)
+    canceled = dagster_instance.get_run_by_id(stuck.run_id)
+    assert canceled is not None and canceled.status == DagsterRunStatus.CANCELED
+    assert "still queued or running" not in (h.skip_messages[table.table_id] or "")

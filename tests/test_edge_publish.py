@@ -337,6 +337,39 @@ def test_run_with_empty_progress_and_published_topic_stops_without_publishing(se
     assert_exactly_once(read_topic(services.kafka_bootstrap, renamed.table().topic_name), [1, 2, 3])
 
 
+def test_progress_topic_lost_after_the_data_topics_messages_expired_is_refused(services, pg_database, pg_engine,
+                                                                               dagster_instance, spark, name) -> None:
+    """The progress topic deleted by an admin once the data topic's old messages had aged out: nothing in Kafka
+    showed the table's history, and the next backfill sent it all again, exit 0 (found by review). Dagster's
+    storage still records the committed slices: the run refuses, naming the watermark to reset to."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b'), ('c')"))
+    h = Harness(relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                               "watermark": "id"}]), dagster_instance)
+    table = h.table()
+    partitions = f"{table.dagster_name}__slices"
+    dagster_instance.add_dynamic_partitions(partitions, [SliceRange(0, 3).key])
+    h.run(table, SliceRange(0, 3).key)
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    channel = eo.TableChannel.for_table(table.table_id, table.topic_name)
+    admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
+    end = partition_ends(services.kafka_bootstrap, table.topic_name)[1]
+    for fut in admin.delete_records([TopicPartition(table.topic_name, 0, end)]).values():  # as retention does
+        fut.result(timeout=30)
+    _wait_for("the progress topic gone", lambda: read_committed_progress(_conf(services), channel) is None, 30)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('d'), ('e')"))
+    dagster_instance.add_dynamic_partitions(partitions, [SliceRange(0, 5).key])  # as a cut from empty progress
+    result = h.run(table, SliceRange(0, 5).key, raise_on_error=False)
+    assert not result.success
+    message = failure_text(result)
+    assert "slices of this table recorded as committed reach watermark 3" in message, message
+    assert f"rowrelay reset --table {table.table_id} --after 3" in message, message
+    assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "progress_missing"
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=2) == []
+
+
 def test_topics_are_made_from_their_own_metadata_not_the_whole_clusters(services, name, monkeypatch) -> None:
     """ensure_topics asks about the table's two topics only: an answer about every topic of the cluster costs
     client and broker CPU in proportion to the cluster (2,500 topics on the test broker). An existing data topic
@@ -441,3 +474,25 @@ def test_batches_fit_a_data_topic_with_a_small_max_message_bytes(services, name)
 
     eo.publish_slice(channel, conf, SliceRange(0, 300), rows)
     assert_exactly_once(read_topic(services.kafka_bootstrap, name), list(range(1, 301)))
+
+
+def test_progress_that_moves_to_another_topic_and_back_is_refused(services, name) -> None:
+    """Staging and production on one cluster, one transactional_id_prefix, topics of their own: each continued
+    from the other's progress and skipped the rows the other had sent, every backfill exiting 0 (found by review).
+    A single `topic:` change still moves the table; the move back is refused until a reset says it is meant."""
+    conf = _conf(services)
+    table = f"edge.public.{name}"
+    prod, staging = TableChannel.for_table(table, f"{name}.prod"), TableChannel.for_table(table, f"{name}.stg")
+    eo.publish_slice(prod, conf, SliceRange(0, 3), _rows(0, 3))
+    eo.publish_slice(staging, conf, SliceRange(3, 5), _rows(3, 5))  # a topic change, as far as anyone can tell
+    with pytest.raises(eo.ProgressShared, match=rf"last written for topic {name}.stg .*after earlier slices of this "
+                                                rf"run's topic {name}.prod.*rowrelay reset --table {table} --after 5"):
+        eo.publish_slice(prod, conf, SliceRange(5, 7), _rows(5, 7))
+    assert_exactly_once(read_topic(services.kafka_bootstrap, f"{name}.prod"), [1, 2, 3])
+    publisher = SlicePublisher(prod, conf)
+    try:
+        publisher.publish_reset(5, "topic moved back to prod on purpose")
+        assert not publisher.publish(SliceRange(5, 7), _rows(5, 7)).already_committed
+    finally:
+        publisher.close()
+    assert_exactly_once(read_topic(services.kafka_bootstrap, f"{name}.prod"), [1, 2, 3, 6, 7])

@@ -317,3 +317,17 @@ def test_code_change_runs_new_code(warm: Client) -> None:
     warm.wait(changed, {"SUCCESS"})
     assert json.loads(warm.wait_for_file(warm.h.out / f"{changed}.json"))["version"] == "v2"
     assert worker_of(warm, changed)["server_pid"] != before  # rebuilt, not re-imported in place
+
+
+def test_a_worker_tag_copied_from_another_run_names_no_worker() -> None:
+    """Dagster's retry copies its parent's tags: a retry that never launched named its parent's worker (pid and
+    all) in its 'timed out to start' failure. A tag names its own run; tags of earlier releases name none."""
+    from dagster import DagsterRun
+
+    from orchestration.launcher import WarmWorker
+
+    worker = WarmWorker(4242, "host", 17, 99, "parent")
+    assert WarmWorker.from_run(DagsterRun(job_name="j", run_id="parent", tags={WORKER_TAG: worker.to_tag()})) == worker
+    assert WarmWorker.from_run(DagsterRun(job_name="j", run_id="retry", tags={WORKER_TAG: worker.to_tag()})) is None
+    earlier = json.dumps({"pid": 4242, "host": "host", "start": 17, "server_pid": 99})
+    assert WarmWorker.from_run(DagsterRun(job_name="j", run_id="any", tags={WORKER_TAG: earlier})).pid == 4242
