@@ -1,5 +1,6 @@
 """One Dagster asset per configured table, dynamically partitioned into watermark slices."""
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -22,6 +23,7 @@ from dagster import (
     AssetCheckSeverity,
     AssetExecutionContext,
     AssetKey,
+    AssetRecordsFilter,
     AssetsDefinition,
     BackfillPolicy,
     BetaWarning,
@@ -334,18 +336,21 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
                        where=table.where or "", watermark=shape.watermark_id)
 
 
+RECORDED_LOOKBACK = 1000  # materializations read back: a roll-up stored after newer slices is among them
+
+
 def last_recorded_slice(instance: DagsterInstance, key: AssetKey) -> SliceRange | None:
-    """The slice of the table's last materialization (Dagster's record of a committed slice), if any: asked only
-    where Kafka's progress is empty, so that a progress topic lost after its data topic's messages expired does not
-    send the table again (the publisher refuses: `recorded`)."""
-    event = instance.get_latest_materialization_event(key)
-    partition = event.asset_materialization.partition if event and event.asset_materialization else None
-    if partition is None:
-        return None
-    try:
-        return SliceRange.from_key(partition)
-    except ValueError:
-        return None
+    """The highest slice Dagster recorded as committed (a materialization), if any: asked only where Kafka's
+    progress is empty, so that a progress topic lost after its data topic's messages expired does not send the
+    table again (the publisher refuses: `recorded`). The highest of the recent ones, not the latest: a roll-up is
+    recorded as a new materialization, after slices above it."""
+    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=key), limit=RECORDED_LOOKBACK).records
+    ranges = []
+    for record in records:
+        partition = record.asset_materialization.partition if record.asset_materialization else None
+        with contextlib.suppress(ValueError):  # not a slice key
+            ranges.append(SliceRange.from_key(partition or ""))
+    return max(ranges, key=lambda r: r.hi, default=None)
 
 
 def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: str, kind: str, value: str

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from resources.names import portable_name, progress_topic_suffix
+from resources.names import portable_name, progress_topic_name
 from resources.slices import datetime_to_micros
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -276,7 +276,7 @@ class RelayConfig(_Strict):
             if t.table_id in seen:
                 raise ValueError(f"tables[{i}]: table {t.table_id} is configured twice")
             seen.add(t.table_id)
-            progress = f"_{self.kafka.transactional_id_prefix}{progress_topic_suffix(t.table_id)}"
+            progress = progress_topic_name(self.kafka.transactional_id_prefix, t.table_id)
             if len(progress) > 249:
                 raise ValueError(f"tables[{i}]: its progress topic {progress[:60]}... would be {len(progress)} "
                                  "characters, over Kafka's 249: shorten kafka.transactional_id_prefix")

@@ -42,10 +42,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from resources.arrow_produce import RowProducer
-from resources.names import progress_topic_suffix
+from resources.names import progress_topic_name, progress_topic_suffix
 from resources.slices import SliceRange, is_timestamp_key, watermark_text
 
 _log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class TableChannel:
     @classmethod
     def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
                   replication_factor: int = -1, prefix: str = "rowrelay", keyed: bool = True) -> TableChannel:
-        return cls(table=table, topic=topic, progress_topic=f"_{prefix}{progress_topic_suffix(table)}",
+        return cls(table=table, topic=topic, progress_topic=progress_topic_name(prefix, table),
                    transactional_id=f"{prefix}.{table}", start_after=start_after,
                    topic_partitions=topic_partitions, replication_factor=replication_factor, keyed=keyed)
 
@@ -649,10 +649,12 @@ def _check_existing_topics(admin: AdminClient, channel: TableChannel, existing: 
     if ch.progress_topic in existing:
         others = [TopicPartition(ch.progress_topic, p) for p in existing[ch.progress_topic].partitions if p != 0]
         if others:
-            from confluent_kafka.admin import OffsetSpec
-
             ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in others}, request_timeout=timeout)
-            held = sorted(tp.partition for tp, fut in ends.items() if fut.result(timeout=timeout).offset > 0)
+            try:
+                held = sorted(tp.partition for tp, fut in ends.items() if fut.result(timeout=timeout).offset > 0)
+            except KafkaException as exc:  # a partition without a leader now: not known, asked again next run
+                raise KafkaUnavailable(f"{ch.table}: cannot read the ends of progress topic {ch.progress_topic}'s "
+                                       f"partitions: {exc.args[0].str()}") from exc
             if held:
                 raise TopicSettingsError(
                     f"{ch.table}: progress topic {ch.progress_topic} has {len(others) + 1} partitions and its "

@@ -26,3 +26,8 @@ def progress_topic_suffix(table: str) -> str:
     """What a table's progress topic ends with under any transactional_id_prefix (`_<prefix>` before it). A table
     id Kafka refuses in a topic name (a space, non-ASCII) is mapped, as its default data topic is."""
     return f".progress.{portable_name(table)}"
+
+
+def progress_topic_name(prefix: str, table: str) -> str:
+    """The table's progress topic under `kafka.transactional_id_prefix` `prefix`."""
+    return f"_{prefix}{progress_topic_suffix(table)}"

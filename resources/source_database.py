@@ -67,16 +67,8 @@ warnings.filterwarnings("ignore", message="Did not recognize type", category=sa.
 _Answer = TypeVar("_Answer", int, int | None)
 
 
-class SettledAnswers:
-    """Answers about settled rows, kept for the process: a bounded map, safe across threads.
-
-    Rows at or below a table's safe high watermark are final (rowrelay's premise: append-only tables, and no
-    transaction that could still insert below that watermark is open), so what the cut and the read ask about
-    them cannot change. One `rowrelay backfill` asked the same questions up to three times (its early read, its
-    cut, the bar's total, the run's own read): for a 1M-row slice, two scans of a million index entries and three
-    counts where one scan and one count give the same answers. Callers pass `settled=True` only for ranges at or
-    below the safe watermark; a check that must see the source as it is now (`slice_parity`'s recount) never does.
-    """
+class KeptAnswers:
+    """Answers kept for the process: a bounded map (least recently used out), safe across threads."""
 
     def __init__(self, limit: int = 4096) -> None:
         self._answers: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
@@ -97,13 +89,26 @@ class SettledAnswers:
                 self._answers.popitem(last=False)
         return value
 
+    def forget(self, key: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._answers.pop(key, None)
+
     def clear(self) -> None:
         with self._lock:
             self._answers.clear()
 
 
-# One per process: the early read, the cut and the run each hold their own SourceDatabaseResource.
-SETTLED_ANSWERS = SettledAnswers()
+# Answers about settled rows. Rows at or below a table's safe high watermark are final (rowrelay's premise:
+# append-only tables, and no transaction that could still insert below that watermark is open), so what the cut
+# and the read ask about them cannot change. One `rowrelay backfill` asked the same questions up to three times (its
+# early read, its cut, the bar's total, the run's own read): for a 1M-row slice, two scans of a million index
+# entries and three counts where one scan and one count give the same answers. Callers pass `settled=True` only for
+# ranges at or below the safe watermark; a check that must see the source as it is now (`slice_parity`'s recount)
+# never does. One per process: the early read, the cut and the run each hold their own SourceDatabaseResource.
+SETTLED_ANSWERS = KeptAnswers()
+# PostgreSQL: the WAL position each finality candidate waits to see flushed, from the first check that found its
+# transactions ended, per server start (see `is_final`).
+DURABLE_TARGETS = KeptAnswers()
 
 
 class SourceError(ValueError):
@@ -884,6 +889,8 @@ class SourceDatabaseResource(ConfigurableResource):
           primary's commit order, while the transactions still open on the primary — those the safe high watermark
           waits for — are invisible: on a standby the check saw id 3 final while the primary still held id 2 drawn
           and uncommitted;
+        - a PostgreSQL UNLOGGED table: a crash empties it and restarts its sequence (not in the WAL, so no flush
+          makes its rows durable);
         - a PostgreSQL integer watermark drawn from a sequence with CACHE > 1: each session draws its ids from a
           cache of its own, so a session can insert id 2 long after another committed 21, in a transaction that
           began after the cut (nothing the cut could wait for).
@@ -898,9 +905,10 @@ class SourceDatabaseResource(ConfigurableResource):
         remedy = "point the source's url at the primary and run again; nothing was cut or sent"
         if self.dialect == "postgresql":
             # The watermark's sequences: its serial or identity sequence, and any its DEFAULT expression calls.
-            standby, subscription, cache, sequence = conn.execute(sa.text(
+            standby, subscription, unlogged, cache, sequence = conn.execute(sa.text(
                 "SELECT pg_is_in_recovery(), (SELECT s.subname FROM pg_subscription_rel r JOIN pg_subscription s "
-                "ON s.oid = r.srsubid WHERE r.srrelid = CAST(:rel AS regclass) LIMIT 1), q.seqcache, "
+                "ON s.oid = r.srsubid WHERE r.srrelid = CAST(:rel AS regclass) LIMIT 1), (SELECT relpersistence = "
+                "'u' FROM pg_class WHERE oid = CAST(:rel AS regclass)), q.seqcache, "
                 "CAST(CAST(q.seqrelid AS regclass) AS text) FROM (SELECT 1) one LEFT JOIN LATERAL ("
                 "SELECT s.seqcache, s.seqrelid FROM pg_sequence s WHERE :integer AND (s.seqrelid = "
                 "CAST(pg_get_serial_sequence(:rel, :column) AS regclass) OR s.seqrelid IN (SELECT dep.refobjid "
@@ -923,6 +931,12 @@ class SourceDatabaseResource(ConfigurableResource):
                     "open transactions are invisible here, so rowrelay cannot tell when new rows are final: a row "
                     "whose id was drawn before a higher one committed could be cut past and never sent; relay the "
                     "table from the publisher (its url) and run again; nothing was cut or sent")
+            if unlogged:
+                raise SourceError(
+                    f"{label}: the table is UNLOGGED: its rows are not in the write-ahead log, so a crash of the "
+                    "server empties it and restarts its sequence, and rows already sent would vanish while new rows "
+                    "took their ids and were never sent. Run `ALTER TABLE ... SET LOGGED` (or relay a logged copy) "
+                    "and run again; nothing was cut or sent")
             if cache is not None and int(cache) > 1:
                 raise SourceError(
                     f"{label}: watermark column {shape.watermark!r} takes its ids from sequence {sequence}, which "
@@ -998,15 +1012,24 @@ class SourceDatabaseResource(ConfigurableResource):
         try:
             with self.engine.connect() as conn:
                 if self.dialect == "postgresql":
-                    xmin, still_open, flushed, lsn = conn.execute(sa.text(
+                    xmin, still_open, flushed, inserted, started = conn.execute(sa.text(
                         "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, EXISTS (SELECT 1 FROM pg_locks "
                         "WHERE locktype = 'virtualxid' AND granted AND virtualxid = ANY(CAST(:waits AS text[]))), "
-                        "pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn(), pg_current_wal_insert_lsn()::text"),
-                        {"waits": list(candidate.waits)}).one()
+                        "pg_current_wal_flush_lsn()::text, pg_current_wal_insert_lsn()::text, "
+                        "pg_postmaster_start_time()"), {"waits": list(candidate.waits)}).one()
                     if int(xmin) < candidate.marker or still_open:
                         return False
-                    return flushed or _flushed_within(lambda: conn.execute(sa.text(
-                        "SELECT pg_current_wal_flush_lsn() >= CAST(:lsn AS pg_lsn)"), {"lsn": lsn}).scalar())
+                    # The first position seen once the waits ended is the target, kept: a later one would move
+                    # with every write (a WAL writer slower than the check's wait would never be caught up with).
+                    # Per server start: after a crash the same candidate can come back (its xids given out again)
+                    # over WAL written anew, which a target from before the crash does not cover.
+                    key = (str(self.engine.url), started, candidate)
+                    target = DURABLE_TARGETS.answer(key, lambda: pg_lsn(inserted))
+                    if wal_flushed_to(pg_lsn(flushed), target) or _flushed_within(lambda: wal_flushed_to(pg_lsn(
+                            conn.execute(sa.text("SELECT pg_current_wal_flush_lsn()::text")).scalar()), target)):
+                        DURABLE_TARGETS.forget(key)
+                        return True
+                    return False
                 if self.dialect == "mysql":
                     now = float(conn.execute(sa.text("SELECT UNIX_TIMESTAMP(NOW(6))")).scalar())
                     if now - candidate.marker < settle_seconds:
@@ -1018,6 +1041,8 @@ class SourceDatabaseResource(ConfigurableResource):
                     lsns = _innodb_lsns(conn)
                     if "innodb_lsn_flushed" not in lsns:  # MySQL: not readable (docstring)
                         return True
+                    # InnoDB flushes a lazy log within a second (innodb_flush_log_at_timeout), inside the check's
+                    # wait: the position at the check is a target reached in time.
                     target = (candidate.durable_at if candidate.durable_at is not None and not candidate.waits
                               else lsns["innodb_lsn_current"])
                     return lsns["innodb_lsn_flushed"] >= target or _flushed_within(
@@ -1166,6 +1191,22 @@ def _sqlite_misfit_sql(declared: str, c: str, t: str) -> str:
 
 
 DURABLE_WAIT_S = 1.2  # InnoDB flushes a lazily written log once a second (innodb_flush_log_at_timeout)
+_WAL_PAGE = 8192
+_WAL_PAGE_HEADERS = (24, 40)  # a page's short header; the long one at a WAL segment's start
+
+
+def pg_lsn(text: str) -> int:
+    """A PostgreSQL LSN ('16/B374D848') as an integer."""
+    high, low = text.split("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+def wal_flushed_to(flushed: int, target: int) -> bool:
+    """Whether WAL flushed up to `flushed` covers everything inserted before `target`. An insert position at a page
+    start points past the page's header, which is written only with the next record: a flush that ended at the page
+    boundary covers it (else an idle server whose last record ended a page would never look flushed)."""
+    offset = target % _WAL_PAGE
+    return flushed >= target or (offset in _WAL_PAGE_HEADERS and flushed >= target - offset)
 
 
 def _flushed_within(flushed: Callable[[], bool], wait_s: float = DURABLE_WAIT_S) -> bool:

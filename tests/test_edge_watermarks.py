@@ -189,6 +189,26 @@ def test_postgres_watermark_sequence_caching_ids_per_session_is_refused(services
             source.dispose()
 
 
+def test_postgres_unlogged_table_is_refused(services, pg_database, pg_engine, name) -> None:
+    """An UNLOGGED table is not in the WAL: a crash empties it and restarts its sequence, so sent rows vanish and new
+    rows take their ids, never sent; no flush makes it durable (found by review)."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE UNLOGGED TABLE {name} (id bigserial PRIMARY KEY, v int)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
+    source = SourceDatabaseResource(url=source_url(pg_database))
+    try:
+        shape = source.table_shape("public", name, "id")
+        with pytest.raises(SourceError, match=r"the table is UNLOGGED.*ALTER TABLE \.\.\. SET LOGGED.*nothing was "
+                                              r"cut or sent"):
+            source.observe(shape)
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {name} SET LOGGED"))
+        seen = source.observe(shape)
+        assert seen is not None and seen.watermark == 1
+    finally:
+        source.dispose()
+
+
 def test_postgres_backfill_does_not_skip_an_id_drawn_before_its_xid(services, pg_database, pg_engine, dagster_home,
                                                                       dagster_instance, spark, name, tmp_path,
                                                                       monkeypatch) -> None:

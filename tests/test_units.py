@@ -638,3 +638,32 @@ def test_reset_partitions_settle_below_cut_above_and_leave_a_changed_watermarks_
     seqs = keyed((1000, 1080))
     assert reset_partitions(seqs, 50, 1080, moved=True).dropped == [SliceRange(1000, 1080).key]
     assert reset_partitions(seqs, 50, 1080, moved=False).kept_below == {}  # lo above W: nothing kept below
+
+
+def test_wal_flushed_to_counts_a_page_header_not_yet_written() -> None:
+    from resources.source_database import pg_lsn, wal_flushed_to
+
+    assert pg_lsn("16/B374D848") == (0x16 << 32) | 0xB374D848
+    assert wal_flushed_to(pg_lsn("0/3000100"), pg_lsn("0/3000100"))
+    assert not wal_flushed_to(pg_lsn("0/30000F8"), pg_lsn("0/3000100"))
+    # An insert position right after a page's header (short, or long at a segment's start): the last record ended
+    # the page before, and a flush that reached the boundary is complete (an idle server never writes the header).
+    assert wal_flushed_to(pg_lsn("0/3002000"), pg_lsn("0/3002018"))
+    assert wal_flushed_to(pg_lsn("0/4000000"), pg_lsn("0/4000028"))
+    assert not wal_flushed_to(pg_lsn("0/3001FF8"), pg_lsn("0/3002018"))
+    assert not wal_flushed_to(pg_lsn("0/3002000"), pg_lsn("0/3002020"))
+
+
+def test_the_recorded_slice_is_the_highest_not_the_latest_materialization() -> None:
+    """A roll-up is recorded as a new materialization after the slices above it: the latest event named (0, 4]
+    while (4, 6] had committed, and the refusal's reset point would have sent (4, 6] again (found by review)."""
+    from dagster import AssetKey, AssetMaterialization, DagsterInstance
+
+    from assets.relay import last_recorded_slice
+
+    key = AssetKey(["src", "public", "t"])
+    with DagsterInstance.ephemeral() as instance:
+        assert last_recorded_slice(instance, key) is None
+        for lo, hi in ((0, 2), (2, 4), (4, 6), (0, 4)):
+            instance.report_runless_asset_event(AssetMaterialization(key, partition=SliceRange(lo, hi).key))
+        assert last_recorded_slice(instance, key) == SliceRange(4, 6)
