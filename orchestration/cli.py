@@ -320,7 +320,7 @@ def source_pieces(config: RelayConfig, table: TableConfig, start: int | None, up
     from assets.relay import table_shape
     from resources.source_database import SourceDatabaseResource
 
-    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    source = SourceDatabaseResource.for_source(config.sources[table.source])
     try:
         shape = table_shape(source, table)
         yield source, shape.watermark_kind, [
@@ -648,7 +648,7 @@ def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
 
         with DagsterInstance.get() as instance:
             first_run = first_run_at(instance, table)
-    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    source = SourceDatabaseResource.for_source(config.sources[table.source])
     try:
         return measure_lag(source, table, progress, channel.start_after, first_run)
     finally:
@@ -840,7 +840,7 @@ def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, s
 
     with contextlib.suppress(Exception), contextlib.ExitStack() as finish:
         finish.callback(started.set)  # on every way out: the backfill never waits for a read that gave up
-        source = SourceDatabaseResource(url=config.sources[table.source].url)
+        source = SourceDatabaseResource.for_source(config.sources[table.source])
         finish.callback(source.dispose)  # its pooled connections; the chunks' JDBC reads are Spark's own
         channel = channel_for(table, io_manager.transactional_id_prefix)
         progress = read_committed_progress(io_manager.kafka_conf(), channel)
@@ -904,7 +904,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):  # a Spark that cannot connect fails the run, with its own message
             io_manager.spark.get_session()
     partitions = partitions_for(table)
-    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    source = SourceDatabaseResource.for_source(config.sources[table.source])
     started = time.monotonic()
     with DagsterInstance.get() as instance:
         keep_storage_connections(instance)
@@ -1110,7 +1110,7 @@ def reflect_table(config: RelayConfig, table: TableConfig) -> Any:
     from assets.relay import table_shape
     from resources.source_database import SourceDatabaseResource
 
-    source = SourceDatabaseResource(url=config.sources[table.source].url)
+    source = SourceDatabaseResource.for_source(config.sources[table.source])
     try:
         return table_shape(source, table)
     finally:

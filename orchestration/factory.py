@@ -193,7 +193,7 @@ def build_definitions(config: RelayConfig) -> Definitions:
                                            producer={k: str(v) for k, v in config.kafka.producer.items()},
                                            transactional_id_prefix=config.kafka.transactional_id_prefix,
                                            spark=spark),
-        **{source_resource_key(name): SourceDatabaseResource(url=src.url) for name, src in config.sources.items()},
+        **{source_resource_key(name): SourceDatabaseResource.for_source(src) for name, src in config.sources.items()},
     }
     # In-process for every job, the implicit asset job of `dagster asset materialize` included.
     return Definitions(assets=assets, asset_checks=checks, jobs=jobs, sensors=sensors, resources=resources,

@@ -59,6 +59,8 @@ class _Strict(BaseModel):
 
 class SourceConfig(_Strict):
     url: str = Field(description="SQLAlchemy URL: postgresql://…, mysql://… / mariadb://…, sqlite:///path")
+    tables_written_here: bool = Field(False, description="a MariaDB server whose replication runs is refused; true: "
+                                      "its relayed tables are written on it, not by replication")
 
     @field_validator("url")
     @classmethod

@@ -22,7 +22,7 @@ from pydantic import PrivateAttr
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import NoSuchTableError
 
-from resources.config import resolve_env
+from resources.config import SourceConfig, resolve_env
 from resources.jdbc import UrlParameterError, jdbc_options
 from resources.slices import WatermarkCandidate, datetime_to_micros, micros_to_datetime, watermark_text
 
@@ -438,7 +438,14 @@ class SourceDatabaseResource(ConfigurableResource):
     """One source database. `url` may hold ${VAR} placeholders (resolved only to connect)."""
 
     url: str
+    # A MariaDB server whose replication runs is refused (`refuse_unknowable_finality`) unless the user says the
+    # relayed tables are written on it, not by replication (a local table on a server replicating others).
+    tables_written_here: bool = False
     _engine: Engine | None = PrivateAttr(default=None)
+
+    @classmethod
+    def for_source(cls, source: SourceConfig) -> SourceDatabaseResource:
+        return cls(url=source.url, tables_written_here=source.tables_written_here)
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -947,12 +954,13 @@ class SourceDatabaseResource(ConfigurableResource):
         elif self.dialect == "mysql" and getattr(conn.dialect, "is_mariadb", False):
             running = conn.execute(sa.text("SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS "
                                            "WHERE VARIABLE_NAME = 'SLAVES_RUNNING'")).scalar()
-            if running is not None and int(running) > 0:
+            if running is not None and int(running) > 0 and not self.tables_written_here:
                 raise SourceError(
                     f"{label}: source {self.safe_description} is a MariaDB replica (Slaves_running = {running}). On "
                     "a replica rows arrive in the primary's commit order and the primary's open transactions are "
                     "invisible, so rowrelay cannot tell when new rows are final: a row whose id was drawn before a "
-                    f"higher one committed could be cut past and never sent; {remedy}")
+                    f"higher one committed could be cut past and never sent; {remedy}. If this table is written on "
+                    "this server itself, not by replication, set `tables_written_here: true` on the source")
 
     def _earliest_running_write(self, conn: sa.Connection, now: float) -> float | None:
         """MariaDB: the start, in epoch seconds on the database clock, of the earliest statement of another session

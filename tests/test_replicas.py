@@ -167,6 +167,20 @@ def test_mariadb_replica_is_refused_primary_is_not(mariadb_pair, name) -> None:
             replica.observe(replica.table_shape(name, "t", "id"))
         seen = primary.observe(primary.table_shape(name, "t", "id"))
         assert seen is not None and seen.watermark == 2
+        # A table written on the replica itself, not by replication: relayed once the source says so (found by
+        # review: every table of a server replicating others was refused, and the remedy named could not work).
+        replica_server.root(f"CREATE DATABASE {name}_local",
+                            f"CREATE TABLE {name}_local.orders (id bigint AUTO_INCREMENT PRIMARY KEY, v int)",
+                            f"INSERT INTO {name}_local.orders (v) VALUES (1), (2)")
+        local = replica_server.url(f"{name}_local", USER, "pw").render_as_string(hide_password=False)
+        with pytest.raises(SourceError, match=r"set `tables_written_here: true` on the source"):
+            SourceDatabaseResource(url=local).observe(replica.table_shape(f"{name}_local", "orders", "id"))
+        written_here = SourceDatabaseResource(url=local, tables_written_here=True)
+        try:
+            seen = written_here.observe(written_here.table_shape(f"{name}_local", "orders", "id"))
+            assert seen is not None and seen.watermark == 2
+        finally:
+            written_here.dispose()
     finally:
         primary.dispose()
         replica.dispose()
