@@ -331,6 +331,11 @@ class ProgressRecord:
             return self.where, list(self.skipped or [])
         return where or "", [w for w in skip if self.lo < w <= self.hi]
 
+    @property
+    def hi_text(self) -> str:
+        """The record's upper watermark as a user writes it (`rowrelay reset --after`): an integer or a UTC time."""
+        return watermark_text(self.hi, is_timestamp_key(self.slice))
+
     def to_json(self) -> bytes:
         # A shallow dict: the fields are JSON values already, and `asdict` deep-copied each of them first (a
         # 300k-slice history seed spent about half its time there).
@@ -1253,7 +1258,7 @@ def progress_missing(kafka_conf: dict[str, Any], channel: TableChannel) -> Progr
         # The prefix and the topic changed together: the new topic is empty, but the table has committed progress
         # under the old prefix.
         name, record = elsewhere
-        at = watermark_text(record.hi, is_timestamp_key(record.slice))
+        at = record.hi_text
         return ProgressMissing(
             f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
             f"{ch.transactional_id}), but progress topic {name} holds this table's committed progress up to "
@@ -1532,7 +1537,7 @@ class SlicePublisher:
             return
         history = read_progress_history(self.kafka_conf, ch)
         if any(r.topic == ch.topic for r in history[:-1]):
-            at = watermark_text(committed.hi, is_timestamp_key(committed.slice))
+            at = committed.hi_text
             raise ProgressShared(
                 f"{ch.table}: its committed progress was last written for topic {committed.topic} (slice "
                 f"{committed.slice}, committed {committed.committed_at}), after earlier slices of this run's topic "
