@@ -429,8 +429,9 @@ def test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using(services, pg_database
 def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_engine, dagster_instance) -> None:
     """min_slice_rows 5 / max_slice_delay_seconds 2: a table with 2 rows waits, a third row arriving meanwhile
     joins them, and the three are cut as one slice once the delay is over; a table with 5 rows is cut at once."""
+    from resources.source_database import SourceDatabaseResource
     from tests.conftest import unique
-    from tests.pipeline import Harness, relay_config
+    from tests.pipeline import Harness, relay_config, source_url
 
     few, many = unique("few"), unique("many")
     with pg_engine.begin() as conn:
@@ -448,6 +449,16 @@ def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_
         conn.execute(sa.text(f"INSERT INTO {few} (v) VALUES ('late')"))
     if time.monotonic() - started < 1.5:
         assert h.tick(h.table(0)) == []  # still within the delay
+    # The late row must be final before the delay-over cut, or that cut takes only the two (seen in CI): finality
+    # waits for every transaction with an xid in the cluster (the other pytest worker's) and for the WAL flush.
+    source = SourceDatabaseResource(url=source_url(pg_database))
+    try:
+        shape = source.table_shape("public", few, "id")
+        deadline = time.monotonic() + 60
+        while not ((seen := source.observe(shape)) is not None and seen.watermark == 3 and source.is_final(seen, 0)):
+            assert time.monotonic() < deadline, "the late row never became final"
+    finally:
+        source.dispose()
     while time.monotonic() - started < 2.2:
         time.sleep(0.2)
     assert h.cut(h.table(0)) == [SliceRange(0, 3).key]  # the delay is over: one slice of 3 rows
