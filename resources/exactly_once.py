@@ -623,16 +623,16 @@ TOPICS_FIT_TTL_S = 60.0
 def _topic_configs(admin: AdminClient, topics: list[str], timeout: float) -> dict[str, dict[str, str]]:
     """Each topic's configuration (name -> value); a topic whose configuration is not readable (no DescribeConfigs
     permission) is left out: its checks are skipped, the broker still enforces what it enforces."""
-    resources = {name: ConfigResource(ConfigResource.Type.TOPIC, name) for name in topics}
     found: dict[str, dict[str, str]] = {}
-    if not resources:
+    if not topics:
         return found
-    for name, fut in zip(resources, admin.describe_configs(list(resources.values()),
-                                                           request_timeout=timeout).values(), strict=True):
+    asked = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, name) for name in topics],
+                                   request_timeout=timeout)
+    for resource, fut in asked.items():
         try:
-            found[name] = {k: e.value for k, e in fut.result(timeout=timeout).items() if e.value is not None}
+            found[resource.name] = {k: e.value for k, e in fut.result(timeout=timeout).items() if e.value is not None}
         except Exception:  # noqa: BLE001 - unreadable: skip the checks (docstring)
-            _log.info("configuration of topic %s not readable; its settings are not checked", name)
+            _log.info("configuration of topic %s not readable; its settings are not checked", resource.name)
     return found
 
 
@@ -1561,7 +1561,7 @@ class SlicePublisher:
             at = watermark_text(self.recorded.hi, self.recorded.timestamps)
             raise ProgressMissing(
                 f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}), but the slices of "
-                f"this table recorded as committed reach watermark {at} (its last materialization): the progress "
+                f"this table recorded as committed reach watermark {at} (Dagster's materializations): the progress "
                 "topic was deleted or its records expired, and the data topic no longer shows those rows, so "
                 f"publishing would send them again. Run `rowrelay reset --table {ch.table} --after {at}` to continue "
                 "after them (a lower value, `--after 0` included, sends rows again deliberately: a new cluster or "

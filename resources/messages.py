@@ -487,6 +487,6 @@ class TableSlices:
     schema_change: str = ""
     where: str = ""  # the table's `where:` ("" none), recorded with each slice's progress
     watermark: tuple[str, str] | None = None  # the watermark column and its kind, as reflected by the run
-    # With Kafka's progress empty: the newest slice Dagster recorded as committed (its last materialization), which
+    # With Kafka's progress empty: the highest slice Dagster recorded as committed (`last_recorded_slice`), which
     # the publisher refuses to send again (a progress topic deleted after the data topic's messages expired).
     recorded: SliceRange | None = None

@@ -278,6 +278,11 @@ class TableShape:
         return self.watermark_kind != "integer"
 
     @property
+    def label(self) -> str:
+        """[schema.]table, as messages name the table."""
+        return f"{self.schema}.{self.name}" if self.schema else self.name
+
+    @property
     def watermark_id(self) -> tuple[str, str]:
         """(column, kind): what a progress record says its value is of (`watermark_change`)."""
         return self.watermark, self.watermark_kind
@@ -905,7 +910,7 @@ class SourceDatabaseResource(ConfigurableResource):
         Checked before every cut (`observe`) and every run's read; `verify` and `status` may still read a replica.
         Readable by any role: the recovery flag, the catalogs, MariaDB's Slaves_running status. MySQL's replication
         state needs a privilege rowrelay does not ask for: not checked there (README)."""
-        label = f"{shape.schema}.{shape.name}" if shape.schema else shape.name
+        label = shape.label
         if conn is None:
             with self.engine.connect() as own:
                 return self.refuse_unknowable_finality(shape, own)
@@ -1043,8 +1048,8 @@ class SourceDatabaseResource(ConfigurableResource):
                     if now - candidate.marker < settle_seconds:
                         return False
                     # A stale cache can only list a transaction that has ended since: never calls one ended too soon.
-                    if candidate.waits and any(_same_innodb_trx(wait, self._innodb_trx(conn))
-                                               for wait in candidate.waits):
+                    open_now = self._innodb_trx(conn) if candidate.waits else []
+                    if any(_same_innodb_trx(wait, open_now) for wait in candidate.waits):
                         return False
                     lsns = _innodb_lsns(conn)
                     if "innodb_lsn_flushed" not in lsns:  # MySQL: not readable (docstring)
@@ -1117,7 +1122,7 @@ class SourceDatabaseResource(ConfigurableResource):
                 f"(for example {shape.watermark} < '10000-01-01'); nothing was sent")
 
     def _range_message(self, shape: TableShape, value: int) -> str:
-        label = f"{shape.schema}.{shape.name}" if shape.schema else shape.name
+        label = shape.label
         return (f"{label}: watermark column {shape.watermark!r} holds {value}, above the largest watermark rowrelay "
                 f"supports, {MAX_WATERMARK} (2^63 - 1, a signed 64-bit integer); a BIGINT UNSIGNED watermark must "
                 "stay below 2^63. Use another watermark column or a view that maps it below 2^63")
