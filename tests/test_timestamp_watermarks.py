@@ -498,19 +498,22 @@ def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
     nothing, so the cut went up to the max and that transaction's row, committed after the slice was read, was
     never sent. The cut now stops one microsecond below the max while the clock is in its second.
 
-    The max is put a few seconds ahead of the clock (an explicit value), so "the clock is in the max's second"
-    holds for as long as the test needs it, as it holds for up to a second for writers' own now()."""
+    The max is put well ahead of the clock (an explicit value), so "the clock is in the max's second" holds for as
+    long as the test needs it, as it holds for up to a second for writers' own now(): a PostgreSQL cut also waits
+    for every transaction in the cluster, which the parallel tests' writes may hold open for seconds (CI once cut
+    9 s after the insert, past an 8-s lead, and the test lost its premise). A later row then ends the max's
+    second for the relay, so the test does not wait for the clock."""
     if dialect == "postgresql":
         url = request.getfixturevalue("pg_database")
         engine = create_engine(url)
         # The session's time, as `DEFAULT now()` stores it in a timestamp: the server's zone.
-        column, ahead = "timestamp(0)", "date_trunc('second', LOCALTIMESTAMP) + interval '8 seconds'"
+        column, ahead = "timestamp(0)", "date_trunc('second', LOCALTIMESTAMP) + interval '60 seconds'"
         past = "LOCALTIMESTAMP - interval '1 hour'"
         table_name = f"public.{name}"
     else:
         url = request.getfixturevalue("mariadb_database")
         engine = create_engine(url)
-        column, ahead = "DATETIME", "UTC_TIMESTAMP() + INTERVAL 8 SECOND"
+        column, ahead = "DATETIME", "UTC_TIMESTAMP() + INTERVAL 60 SECOND"
         past = "UTC_TIMESTAMP() - INTERVAL 1 HOUR"
         table_name = name
     with engine.begin() as conn:
@@ -523,6 +526,8 @@ def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
     table = h.table()
     keys = h.cut(table)
     assert keys
+    cut_to = max(SliceRange.from_key(k).hi for key in keys for k in h.expand(table, key))
+    assert cut_to < datetime_to_micros(top), f"the cut took the max {top} while its second could still be written"
     with engine.connect() as writer:
         writer.execute(text("BEGIN"))
         # The max's own value, written by a transaction that began after the look (as now() in that second would).
@@ -530,6 +535,8 @@ def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
         for key in keys:
             h.run(table, key)
         writer.execute(text("COMMIT"))
+    with engine.begin() as conn:  # a later max: the relay may now take the old max's second whole
+        conn.execute(text(f"INSERT INTO {name} VALUES (4, :later)"), {"later": top + timedelta(seconds=1)})
     h.drain(table, until_hi=datetime_to_micros(top), timeout=60)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
     engine.dispose()
