@@ -194,14 +194,14 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
         )
         if slices and slices[-1].hi < safe_hi and len(slices) == limit:
             # More to cut next tick: keep the settled value as an already-final candidate.
-            pending.insert(0, WatermarkCandidate(safe_hi, float("-inf")))
+            pending.insert(0, WatermarkCandidate.settled(safe_hi))
     if table.min_slice_rows <= 1 or (not slices and not pending):
         waiting_since = None  # no trickle batching, or no rows wait: the clock starts with the next rows
     elif slices:
         waiting_since, slices = trickle(slices, table, waiting_since, time.time(),
                                         lambda: source.count_rows(shape, cut_after, slices[-1].hi))
         if not slices and safe_hi is not None:  # keep the settled value: it is final, only held back
-            pending.insert(0, WatermarkCandidate(safe_hi, float("-inf")))
+            pending.insert(0, WatermarkCandidate.settled(safe_hi))
     return TickPlan(slices=slices, state=SensorState(pending, waiting_since=waiting_since), safe_hi=safe_hi,
                     cut_after=cut_after)
 
@@ -331,7 +331,7 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
         max_rows = min(max_rows, max(1, rows // 4))
         # The slices' end was final when they were cut: cut again up to it at once (already-final candidate),
         # not after the open transactions of this moment, or a busy source would re-cut them at full size.
-        state = SensorState([WatermarkCandidate(chain[-1].hi, float("-inf")), *state.pending], state.chain,
+        state = SensorState([WatermarkCandidate.settled(chain[-1].hi), *state.pending], state.chain,
                             state.waiting_since)
         delete, chain, frontier = delete + chain, [], committed_hi
     if chain and not cut_while_pending:

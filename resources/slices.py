@@ -153,6 +153,15 @@ class WatermarkCandidate:
     waits: tuple[str, ...] = ()
     durable_at: int | None = None
 
+    @classmethod
+    def settled(cls, watermark: int) -> WatermarkCandidate:
+        """A value already known final (and durable): a safe watermark kept for a later tick, a re-cut's end."""
+        return cls(watermark, float("-inf"))
+
+    @property
+    def is_settled(self) -> bool:
+        return self.marker == float("-inf")
+
 
 def settle(candidates: list[WatermarkCandidate], is_final: Callable[[WatermarkCandidate], bool]
            ) -> tuple[int | None, list[WatermarkCandidate]]:

@@ -106,6 +106,51 @@ class KeptAnswers:
 # ranges at or below the safe watermark; a check that must see the source as it is now (`slice_parity`'s recount)
 # never does. One per process: the early read, the cut and the run each hold their own SourceDatabaseResource.
 SETTLED_ANSWERS = KeptAnswers()
+
+# `refuse_unknowable_finality` on PostgreSQL, one statement. `reached`: the relations a read of the table takes rows
+# from (itself, its partitions and inheritance children, what a view's rule reads, recursively), each with its depth
+# (0: the table itself). Then: the recovery flag; a subscription filling any of them; the first foreign table,
+# materialized view or UNLOGGED relation among them; the most caching of the watermark's sequences (its serial or
+# identity sequence, any its DEFAULT calls).
+# MariaDB/MySQL engines whose new rows rowrelay can tell final (`is_final`): InnoDB by its open transactions;
+# MyISAM and Aria take the whole table per writing statement, so rows become visible in the order their ids were
+# drawn. A view has no engine (NULL): not checked.
+_MYSQL_ENGINES_KNOWN = frozenset({"innodb", "myisam", "aria"})
+
+_PG_FINALITY_CATALOG = """
+WITH RECURSIVE reached(oid, depth) AS (
+    SELECT CAST(CAST(:rel AS regclass) AS oid), 0
+    UNION
+    SELECT x.oid, r.depth + 1 FROM reached r CROSS JOIN LATERAL (
+        SELECT i.inhrelid AS oid FROM pg_inherits i WHERE i.inhparent = r.oid
+        UNION ALL
+        SELECT d.refobjid FROM pg_rewrite w JOIN pg_depend d ON d.classid = 'pg_rewrite'::regclass
+            AND d.objid = w.oid AND d.refclassid = 'pg_class'::regclass
+        WHERE w.ev_class = r.oid AND d.refobjid <> r.oid) x
+    WHERE r.depth < 32),
+rel AS (
+    SELECT c.oid, c.relkind, c.relpersistence, CAST(CAST(c.oid AS regclass) AS text) AS name,
+        min(reached.depth) AS depth
+    FROM reached JOIN pg_class c ON c.oid = reached.oid GROUP BY c.oid)
+SELECT pg_is_in_recovery(),
+    (SELECT ARRAY[s.subname, rel.name, CAST(rel.depth AS text)] FROM pg_subscription_rel sr
+        JOIN pg_subscription s ON s.oid = sr.srsubid JOIN rel ON rel.oid = sr.srrelid ORDER BY rel.depth LIMIT 1),
+    (SELECT ARRAY[CASE WHEN rel.relkind IN ('f', 'm') THEN CAST(rel.relkind AS text) ELSE 'u' END, rel.name,
+                  CAST(rel.depth AS text)]
+        FROM rel WHERE rel.relkind IN ('f', 'm') OR rel.relpersistence = 'u'
+        ORDER BY rel.relkind IN ('f', 'm') DESC, rel.depth, rel.name LIMIT 1),
+    q.seqcache, CAST(CAST(q.seqrelid AS regclass) AS text)
+FROM (SELECT 1) one LEFT JOIN LATERAL (
+    SELECT s.seqcache, s.seqrelid FROM pg_sequence s
+    WHERE :integer AND (s.seqrelid = CAST(pg_get_serial_sequence(CAST(:rel AS text), :column) AS regclass)
+        OR s.seqrelid IN (
+        SELECT dep.refobjid FROM pg_attrdef ad
+        JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum
+        JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = ad.oid
+            AND dep.refclassid = 'pg_class'::regclass
+        WHERE ad.adrelid = CAST(:rel AS regclass) AND a.attname = :column))
+    ORDER BY s.seqcache DESC LIMIT 1) q ON true
+"""
 # PostgreSQL: the WAL position each finality candidate waits to see flushed, from the first check that found its
 # transactions ended, per server start (see `is_final`).
 DURABLE_TARGETS = KeptAnswers()
@@ -903,9 +948,14 @@ class SourceDatabaseResource(ConfigurableResource):
           and uncommitted;
         - a PostgreSQL UNLOGGED table: a crash empties it and restarts its sequence (not in the WAL, so no flush
           makes its rows durable);
+        - a PostgreSQL foreign table (its writers' transactions are on another server) or materialized view (its
+          rows appear at a refresh, below rows already sent). These and the two above are looked for in every
+          relation a read of the table takes rows from: partitions, inheritance children, a view's base relations;
         - a PostgreSQL integer watermark drawn from a sequence with CACHE > 1: each session draws its ids from a
           cache of its own, so a session can insert id 2 long after another committed 21, in a transaction that
-          began after the cut (nothing the cut could wait for).
+          began after the cut (nothing the cut could wait for);
+        - a MariaDB/MySQL table in MEMORY (a restart empties it and reuses its ids) or an engine other than InnoDB
+          (whose open transactions `is_final` reads), MyISAM and Aria (one writing statement at a time).
 
         Checked before every cut (`observe`) and every run's read; `verify` and `status` may still read a replica.
         Readable by any role: the recovery flag, the catalogs, MariaDB's Slaves_running status. MySQL's replication
@@ -916,20 +966,10 @@ class SourceDatabaseResource(ConfigurableResource):
                 return self.refuse_unknowable_finality(shape, own)
         remedy = "point the source's url at the primary and run again; nothing was cut or sent"
         if self.dialect == "postgresql":
-            # The watermark's sequences: its serial or identity sequence, and any its DEFAULT expression calls.
-            standby, subscription, unlogged, cache, sequence = conn.execute(sa.text(
-                "SELECT pg_is_in_recovery(), (SELECT s.subname FROM pg_subscription_rel r JOIN pg_subscription s "
-                "ON s.oid = r.srsubid WHERE r.srrelid = CAST(:rel AS regclass) LIMIT 1), (SELECT relpersistence = "
-                "'u' FROM pg_class WHERE oid = CAST(:rel AS regclass)), q.seqcache, "
-                "CAST(CAST(q.seqrelid AS regclass) AS text) FROM (SELECT 1) one LEFT JOIN LATERAL ("
-                "SELECT s.seqcache, s.seqrelid FROM pg_sequence s WHERE :integer AND (s.seqrelid = "
-                "CAST(pg_get_serial_sequence(:rel, :column) AS regclass) OR s.seqrelid IN (SELECT dep.refobjid "
-                "FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum "
-                "JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = ad.oid AND "
-                "dep.refclassid = 'pg_class'::regclass WHERE ad.adrelid = CAST(:rel AS regclass) AND "
-                "a.attname = :column)) ORDER BY s.seqcache DESC LIMIT 1) q ON true"),
-                {"rel": self.engine.dialect.identifier_preparer.format_table(self._table(shape)),
-                 "column": shape.watermark, "integer": shape.watermark_kind == "integer"}).one()
+            # Any relation a read of the table takes rows from counts: a partition, a child, a view's base table.
+            standby, subscription, odd, cache, sequence = conn.execute(sa.text(_PG_FINALITY_CATALOG), {
+                "rel": self.engine.dialect.identifier_preparer.format_table(self._table(shape)),
+                "column": shape.watermark, "integer": shape.watermark_kind == "integer"}).one()
             if standby:
                 raise SourceError(
                     f"{label}: source {self.safe_description} is a PostgreSQL standby (pg_is_in_recovery()). A "
@@ -937,18 +977,36 @@ class SourceDatabaseResource(ConfigurableResource):
                     "rows are final: a row whose id was drawn before a higher one committed could be cut past and "
                     f"never sent; {remedy}")
             if subscription is not None:
+                subname, filled, depth = subscription
+                what = "the table is" if depth == "0" else f"{filled}, which a read of the table takes rows from, is"
                 raise SourceError(
-                    f"{label}: the table is filled by logical replication (subscription {subscription!r}) on source "
+                    f"{label}: {what} filled by logical replication (subscription {subname!r}) on source "
                     f"{self.safe_description}. Its rows arrive in the publisher's commit order and the publisher's "
                     "open transactions are invisible here, so rowrelay cannot tell when new rows are final: a row "
                     "whose id was drawn before a higher one committed could be cut past and never sent; relay the "
                     "table from the publisher (its url) and run again; nothing was cut or sent")
-            if unlogged:
+            if odd is not None:
+                kind, relation, depth = odd
+                what = "the table" if depth == "0" else f"{relation}, which a read of the table takes rows from,"
+                if kind == "f":
+                    raise SourceError(
+                        f"{label}: {what} is a foreign table: its rows live on another server, whose open "
+                        "transactions rowrelay cannot see from here, so it cannot tell when new rows are final: a "
+                        "row whose id was drawn before a higher one committed could be cut past and never sent. "
+                        "Relay the table from the server that holds it (a source with its url) and run again; "
+                        "nothing was cut or sent")
+                if kind == "m":
+                    raise SourceError(
+                        f"{label}: {what} is a materialized view: its rows change only when it is refreshed, all at "
+                        "once, so a row committed in its base tables after one refresh appears at the next, below "
+                        "rows already sent, and would never be sent. Relay the table it is built from and run "
+                        "again; nothing was cut or sent")
                 raise SourceError(
-                    f"{label}: the table is UNLOGGED: its rows are not in the write-ahead log, so a crash of the "
-                    "server empties it and restarts its sequence, and rows already sent would vanish while new rows "
-                    "took their ids and were never sent. Run `ALTER TABLE ... SET LOGGED` (or relay a logged copy) "
-                    "and run again; nothing was cut or sent")
+                    f"{label}: {what} is UNLOGGED: its rows are not in the write-ahead log, so a crash of the "
+                    "server empties it: rows already sent vanish from the source, and where the watermark's values "
+                    "restart (an UNLOGGED table's own sequence), new rows take them and are never sent. Run "
+                    f"`ALTER TABLE {relation} SET LOGGED` (or relay a logged copy) and run again; nothing was cut or "
+                    "sent")
             if cache is not None and int(cache) > 1:
                 raise SourceError(
                     f"{label}: watermark column {shape.watermark!r} takes its ids from sequence {sequence}, which "
@@ -956,7 +1014,24 @@ class SourceDatabaseResource(ConfigurableResource):
                     "after another session committed a higher one, in a transaction no cut can wait for, and that "
                     f"row would never be sent. Run `ALTER SEQUENCE {sequence} CACHE 1` (ids are then drawn in "
                     "order of asking) and run again; nothing was cut or sent")
-        elif self.dialect == "mysql" and getattr(conn.dialect, "is_mariadb", False):
+        elif self.dialect == "mysql":
+            engine = conn.execute(sa.text(
+                "SELECT ENGINE FROM information_schema.TABLES WHERE TABLE_SCHEMA = COALESCE(:schema, DATABASE()) "
+                "AND TABLE_NAME = :table"), {"schema": shape.schema, "table": shape.name}).scalar()
+            if engine is not None and engine.lower() == "memory":
+                raise SourceError(
+                    f"{label}: the table is ENGINE=MEMORY: a restart of the server empties it and restarts its "
+                    "AUTO_INCREMENT, so rows already sent would vanish while new rows took their ids and were never "
+                    "sent. Run `ALTER TABLE ... ENGINE=InnoDB` (or relay an InnoDB copy) and run again; nothing was "
+                    "cut or sent")
+            if engine is not None and engine.lower() not in _MYSQL_ENGINES_KNOWN:
+                raise SourceError(
+                    f"{label}: the table is ENGINE={engine}. rowrelay knows when new rows are final only in InnoDB "
+                    "(whose open transactions it reads) and in MyISAM and Aria (whose writers take the table in "
+                    f"turn); in {engine} a row whose id was drawn before a higher one committed, or whose rows live "
+                    "on another server, could be cut past and never sent. Relay an InnoDB table (`ALTER TABLE ... "
+                    "ENGINE=InnoDB`, or the table on the server that holds it) and run again; nothing was cut or sent")
+        if self.dialect == "mysql" and getattr(conn.dialect, "is_mariadb", False):
             running = conn.execute(sa.text("SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS "
                                            "WHERE VARIABLE_NAME = 'SLAVES_RUNNING'")).scalar()
             if running is not None and int(running) > 0 and not self.tables_written_here:
@@ -1022,6 +1097,11 @@ class SourceDatabaseResource(ConfigurableResource):
 
         A check that fails (connection lost, server away) answers False: not final, never final by default.
         """
+        if candidate.is_settled:
+            # It was final, and durable, when it settled. Asked again, its durability target would be the WAL
+            # position now, which can include an open transaction's WAL that the WAL writer leaves in a partly
+            # filled page until a later commit: a re-cut after a timed-out slice then waited for unrelated writers.
+            return True
         try:
             with self.engine.connect() as conn:
                 if self.dialect == "postgresql":
@@ -1038,6 +1118,7 @@ class SourceDatabaseResource(ConfigurableResource):
                     # over WAL written anew, which a target from before the crash does not cover.
                     key = (str(self.engine.url), started, candidate)
                     target = DURABLE_TARGETS.answer(key, lambda: pg_lsn(inserted))
+
                     if wal_flushed_to(pg_lsn(flushed), target) or _flushed_within(lambda: wal_flushed_to(pg_lsn(
                             conn.execute(sa.text("SELECT pg_current_wal_flush_lsn()::text")).scalar()), target)):
                         DURABLE_TARGETS.forget(key)

@@ -367,7 +367,7 @@ def test_slice_that_outlives_the_transaction_timeout_is_cut_again_smaller(servic
     with pg_engine.connect() as busy:
         busy.execute(text(f"CREATE TEMP TABLE busy_{name} (x int)"))
         busy.execute(text(f"INSERT INTO busy_{name} VALUES (1)"))
-        assert h.tick(table) == [f"{SliceRange(0, 1000).key}...{tail}"]
+        assert h.tick(table) == [f"{SliceRange(0, 1000).key}...{tail}"], h.skip_messages
         busy.rollback()
     keys = dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices")
     assert keys == [SliceRange(lo, lo + 1000).key for lo in range(0, 4000, 1000)] + [tail]  # in chain order

@@ -198,8 +198,8 @@ def test_postgres_unlogged_table_is_refused(services, pg_database, pg_engine, na
     source = SourceDatabaseResource(url=source_url(pg_database))
     try:
         shape = source.table_shape("public", name, "id")
-        with pytest.raises(SourceError, match=r"the table is UNLOGGED.*ALTER TABLE \.\.\. SET LOGGED.*nothing was "
-                                              r"cut or sent"):
+        with pytest.raises(SourceError, match=rf"the table is UNLOGGED.*new rows take them and are never sent\. Run "
+                                              rf"`ALTER TABLE {name} SET LOGGED`.*nothing was cut or sent"):
             source.observe(shape)
         with pg_engine.begin() as conn:
             conn.execute(text(f"ALTER TABLE {name} SET LOGGED"))
@@ -207,6 +207,67 @@ def test_postgres_unlogged_table_is_refused(services, pg_database, pg_engine, na
         assert seen is not None and seen.watermark == 1
     finally:
         source.dispose()
+
+
+POSTGRES_RELATIONS_READ_THROUGH = {
+    # name: (DDL, {t} the table rowrelay reads; the relation the refusal names; what it says; the fix, or None)
+    "unlogged_partition": (
+        "CREATE TABLE {t} (id bigserial, v int) PARTITION BY RANGE (id); "
+        "CREATE TABLE {t}_old PARTITION OF {t} FOR VALUES FROM (1) TO (100); "
+        "CREATE UNLOGGED TABLE {t}_new PARTITION OF {t} FOR VALUES FROM (100) TO (1000)",
+        "{t}_new", "is UNLOGGED", "ALTER TABLE {t}_new SET LOGGED"),
+    "unlogged_grandchild": (
+        "CREATE TABLE {t} (id bigserial, v int); CREATE TABLE {t}_kid () INHERITS ({t}); "
+        "CREATE UNLOGGED TABLE {t}_grandkid () INHERITS ({t}_kid)",
+        "{t}_grandkid", "is UNLOGGED", "ALTER TABLE {t}_grandkid SET LOGGED"),
+    "view_over_unlogged": (
+        "CREATE UNLOGGED TABLE {t}_base (id bigserial, v int); CREATE VIEW {t}_mid AS SELECT * FROM {t}_base; "
+        "CREATE VIEW {t} AS SELECT id, v FROM {t}_mid WHERE v IS NOT NULL",
+        "{t}_base", "is UNLOGGED", "ALTER TABLE {t}_base SET LOGGED"),
+    "materialized_view": (
+        "CREATE TABLE {t}_base (id bigserial, v int); CREATE MATERIALIZED VIEW {t} AS SELECT * FROM {t}_base",
+        None, "is a materialized view: its rows change only when it is refreshed", None),
+    "foreign_table": (
+        "CREATE EXTENSION IF NOT EXISTS postgres_fdw; "
+        "CREATE SERVER {t}_far FOREIGN DATA WRAPPER postgres_fdw "
+        "OPTIONS (host '{host}', port '{port}', dbname '{db}'); "
+        "CREATE TABLE {t}_base (id bigserial, v int); "
+        "CREATE FOREIGN TABLE {t}_far_rows (id bigint, v int) SERVER {t}_far OPTIONS (table_name '{t}_base'); "
+        "CREATE VIEW {t} AS SELECT * FROM {t}_far_rows",
+        "{t}_far_rows", "is a foreign table: its rows live on another server", None),
+}
+
+
+@pytest.mark.parametrize("case", list(POSTGRES_RELATIONS_READ_THROUGH))
+def test_postgres_relations_a_read_takes_rows_from_are_checked_too(services, pg_database, pg_engine, name,
+                                                                  case) -> None:
+    """A partitioned table, an inheritance parent or a view reads rows from other relations. The checks looked at
+    the named relation only: an UNLOGGED partition, child or base table (a crash empties it), a materialized view (its
+    rows appear at a refresh, below rows already sent) and a foreign table (its writers' transactions are on another
+    server) were all cut as if final (found by looking at source shapes the checks had not met). Now every relation
+    a read reaches is checked, by a role with only SELECT, and the one at fault is named with its fix."""
+    ddl, culprit, says, fix = POSTGRES_RELATIONS_READ_THROUGH[case]
+    u = pg_database
+    with pg_engine.begin() as conn:
+        for statement in ddl.format(t=name, host=u.host, port=u.port, db=u.database).split("; "):
+            conn.execute(text(statement))
+    with unprivileged_pg_role(services, pg_database, pg_engine, name) as reader_url:
+        source = SourceDatabaseResource(url=source_url(reader_url))
+        try:
+            shape = source.table_shape("public", name, "id")
+            what = "the table" if culprit is None else f"{culprit.format(t=name)}, which a read of the table takes " \
+                                                       "rows from,"
+            with pytest.raises(SourceError, match=rf"^public\.{name}: {what} {says}.*nothing was cut or sent$"):
+                source.observe(shape)
+            if fix is not None:
+                with pg_engine.begin() as conn:
+                    conn.execute(text(fix.format(t=name)))
+                    conn.execute(text(f"INSERT INTO {name}_base (v) VALUES (1)" if case == "view_over_unlogged"
+                                      else f"INSERT INTO {name} (v) VALUES (1), (2)"))
+                seen = source.observe(shape)
+                assert seen is not None and seen.watermark >= 1, f"{case}: still refused or empty after `{fix}`"
+        finally:
+            source.dispose()
 
 
 def test_postgres_backfill_does_not_skip_an_id_drawn_before_its_xid(services, pg_database, pg_engine, dagster_home,
@@ -477,3 +538,63 @@ def test_bigint_unsigned_watermark_beyond_2_63_is_refused(services, mariadb_data
     assert not result.success and expected in failure_text(result)
     assert read_topic(services.kafka_bootstrap, table.topic_name) == []
     assert h.progress(table) is None
+
+
+@pytest.mark.parametrize(("engine", "ddl", "says"), [
+    ("MEMORY", "id bigint AUTO_INCREMENT PRIMARY KEY, v int", "the table is ENGINE=MEMORY: a restart of the server "
+                                                               "empties it and restarts its AUTO_INCREMENT"),
+    ("CSV", "id bigint NOT NULL, v int NOT NULL", "the table is ENGINE=CSV. rowrelay knows when new rows are final "
+                                                  "only in InnoDB"),
+])
+def test_mariadb_engines_whose_rows_rowrelay_cannot_tell_final_are_refused(services, mariadb_database,
+                                                                           mariadb_engine, name, engine, ddl,
+                                                                           says) -> None:
+    """MariaDB's finality check reads InnoDB's open transactions and its durability wait InnoDB's redo log. A MEMORY
+    table is emptied by a restart and gives its AUTO_INCREMENT ids out again (rows sent vanish, new rows with their ids
+    are never sent), and another engine's writers are not in innodb_trx at all: both were cut as if InnoDB (found by
+    looking at source shapes the checks had not met). Refused before any cut, with the fix; InnoDB accepted."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} ({ddl}) ENGINE={engine}"))
+        conn.execute(text(f"INSERT INTO {name} (id, v) VALUES (1, 1), (2, 2)"))
+    source = SourceDatabaseResource(url=source_url(mariadb_database))
+    try:
+        shape = source.table_shape(None, name, "id")
+        with pytest.raises(SourceError, match=rf"^{name}: {says}.*ENGINE=InnoDB.*nothing was cut or sent$"):
+            source.observe(shape)
+        with mariadb_engine.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {name} ENGINE=InnoDB"))
+        seen = observe_when_fresh(source, shape)
+        assert seen is not None and seen.watermark == 2
+    finally:
+        source.dispose()
+
+
+def test_mariadb_myisam_table_relays_exactly_once_beside_a_long_insert(services, mariadb_database, mariadb_engine,
+                                                                       dagster_instance, spark, name) -> None:
+    """MyISAM (and Aria) are accepted without transactions to wait for: a writing statement takes the whole table, so
+    rows become visible in the order their ids were drawn. Shown end to end: ticks and runs while one long
+    INSERT ... SELECT of 200k rows is running, then every row exactly once."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int) ENGINE=MyISAM"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT seq FROM seq_1_to_1000"))
+    cfg = relay_config(services, {"src": mariadb_database}, [
+        {"source": "src", "table": name, "watermark": "id", "settle_seconds": 0.2, "slice_max_rows": 50_000}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=1000)
+    done = threading.Event()
+
+    def long_insert() -> None:
+        with mariadb_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (v) SELECT seq FROM seq_1_to_200000"))
+        done.set()
+
+    writer = threading.Thread(target=long_insert)
+    writer.start()
+    while not done.is_set():
+        for key in h.tick(table):
+            h.run(table, key)
+        time.sleep(0.05)
+    writer.join()
+    h.drain(table, until_hi=201_000, timeout=180)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 201_001)))
