@@ -12,6 +12,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -47,6 +48,42 @@ def resolve_env(template: str) -> str:
         return value
 
     return _ENV.sub(sub, template)
+
+
+_MASKED_VAR = re.compile("\x00(\\d+)\x00")
+
+
+def resolve_url_env(template: str) -> str:
+    """A database URL with its ${VAR}s resolved, each value kept in the part of the URL it stands in. A value in
+    the user part (user, password) or in a query parameter is percent-encoded, which SQLAlchemy decodes: a password
+    is taken literally, whatever it holds. Put in raw, a password with '@' moved into the host ('a@b' made the host
+    'b@db.example', named in every error) and one with '@' and ':' failed as a port."""
+    found: list[re.Match[str]] = []
+
+    def mask(m: re.Match[str]) -> str:
+        found.append(m)
+        return f"\x00{len(found) - 1}\x00"
+
+    masked = _ENV.sub(mask, template)  # the template's own '@', '/', '?' now mark its parts, not a value's
+
+    def fill(part: str, encode: bool) -> str:
+        def one(m: re.Match[str]) -> str:
+            value = resolve_env(found[int(m.group(1))].group(0))
+            return quote(value, safe="") if encode else value
+
+        return _MASKED_VAR.sub(one, part)
+
+    scheme, sep, rest = masked.partition("://")
+    if not sep:
+        return fill(masked, encode=False)
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    user, at, host = authority.rpartition("@")
+    path, question, query = tail.partition("?")
+    params = "&".join(f"{key}{eq}{fill(value, encode=True)}" for key, eq, value in
+                      (param.partition("=") for param in query.split("&"))) if question else ""
+    return f"{scheme}://{fill(user, encode=True)}{at}{fill(host, encode=False)}{fill(path, encode=False)}" \
+           f"{question}{params}"
 
 
 def env_names(template: str) -> list[str]:

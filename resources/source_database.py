@@ -22,7 +22,7 @@ from pydantic import PrivateAttr
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import NoSuchTableError
 
-from resources.config import SourceConfig, resolve_env
+from resources.config import ConfigError, SourceConfig, env_names, resolve_url_env
 from resources.jdbc import UrlParameterError, jdbc_options
 from resources.slices import WatermarkCandidate, datetime_to_micros, micros_to_datetime, watermark_text
 
@@ -509,7 +509,7 @@ class SourceDatabaseResource(ConfigurableResource):
 
     @property
     def sqlalchemy_url(self) -> sa.URL:
-        url = make_url(resolve_env(self.url))
+        url = _parse_source_url(self.url)
         backend = url.get_backend_name()
         # Default drivers that are installed with rowrelay.
         if backend in ("postgresql", "postgres") and "+" not in url.drivername:
@@ -525,8 +525,11 @@ class SourceDatabaseResource(ConfigurableResource):
 
     @property
     def safe_description(self) -> str:
-        """The URL with any password hidden, for messages and metadata."""
-        return make_url(resolve_env(self.url)).render_as_string(hide_password=True)
+        """The URL with its password, and any query parameter that may hold a secret (`sslpassword`, a token, a
+        key), hidden: for messages and metadata."""
+        url = _parse_source_url(self.url)
+        hidden = {key: "***" for key in url.query if _SECRET_PARAMETER.search(key)}
+        return url.update_query_dict(hidden).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
     def _asked(self, shape: TableShape, question: tuple[Any, ...], ask: Callable[[], _Answer], settled: bool
                ) -> _Answer:
@@ -1301,6 +1304,25 @@ def wal_flushed_to(flushed: int, target: int) -> bool:
     boundary covers it (else an idle server whose last record ended a page would never look flushed)."""
     offset = target % _WAL_PAGE
     return flushed >= target or (offset in _WAL_PAGE_HEADERS and flushed >= target - offset)
+
+
+# Query parameters of a source URL whose values are not shown (`safe_description`): libpq's sslpassword, tokens,
+# keys (a key's file name is hidden too, harmlessly).
+_SECRET_PARAMETER = re.compile(r"pass|secret|token|key|credential", re.IGNORECASE)
+
+
+def _parse_source_url(template: str) -> sa.URL:
+    """A source's URL, ${VAR}s resolved each in its part (`resolve_url_env`). A URL that does not parse fails
+    naming what to check, never with its text: it may hold a password."""
+    try:
+        return make_url(resolve_url_env(template))
+    except (ValueError, sa.exc.ArgumentError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        variables = ", ".join(f"${{{name}}}" for name in env_names(template)) or "none"
+        raise SourceError(f"a source url is not a valid database URL ({type(exc).__name__}; its variables: "
+                          f"{variables}): check its host, port and database. A password or parameter value given "
+                          "through ${VAR} is taken literally and needs no escaping") from None
 
 
 def _flushed_within(flushed: Callable[[], bool], wait_s: float = DURABLE_WAIT_S) -> bool:

@@ -755,6 +755,22 @@ def spark_connect_ready(port: int) -> bool:
     return port_open(port)
 
 
+# The Connect server's logging: Spark's default layout at INFO, except the execution manager, whose INFO line about
+# an execution its client left unreleased (a run worker ends with os._exit) prints the whole plan: the JDBC options,
+# the source's password among them.
+SPARK_CONNECT_LOG4J = """\
+rootLogger.level = info
+rootLogger.appenderRef.stdout.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+logger.connect_executions.name = org.apache.spark.sql.connect.service.SparkConnectExecutionManager
+logger.connect_executions.level = warn
+"""
+
+
 def spark_connect_up(ports: Ports) -> None:
     """A warm Spark (Connect server, local[2]) that runs can share instead of starting a JVM each."""
     base = home() / "spark-connect"
@@ -763,12 +779,14 @@ def spark_connect_up(ports: Ports) -> None:
                       ports.spark_connect, "ROWRELAY_SPARK_CONNECT_PORT", logfile, 120):
         return
     base.mkdir(parents=True, exist_ok=True)
+    log4j = base / "log4j2.properties"
+    log4j.write_text(SPARK_CONNECT_LOG4J)
     sh = spark_home()
     conf = {
         "spark.connect.grpc.binding.address": "127.0.0.1",
         "spark.connect.grpc.binding.port": str(ports.spark_connect),
         "spark.sql.session.timeZone": "UTC",
-        "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
+        "spark.driver.extraJavaOptions": f"-Duser.timezone=UTC -Dlog4j2.configurationFile=file:{log4j}",
         "spark.ui.enabled": "false",
         "spark.sql.shuffle.partitions": "4",
         "spark.local.dir": str(base / "tmp"),
@@ -780,6 +798,9 @@ def spark_connect_up(ports: Ports) -> None:
     for key, value in conf.items():
         cmd += ["--conf", f"{key}={value}"]
     log(f"spark connect: starting on sc://127.0.0.1:{ports.spark_connect} (log {logfile})")
+    # Owner-only: a client's JDBC options (its password) reach the server in every read's plan.
+    logfile.touch(mode=0o600)
+    logfile.chmod(0o600)
     with open(logfile, "ab") as out:
         proc = subprocess.Popen(cmd + ["spark-internal"], cwd=base, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,

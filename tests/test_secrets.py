@@ -132,3 +132,47 @@ def test_sasl_password_never_reaches_dagster_storage_logs_or_errors(services, pg
     assert failure_text(failed) in blob
     for shown in (secret, wrong, services.pg_password):
         assert shown not in blob
+
+
+def test_a_password_with_url_characters_connects_and_is_never_shown(services, pg_database, pg_engine,
+                                                                     dagster_instance, spark, name,
+                                                                     monkeypatch) -> None:
+    """A password holding '@', ':', '/', '#', '%41' and '+' reached SQLAlchemy raw: its '@' moved part of it into the
+    host, which every connection error then named (found by a review of where secrets show). Taken literally now,
+    it connects, and neither it nor an `sslpassword` parameter shows in an error or in Dagster's storage."""
+    password, key_password = "rv@secret:7/x#%41+y", "rv-key-secret-5521"
+    role = f"{name}_user"
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b')"))
+        conn.execute(text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
+        conn.execute(text(f'GRANT CONNECT ON DATABASE "{pg_database.database}" TO {role}'))
+        conn.execute(text(f"GRANT SELECT ON {name} TO {role}"))
+    monkeypatch.setenv("RR_TEST_ODD_PASSWORD", password)
+    monkeypatch.setenv("RR_TEST_KEY_PASSWORD", key_password)
+    url = (f"postgresql://{role}:${{RR_TEST_ODD_PASSWORD}}@{pg_database.host}:{pg_database.port}/"
+           f"{pg_database.database}?sslpassword=${{RR_TEST_KEY_PASSWORD}}")
+    try:
+        cfg = parse_config({
+            "sources": {"src": {"url": url}},
+            "tables": [{"source": "src", "table": f"public.{name}", "watermark": "id"},
+                       {"source": "src", "table": f"public.{name}_missing", "watermark": "id"}],
+            "kafka": {"bootstrap_servers": services.kafka_bootstrap},
+            "spark": {"master": "local[2]"},
+        })
+        h = Harness(cfg, dagster_instance)
+        good, missing = cfg.tables
+        keys = h.drain(good, until_hi=2)  # connects as the role: the password arrived whole
+        with pytest.raises(Exception, match=rf"{name}_missing") as tick_error:
+            h.tick(missing)
+        error = str(tick_error.value)
+        assert f"@{pg_database.host}:{pg_database.port}/" in error and "sslpassword=***" in error, error
+        run_ids = [r.run_id for r in h.instance.get_runs() if r.tags.get("dagster/partition") in keys]
+        blob = "\n".join([error, *_dagster_texts(h, run_ids)])
+        assert run_ids and "watermark_hi" in blob, "the collected texts must include the runs' metadata"
+        for shown in (password, "rv@secret", "7/x#", key_password):
+            assert shown not in blob, f"{shown!r} is shown"
+    finally:
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))

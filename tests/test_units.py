@@ -10,7 +10,7 @@ import json
 import pyarrow as pa
 import pytest
 
-from resources.config import ConfigError, parse_config, resolve_env
+from resources.config import ConfigError, parse_config, resolve_env, resolve_url_env
 from resources.exactly_once import (
     MessageBatch,
     OutgoingMessage,
@@ -148,6 +148,31 @@ def test_env_interpolation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PW")
     with pytest.raises(ConfigError, match="PW is not set"):
         resolve_env("${PW}")
+
+
+def test_url_variables_stay_in_their_part_of_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A password spliced raw into a URL moved into the host at its '@' (a review found 'a@b' made the host
+    'b@host', named in every error) or failed as a port ('a@b:c'). Each value is now taken literally in its part."""
+    from sqlalchemy.engine import make_url
+
+    from resources.source_database import SourceDatabaseResource, SourceError
+
+    secret = "a@b:c/d?e#f%41+g h"
+    monkeypatch.setenv("PW", secret)
+    monkeypatch.setenv("USR", "us@er")
+    monkeypatch.setenv("KEYPW", "k&y=1#")
+    monkeypatch.setenv("HOST", "db.example")
+    url = make_url(resolve_url_env("postgresql://${USR}:${PW}@${HOST}:5433/db?sslpassword=${KEYPW}&sslmode=require"))
+    assert (url.username, url.password, url.host, url.port, url.database) == ("us@er", secret, "db.example", 5433, "db")
+    assert dict(url.query) == {"sslpassword": "k&y=1#", "sslmode": "require"}
+    assert make_url(resolve_url_env("postgresql://u:${NOPE_X:-p@ss}@h/db")).password == "p@ss"
+    assert resolve_url_env("sqlite:///data/${HOST}.db") == "sqlite:///data/db.example.db"
+    assert make_url(resolve_url_env("postgresql://u:lit%40eral@h/db")).password == "lit@eral"  # the URL's own escapes
+    source = SourceDatabaseResource(url="postgresql://u:${PW}@h:5432/db?sslpassword=${KEYPW}&sslmode=disable")
+    assert source.safe_description == "postgresql://u:***@h:5432/db?sslmode=disable&sslpassword=***"
+    with pytest.raises(SourceError, match=r"not a valid database URL \(ValueError; its variables: \$\{PW\}\)") as bad:
+        _ = SourceDatabaseResource(url="postgresql://u:x@h:${PW}/db").sqlalchemy_url  # a port that is not one
+    assert "a@b" not in str(bad.value)
 
 
 def test_largest_field_names_the_column_behind_a_large_row() -> None:
