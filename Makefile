@@ -11,7 +11,7 @@ PY := .venv/bin/python
 # Load the stack's connection settings (written by `python -m stack up`) into a recipe's environment.
 WITH_ENV := set -a; source $(STACK_ENV); set +a;
 
-.PHONY: help install stack stack-down stack-status demo-tables run test test-unit test-faults test-bench lint bench clean
+.PHONY: help install stack stack-down stack-status run test test-unit test-faults test-bench lint bench clean
 
 help:
 	@echo "make run    - install, start the local stack, create demo tables + writer, serve the Dagster UI on :3000"

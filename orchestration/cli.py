@@ -494,7 +494,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     progress = history[-1] if history else None
     if progress is not None:  # a comparison in another column's (or kind's) sense would be meaningless
         refuse_watermark_change(progress, reflect_table(config, table).watermark_id)
-    elif (missing := progress_missing(conf, channel)) is not None:
+    elif (missing := progress_missing(conf, channel, reflect_table(config, table).timestamps)) is not None:
         raise missing  # its rows were published under progress this table no longer reads: nothing to compare
     # The newest baseline or reset in progress, if any, is where the table starts; else its first slice (where the
     # publisher started: `start_after` as it was then, whatever the file says now), else `start_after`.
@@ -908,7 +908,8 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     started = time.monotonic()
     with DagsterInstance.get() as instance:
         keep_storage_connections(instance)
-        ensure_pool(instance, pool_name(table))
+        if not args.dry_run:
+            ensure_pool(instance, pool_name(table))
         active = instance.get_runs_count(RunsFilter(job_name=job_name(table), statuses=ACTIVE))
         state = SensorState()
         deadline = time.monotonic() + table.settle_seconds + args.settle_timeout
@@ -920,7 +921,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                 keys = open_keys(instance, partitions.name, progress.hi if progress else
                                  channel_for(table, io_manager.transactional_id_prefix).start_after)
                 plan = plan_cut(table, source, io_manager, progress, keys, state, heal=not active,
-                                cut_while_pending=True, limit=100_000)
+                                cut_while_pending=True, limit=100_000, write=not args.dry_run)
                 if plan.add or not plan.state.pending or time.monotonic() > deadline:
                     break
                 state = plan.state
@@ -935,16 +936,23 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             return 1
         finally:
             source.dispose()
-        for orphan in plan.delete:
+        # A dry run changes nothing: it says what a backfill would delete, cut and publish.
+        would = "would be " if args.dry_run else ""
+        for orphan in plan.delete if not args.dry_run else []:
             instance.delete_dynamic_partition(partitions.name, orphan.key)
         if plan.delete:
-            print(f"{table.table_id}: deleted partitions {[s.key for s in plan.delete]}: they do not continue Kafka's "
-                  f"progress ({plan.text(plan.committed_hi)}) and could never commit", flush=True)
-        if plan.add:
+            print(f"{table.table_id}: {'would delete' if args.dry_run else 'deleted'} partitions "
+                  f"{[s.key for s in plan.delete]}: they do not continue Kafka's progress "
+                  f"({plan.text(plan.committed_hi)}) and could never commit", flush=True)
+        if plan.add and not args.dry_run:
             instance.add_dynamic_partitions(partitions.name, [s.key for s in plan.add])
         todo = plan.chain
-        print(f"{table.table_id}: committed up to {plan.text(plan.committed_hi)}; {len(plan.add)} new slice(s) cut; "
-              f"{len(todo)} slice(s) to publish" + (f" ({plan.waiting})" if plan.waiting else ""), flush=True)
+        print(f"{table.table_id}: committed up to {plan.text(plan.committed_hi)}; {len(plan.add)} new slice(s) "
+              f"{would}cut; {len(todo)} slice(s) {'would be published' if args.dry_run else 'to publish'}"
+              + (f" ({plan.waiting})" if plan.waiting else ""), flush=True)
+        if args.dry_run and plan.add:
+            print(f"{table.table_id}: slices {plan.add[0].key} ... {plan.add[-1].key} (dry run: nothing cut, "
+                  "added or sent)", flush=True)
         if not plan.add and plan.state.pending:  # the wait ran out with rows still not final
             frontier = plan.chain[-1].hi if plan.chain else plan.committed_hi
             newest = max(c.watermark for c in plan.state.pending)
@@ -1592,7 +1600,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--force", action="store_true", help="reset even while runs of the table are active")
         elif name == "backfill":
             p.add_argument("--table", required=True, help="<source>.<schema>.<table>")
-            p.add_argument("--dry-run", action="store_true", help="cut and add the slices, run nothing")
+            p.add_argument("--dry-run", action="store_true",
+                           help="say what would be cut and published; change nothing (no partition, no baseline)")
             p.add_argument("--settle-timeout", type=seconds, default=60.0,
                            help="seconds to wait, beyond the table's settle_seconds, for the newest rows to become "
                            "final (open transactions end); default 60")

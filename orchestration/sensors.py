@@ -7,6 +7,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -263,6 +264,18 @@ def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: Ta
         publisher.close()
 
 
+def refuse_start_after_kind(shape: TableShape, table: TableConfig) -> None:
+    """A time as `start_after` of an integer watermark became microseconds since 1970 (2026 is ~1.8e15): every id
+    below it was skipped without a word and the table looked caught up (found by a review of the README against
+    the code). The CLI's `--after` refused it already; the config now does too, before the first cut."""
+    if isinstance(table.start_after, datetime) and not shape.timestamps:
+        raise SourceError(
+            f"{table.table_id}: start_after {table.start_after.isoformat()} is a time, but watermark column "
+            f"{table.watermark!r} is an integer: as a time's microseconds it would skip every row below "
+            f"{table.start_after_watermark}. Set `start_after` to an id (rows <= it are never sent), or to 0 or unset "
+            "to send the whole table; nothing was cut or sent")
+
+
 def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, start: int) -> None:
     """With `start_after` unset, rows at or below 0 would be skipped silently: refuse, saying what to set."""
     if table.start_after is not None:
@@ -287,7 +300,7 @@ def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: 
 
 def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: KafkaIOManager,
              progress: ProgressRecord | None, keys: list[str], state: SensorState, *, heal: bool,
-             cut_while_pending: bool, limit: int = 500, resplit: bool = False) -> CutPlan:
+             cut_while_pending: bool, limit: int = 500, resplit: bool = False, write: bool = True) -> CutPlan:
     """The one way slices are cut, for the sensor and `rowrelay backfill` alike.
 
     Kafka's progress decides where the table stands, not the partitions: partitions off the chain that continues
@@ -297,6 +310,8 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     `resplit`: the first uncommitted slice outlived the transaction timeout, so it can never commit as cut: the
     uncommitted slices are deleted and cut again from Kafka's progress at a quarter of its rows.
     `progress`: the table's committed progress, just read from Kafka.
+    `write`: False for a dry run: a `start_after: latest` table's baseline is not recorded in Kafka (the plan says
+    where it would be). Partitions are never touched here: the caller applies `delete` and `add`.
     """
     channel = channel_for(table, io_manager.transactional_id_prefix)
     conf = io_manager.kafka_conf()
@@ -304,11 +319,18 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     shape = cached_table_shape(source, table)
     slices = [SliceRange.from_key(k) for k in keys]
     if progress is None and table.start_after == "latest" and not slices:
+        if not write:
+            safe_hi, _ = settled_watermark(source, shape, table, None, state)
+            return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps, waiting=(
+                "start_after: latest: its baseline is not recorded yet; a backfill or the sensor would record it at "
+                f"the safe watermark ({shape.watermark_text(safe_hi) if safe_hi is not None else 'not final yet'})"))
         progress, state = latest_baseline(source, shape, table, channel, conf, state)
         if progress is None:
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
     refuse_watermark_change(progress, shape.watermark_id)  # before any cut: "nothing new" would skip rows too
+    if progress is None:
+        refuse_start_after_kind(shape, table)
     committed_hi = progress.hi if progress else channel.start_after
     if progress is None and not slices:
         check_start_after(source, shape, table, committed_hi)
@@ -405,8 +427,9 @@ NEXT_STEP = {
               "slices; nothing is lost",
     "bad_row": "fix the row (or list its watermark in `skip_watermarks`) and run it again",
     "source": "fix what the run's message names and run it again",
-    "rows_mismatch": "the source's rows changed under the read (see the run's message) and run it again",
-    "progress_missing": "see the runbook (progress missing) before anything runs again",
+    "rows_mismatch": "the source's rows changed under the read: see the run's message, fix the cause, and run it again",
+    "progress_missing": "see the README runbook (\"A table dropped and re-created\": progress missing) before anything "
+                        "runs again",
     "producer_settings": "fix `kafka.producer` as the run's message says and run it again",
     "topic_settings": "fix the topic's settings (or the table's `key:`) as the run's message says and run it again",
     "progress_shared": "two deployments share the table's progress: give each its own `kafka.transactional_id_prefix` "

@@ -39,10 +39,11 @@ def dagster_op_name(path: list[str]) -> str:
 
 
 def resolve_env(template: str) -> str:
-    """Replace ${VAR} and ${VAR:-default}; a missing variable is an error naming it."""
+    """Replace ${VAR} and ${VAR:-default} (the default also where VAR is empty, as a shell does); a missing
+    variable is an error naming it."""
 
     def sub(m: re.Match[str]) -> str:
-        value = os.environ.get(m.group(1), m.group(2))
+        value = os.environ.get(m.group(1)) or m.group(2) if m.group(2) is not None else os.environ.get(m.group(1))
         if value is None:
             raise ConfigError(f"environment variable {m.group(1)} is not set (used in rowrelay configuration)")
         return value

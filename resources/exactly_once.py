@@ -637,7 +637,7 @@ def _topic_configs(admin: AdminClient, topics: list[str], timeout: float) -> dic
 
 
 def _check_existing_topics(admin: AdminClient, channel: TableChannel, existing: dict[str, Any],
-                           timeout: float) -> int | None:
+                           timeout: float, bootstrap: str = "<broker:port>") -> int | None:
     """Refuse topics someone else created with settings rowrelay cannot work with; returns the data topic's
     max.message.bytes where readable.
 
@@ -674,7 +674,8 @@ def _check_existing_topics(admin: AdminClient, channel: TableChannel, existing: 
                 f"{ch.table}: progress topic {ch.progress_topic} has cleanup.policy={policy}: its records expire "
                 "(retention.ms), and a table whose progress expired would be sent again from its start. Make it "
                 f"compacted only: kafka-configs.sh --alter --entity-type topics --entity-name {ch.progress_topic} "
-                "--add-config cleanup.policy=compact; nothing was sent")
+                f"--add-config cleanup.policy=compact --bootstrap-server {bootstrap.split(',')[0]} (with the "
+                "client settings your cluster needs: --command-config); nothing was sent")
     data = configs.get(ch.topic, {})
     if not ch.keyed and "compact" in data.get("cleanup.policy", ""):
         raise TopicSettingsError(
@@ -700,7 +701,8 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
     if hit is not None and time.monotonic() - hit[0] < TOPICS_FIT_TTL_S and len(existing) == 2:
         ready = TopicsReady(partitions, hit[1])
     else:
-        ready = TopicsReady(partitions, _check_existing_topics(admin, channel, existing, timeout))
+        ready = TopicsReady(partitions, _check_existing_topics(
+            admin, channel, existing, timeout, str(kafka_conf.get("bootstrap.servers", "<broker:port>"))))
         if len(existing) == 2:
             _TOPICS_FIT[memo] = (time.monotonic(), ready.max_message_bytes)
     wanted = []
@@ -1239,19 +1241,22 @@ def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChan
         consumer.close()
 
 
-def progress_missing(kafka_conf: dict[str, Any], channel: TableChannel) -> ProgressMissing | None:
+def progress_missing(kafka_conf: dict[str, Any], channel: TableChannel, timestamps: bool = False
+                     ) -> ProgressMissing | None:
     """For a table whose committed progress is empty: the refusal if its rows were published all the same (its data
     topic holds its messages, or another transactional_id_prefix's progress topic holds its progress), so that
-    publishing would send them again; None if nothing of it was published."""
+    publishing would send them again; None if nothing of it was published. `timestamps`: the table's watermark is
+    a time, so the remedy names one (`rowrelay reset --after` refuses a time's microseconds)."""
     ch = channel
     in_topic = table_messages_high_watermark(kafka_conf, ch)
     if in_topic is not None and in_topic > ch.start_after:
+        at = watermark_text(in_topic, timestamps)
         return ProgressMissing(
             f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}, transactional id "
             f"{ch.transactional_id}), but topic {ch.topic} already holds this table's messages up to watermark "
-            f"{in_topic}: publishing would send them again. Restore the old transactional_id_prefix if it was "
-            f"changed, or run `rowrelay reset --table {ch.table} --after {in_topic}` to set a new baseline "
-            f"deliberately ({in_topic} is the last watermark of this table already in the topic; a lower value "
+            f"{at}: publishing would send them again. Restore the old transactional_id_prefix if it was "
+            f"changed, or run `rowrelay reset --table {ch.table} --after {at}` to set a new baseline "
+            f"deliberately ({at} is the last watermark of this table already in the topic; a lower value "
             "sends rows again: only for a re-created table whose ids restarted)",
             table=ch.table, topic_watermark=in_topic)
     if in_topic is None and (elsewhere := progress_under_other_prefix(kafka_conf, ch)) is not None:
@@ -1395,7 +1400,7 @@ class SlicePublisher:
         committed = self._progress_after_fence()
         self.on_stage("progress_read")
         if committed is None:
-            self._refuse_if_progress_missing()
+            self._refuse_if_progress_missing(slice_range.timestamps)
         else:
             if watermark is not None:
                 refuse_watermark_change(committed, watermark)
@@ -1465,7 +1470,7 @@ class SlicePublisher:
         if not reset:
             standing = self._progress_after_fence()
             if standing is None:
-                self._refuse_if_progress_missing()
+                self._refuse_if_progress_missing(record.watermark_kind in ("timestamp", "timestamptz"))
             elif only_if_empty:
                 return standing
         try:
@@ -1547,14 +1552,14 @@ class SlicePublisher:
                 f"{ch.table} --after {at}` to continue in {ch.topic} from there; nothing was sent")
         self._topic_checked_back = True
 
-    def _refuse_if_progress_missing(self) -> None:
+    def _refuse_if_progress_missing(self, timestamps: bool) -> None:
         """Empty progress but the table's messages already in its data topic (e.g. a new transactional_id_prefix
         gave it a new, empty progress topic), or slices of it recorded committed by the orchestrator (`recorded`:
         the progress topic deleted after the data topic's messages expired): publishing would send them all again.
         Checked once per publisher."""
         if self._topic_checked:
             return
-        if (missing := progress_missing(self.kafka_conf, self.channel)) is not None:
+        if (missing := progress_missing(self.kafka_conf, self.channel, timestamps)) is not None:
             raise missing
         ch = self.channel
         if self.recorded is not None and self.recorded.hi > ch.start_after:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from resources.config import resolve_env
+from resources.config import ConfigError, resolve_env
 from resources.slices import SliceRange, micros_to_datetime
 from resources.source_database import MAX_MICROS, MAX_WATERMARK, read_as_text, sqlite_affinity
 
@@ -57,8 +57,17 @@ SQL_CONF = {
 _configured: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _with_sql_conf(session: SparkSession) -> SparkSession:
+def _with_sql_conf(session: SparkSession, client_conf: dict[str, str] | None = None) -> SparkSession:
+    """`client_conf`: a Spark Connect client's own `spark.conf`, set on its session (a local session takes it in its
+    builder): it was ignored there. What a client cannot set (a static or core setting) fails, naming the key."""
     if session not in _configured:
+        for key, value in (client_conf or {}).items():
+            try:
+                session.conf.set(key, value)
+            except Exception as exc:  # noqa: BLE001 - pyspark's Connect errors share no narrower base
+                raise ConfigError(
+                    f"spark.conf {key}: a Spark Connect client cannot set it ({str(exc).splitlines()[0][:200]}); "
+                    "set it on the Spark Connect server instead, or remove it from rowrelay.yaml") from None
         for key, value in SQL_CONF.items():
             session.conf.set(key, value)
         _configured.add(session)
@@ -123,7 +132,7 @@ class SparkResource(ConfigurableResource):
         if self.remote:
             return {"spark.remote": resolve_env(self.remote)}
         return {
-            "spark.master": self.master,
+            "spark.master": resolve_env(self.master),
             "spark.app.name": "rowrelay",
             # Timestamps are read and formatted in UTC whatever the machine's zone.
             "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
@@ -149,7 +158,8 @@ class SparkResource(ConfigurableResource):
             if lazy is None:
                 lazy = _lazy_sessions[self.remote or self.master] = LazyPySparkResource(
                     spark_config=self.session_config())
-            return _with_sql_conf(lazy.spark_session)
+            client_conf = {key: resolve_env(value) for key, value in self.conf.items()} if self.remote else None
+            return _with_sql_conf(lazy.spark_session, client_conf)
 
     def read_slice(self, source: SourceDatabaseResource, shape: TableShape, slice_range: SliceRange,
                    expected_rows: int) -> DataFrame:

@@ -574,10 +574,17 @@ def test_a_reset_forward_settles_every_uncommitted_partition_below_it(
     assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
     with pg_engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {name} (v) SELECT 'n' || g FROM generate_series(76, 100) g"))
-    config_file = _config_file(relay_config(services, {"src": pg_database}, [{**spec, "slice_max_rows": 10}]),
-                               tmp_path / "b.yaml")
-    assert main(["--config", config_file, "backfill", "--table", table.table_id, "--dry-run"]) == 0
+    smaller = relay_config(services, {"src": pg_database}, [{**spec, "slice_max_rows": 10}])
+    config_file = _config_file(smaller, tmp_path / "b.yaml")
     partitions = f"{table.dagster_name}__slices"
+    before = dagster_instance.get_dynamic_partitions(partitions)
+    capsys.readouterr()
+    # A dry run says what a backfill would cut, and changes nothing (it added the partitions before).
+    assert main(["--config", config_file, "backfill", "--table", table.table_id, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "3 new slice(s) would be cut; 3 slice(s) would be published" in out, out
+    assert dagster_instance.get_dynamic_partitions(partitions) == before
+    assert Harness(smaller, dagster_instance).cut(smaller.tables[0])  # cut, not run
     assert dagster_instance.get_dynamic_partitions(partitions)[1:] == [
         SliceRange(75, 85).key, SliceRange(85, 95).key, SliceRange(95, 100).key]
     dagster_instance.add_dynamic_partitions(partitions, [SliceRange(70, 80).key])  # as a racing cut leaves one
@@ -842,3 +849,30 @@ def test_replay_pieces_follow_each_reset_inside_a_slice() -> None:
     assert spans([*history, reset(12)]) == [(0, 10, SliceRange(0, 10).key), (10, 12, SliceRange(10, 12).key)]
     assert spans([*history, reset(10)]) == [(0, 10, SliceRange(0, 10).key)]
     assert spans([*history, reset(40)]) == spans(history)  # forward: nothing above progress to cut
+
+
+def test_a_dry_run_backfill_changes_nothing(services, pg_database, pg_engine, dagster_home, dagster_instance, name,
+                                            tmp_path, capsys, monkeypatch) -> None:
+    """`--dry-run` added the partitions, and on a `start_after: latest` table with no progress recorded its
+    baseline in Kafka, for good (found by a review of the README against the code). It now only says what a
+    backfill would do: no partition, no baseline, no pool."""
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 30)
+    spec = {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 10}
+    plain = relay_config(services, {"src": pg_database}, [spec])
+    latest = relay_config(services, {"src": pg_database}, [{**spec, "start_after": "latest"}])
+    h = Harness(plain, dagster_instance)
+    table = h.table()
+    partitions = f"{table.dagster_name}__slices"
+    assert main(["--config", _config_file(plain, tmp_path / "a.yaml"), "backfill", "--table", table.table_id,
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "3 new slice(s) would be cut; 3 slice(s) would be published" in out, out
+    assert dagster_instance.get_dynamic_partitions(partitions) == []
+    assert main(["--config", _config_file(latest, tmp_path / "b.yaml"), "backfill", "--table", table.table_id,
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "its baseline is not recorded yet; a backfill or the sensor would record it at the safe watermark (30)" \
+        in out, out
+    assert h.progress(table) is None and dagster_instance.get_dynamic_partitions(partitions) == []
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=2) == []

@@ -24,7 +24,7 @@ from resources.exactly_once import (
     read_progress_history,
 )
 from resources.kafka_io_manager import STOPPED_TAG
-from resources.slices import SliceRange
+from resources.slices import SliceRange, micros_text, parse_watermark
 from tests.conftest import partition_ends
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, visible_progress
 from tests.test_errors import failure_text
@@ -291,6 +291,27 @@ def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, n
     assert read_committed_progress(conf, renamed) is None
 
 
+def test_empty_progress_of_a_timestamp_table_names_a_time_to_reset_to(services, name) -> None:
+    """The refusal's remedy printed the topic's last watermark as microseconds, which `rowrelay reset --after`
+    refuses for a timestamp table ("is an integer, but the table's watermark is a timestamp"): a fix that could not
+    be followed (found by a review of the README against the code). It names the time now, as reset reads it."""
+    conf = _conf(services)
+    table = f"edge.public.{name}"
+    base = 1_795_000_000_000_000
+    eo.publish_slice(TableChannel.for_table(table, name, start_after=base), conf,
+                     SliceRange(base, base + 3, timestamps=True), _rows(base, base + 3))
+    renamed = TableChannel.for_table(table, name, prefix="other", start_after=base)
+    publisher = SlicePublisher(renamed, conf)
+    try:
+        with pytest.raises(eo.ProgressMissing) as caught:
+            publisher.publish(SliceRange(base, base + 3, timestamps=True), _rows(base, base + 3))
+    finally:
+        publisher.close()
+    at = micros_text(base + 3)
+    assert f"up to watermark {at}:" in str(caught.value) and f"--after {at}` to set" in str(caught.value), caught.value
+    assert parse_watermark(at) == base + 3  # what `rowrelay reset --after` reads back
+
+
 def test_reset_sets_a_deliberate_baseline_and_fences(services, name) -> None:
     conf = _conf(services)
     table = f"edge.public.{name}"
@@ -442,7 +463,9 @@ def test_a_progress_topic_whose_records_expire_is_refused(services, name, policy
     _create_topic(services, channel.progress_topic, **{"cleanup.policy": policy})
     with pytest.raises(eo.TopicSettingsError, match=rf"has cleanup.policy={policy}: its records expire.*"
                                                     rf"--entity-name {channel.progress_topic} --add-config "
-                                                    r"cleanup.policy=compact; nothing was sent"):
+                                                    r"cleanup.policy=compact --bootstrap-server "
+                                                    rf"{services.kafka_bootstrap.split(',')[0]} \(with the client "
+                                                    r"settings.*nothing was sent"):
         eo.publish_slice(channel, conf, SliceRange(0, 3), _rows(0, 3))
     assert read_topic(services.kafka_bootstrap, name, timeout=2) == []
 

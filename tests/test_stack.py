@@ -193,3 +193,25 @@ def test_second_stack_up_twice_then_down(tmp_path: Path) -> None:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3], \
             f"{service} pid {pid} still running after down"
     assert _stack(home, ports, "status").returncode == 1
+
+
+def test_spark_connect_client_sets_its_spark_conf_or_names_what_it_cannot(services: Services) -> None:
+    """`spark.conf` was ignored with `spark.remote`: the session was built from the remote URL alone (found by a
+    review of the README against the code). A Connect client's own session now takes it; a setting a client cannot
+    change fails, naming the key. Each in a process of its own: a process keeps one session per server."""
+    if not services.spark_remote:
+        pytest.skip("no Spark Connect server in this test environment")
+    code = ("import sys, json\nfrom resources.spark import SparkResource\n"
+            "session = SparkResource(remote=sys.argv[1], conf=json.loads(sys.argv[2])).get_session()\n"
+            "print(session.conf.get('spark.sql.shuffle.partitions'))\n")
+
+    def run(conf: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code, services.spark_remote, conf], capture_output=True,
+                              text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+
+    settable = run('{"spark.sql.shuffle.partitions": "7"}')
+    assert settable.returncode == 0 and settable.stdout.strip().endswith("7"), settable.stderr[-2000:]
+    static = run('{"spark.executor.memory": "3g"}')
+    assert static.returncode != 0
+    assert "spark.conf spark.executor.memory: a Spark Connect client cannot set it" in static.stderr, \
+        static.stderr[-2000:]

@@ -265,7 +265,7 @@ def test_cli_reports_a_timestamp_watermark_as_times(services, pg_database, pg_en
     capsys.readouterr()
     assert main(["--config", config_file, "backfill", "--table", table.table_id, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert f"committed up to {micros_text(hi)}; 0 new slice(s) cut" in out and str(hi) not in out, out
+    assert f"committed up to {micros_text(hi)}; 0 new slice(s) would be cut" in out and str(hi) not in out, out
     assert main(["--config", config_file, "verify"]) == 0
     out = capsys.readouterr().out
     assert f"committed up to {micros_text(hi)}, 3 source rows, 3 messages" in out and str(hi) not in out, out
@@ -540,3 +540,24 @@ def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
     h.drain(table, until_hi=datetime_to_micros(top), timeout=60)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
     engine.dispose()
+
+
+def test_a_time_as_start_after_of_an_integer_watermark_is_refused(services, pg_database, pg_engine,
+                                                                  dagster_instance, name) -> None:
+    """`start_after: 2026-01-01T00:00:00Z` on an id watermark became 1.767e15 microseconds: every id below it was
+    skipped silently and the table looked caught up (found by a review of the README against the code). Refused
+    before the first cut, nothing cut or sent; an id works."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v int)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT g FROM generate_series(1, 5) g"))
+    table_cfg = {"source": "src", "table": f"public.{name}", "watermark": "id", "start_after": "2026-01-01T00:00:00Z"}
+    h = Harness(relay_config(services, {"src": pg_database}, [table_cfg]), dagster_instance)
+    table = h.table()
+    with pytest.raises(SourceError, match=r"start_after 2026-01-01T00:00:00\+00:00 is a time, but watermark column "
+                                          r"'id' is an integer.*nothing was cut or sent"):
+        h.tick(table)
+    assert h.progress(table) is None
+    assert dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []
+    h = Harness(relay_config(services, {"src": pg_database}, [{**table_cfg, "start_after": 2}]), dagster_instance)
+    h.drain(h.table(), until_hi=5)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [3, 4, 5])

@@ -145,6 +145,9 @@ def test_env_interpolation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PW", "s3cret")
     assert resolve_env("postgresql://u:${PW}@h/db") == "postgresql://u:s3cret@h/db"
     assert resolve_env("${MISSING_VAR_X:-fallback}") == "fallback"
+    monkeypatch.setenv("EMPTY_VAR_X", "")
+    assert resolve_env("${EMPTY_VAR_X:-fallback}") == "fallback"  # as a shell does (it gave "")
+    assert resolve_env("${EMPTY_VAR_X}") == ""
     monkeypatch.delenv("PW")
     with pytest.raises(ConfigError, match="PW is not set"):
         resolve_env("${PW}")
