@@ -122,9 +122,10 @@ def id_held_without_xid(url: URL, name: str, key: int) -> Iterator[tuple[Callabl
 
 
 @contextmanager
-def unprivileged_pg_role(services, pg_database: URL, pg_engine: Engine, table: str) -> Iterator[URL]:
+def unprivileged_pg_role(services, pg_database: URL, pg_engine: Engine, table: str,
+                         password: str | None = None) -> Iterator[URL]:
     """A login role with only CONNECT and SELECT on the table (no superuser, no pg_read_all_stats/pg_monitor)."""
-    role, password = f"{table}_reader", uuid.uuid4().hex
+    role, password = f"{table}_reader", password or uuid.uuid4().hex
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
         conn.execute(text(f'GRANT CONNECT ON DATABASE "{pg_database.database}" TO {role}'))

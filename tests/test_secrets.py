@@ -11,6 +11,7 @@ from sqlalchemy import text
 
 from resources.config import parse_config
 from tests.pipeline import Harness
+from tests.test_edge_watermarks import unprivileged_pg_role
 
 pytestmark = pytest.mark.integration
 
@@ -141,18 +142,14 @@ def test_a_password_with_url_characters_connects_and_is_never_shown(services, pg
     host, which every connection error then named (found by a review of where secrets show). Taken literally now,
     it connects, and neither it nor an `sslpassword` parameter shows in an error or in Dagster's storage."""
     password, key_password = "rv@secret:7/x#%41+y", "rv-key-secret-5521"
-    role = f"{name}_user"
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
         conn.execute(text(f"INSERT INTO {name} (v) VALUES ('a'), ('b')"))
-        conn.execute(text(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
-        conn.execute(text(f'GRANT CONNECT ON DATABASE "{pg_database.database}" TO {role}'))
-        conn.execute(text(f"GRANT SELECT ON {name} TO {role}"))
     monkeypatch.setenv("RR_TEST_ODD_PASSWORD", password)
     monkeypatch.setenv("RR_TEST_KEY_PASSWORD", key_password)
-    url = (f"postgresql://{role}:${{RR_TEST_ODD_PASSWORD}}@{pg_database.host}:{pg_database.port}/"
-           f"{pg_database.database}?sslpassword=${{RR_TEST_KEY_PASSWORD}}")
-    try:
+    with unprivileged_pg_role(services, pg_database, pg_engine, name, password=password) as reader:
+        url = (f"postgresql://{reader.username}:${{RR_TEST_ODD_PASSWORD}}@{pg_database.host}:{pg_database.port}/"
+               f"{pg_database.database}?sslpassword=${{RR_TEST_KEY_PASSWORD}}")
         cfg = parse_config({
             "sources": {"src": {"url": url}},
             "tables": [{"source": "src", "table": f"public.{name}", "watermark": "id"},
@@ -172,7 +169,3 @@ def test_a_password_with_url_characters_connects_and_is_never_shown(services, pg
         assert run_ids and "watermark_hi" in blob, "the collected texts must include the runs' metadata"
         for shown in (password, "rv@secret", "7/x#", key_password):
             assert shown not in blob, f"{shown!r} is shown"
-    finally:
-        with pg_engine.begin() as conn:
-            conn.execute(text(f"DROP OWNED BY {role}"))
-            conn.execute(text(f"DROP ROLE {role}"))
