@@ -45,6 +45,7 @@ from resources.exactly_once import (
     ProgressRecord,
     SlicePublisher,
     TableChannel,
+    progress_missing,
     read_progress_tail,
     refuse_watermark_change,
     transaction_timeout_ms,
@@ -320,6 +321,8 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     slices = [SliceRange.from_key(k) for k in keys]
     if progress is None and table.start_after == "latest" and not slices:
         if not write:
+            if (missing := progress_missing(conf, channel, shape.timestamps)) is not None:
+                raise missing  # as recording the baseline would be
             safe_hi, _ = settled_watermark(source, shape, table, None, state)
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps, waiting=(
                 "start_after: latest: its baseline is not recorded yet; a backfill or the sensor would record it at "

@@ -80,11 +80,18 @@ def resolve_url_env(template: str) -> str:
     end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
     authority, tail = rest[:end], rest[end:]
     user, at, host = authority.rpartition("@")
+    if ":" in user:  # user:password, each filled on its own
+        name, _, password = user.partition(":")
+        userinfo = f"{fill(name, encode=True)}:{fill(password, encode=True)}"
+    else:  # a user alone, or one ${VAR} holding user:password: split its value at the first ':'
+        name, colon, password = fill(user, encode=False).partition(":")
+        userinfo = quote(name, safe="") + (f":{quote(password, safe='')}" if colon else "")
     path, question, query = tail.partition("?")
-    params = "&".join(f"{key}{eq}{fill(value, encode=True)}" for key, eq, value in
-                      (param.partition("=") for param in query.split("&"))) if question else ""
-    return f"{scheme}://{fill(user, encode=True)}{at}{fill(host, encode=False)}{fill(path, encode=False)}" \
-           f"{question}{params}"
+    # A parameter's value is taken literally; its name, or a part with no '=' (a ${VAR} holding whole parameters),
+    # goes in as written.
+    params = "&".join(f"{fill(key, encode=False)}={fill(value, encode=True)}" if eq else fill(key, encode=False)
+                      for key, eq, value in (param.partition("=") for param in query.split("&"))) if question else ""
+    return f"{scheme}://{userinfo}{at}{fill(host, encode=False)}{fill(path, encode=False)}{question}{params}"
 
 
 def env_names(template: str) -> list[str]:

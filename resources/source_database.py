@@ -107,16 +107,17 @@ class KeptAnswers:
 # never does. One per process: the early read, the cut and the run each hold their own SourceDatabaseResource.
 SETTLED_ANSWERS = KeptAnswers()
 
-# `refuse_unknowable_finality` on PostgreSQL, one statement. `reached`: the relations a read of the table takes rows
-# from (itself, its partitions and inheritance children, what a view's rule reads, recursively), each with its depth
-# (0: the table itself). Then: the recovery flag; a subscription filling any of them; the first foreign table,
-# materialized view or UNLOGGED relation among them; the most caching of the watermark's sequences (its serial or
-# identity sequence, any its DEFAULT calls).
 # MariaDB/MySQL engines whose new rows rowrelay can tell final (`is_final`): InnoDB by its open transactions;
 # MyISAM and Aria take the whole table per writing statement, so rows become visible in the order their ids were
 # drawn. A view has no engine (NULL): not checked.
 _MYSQL_ENGINES_KNOWN = frozenset({"innodb", "myisam", "aria"})
 
+# `refuse_unknowable_finality` on PostgreSQL, one statement. `reached`: the relations a read of the table takes rows
+# from (itself, its partitions and inheritance children, what a view's rule reads, recursively), each with its depth
+# (0: the table itself). A view's rule is its SELECT rule (ev_type '1'); a rule that writes elsewhere on INSERT
+# reads nothing into this table. Then: the recovery flag; a subscription filling any of them; the first foreign table,
+# materialized view or UNLOGGED relation among them; the most caching of the watermark's sequences (its serial or
+# identity sequence, any its DEFAULT calls).
 _PG_FINALITY_CATALOG = """
 WITH RECURSIVE reached(oid, depth) AS (
     SELECT CAST(CAST(:rel AS regclass) AS oid), 0
@@ -126,12 +127,12 @@ WITH RECURSIVE reached(oid, depth) AS (
         UNION ALL
         SELECT d.refobjid FROM pg_rewrite w JOIN pg_depend d ON d.classid = 'pg_rewrite'::regclass
             AND d.objid = w.oid AND d.refclassid = 'pg_class'::regclass
-        WHERE w.ev_class = r.oid AND d.refobjid <> r.oid) x
+        WHERE w.ev_class = r.oid AND w.ev_type = '1' AND d.refobjid <> r.oid) x
     WHERE r.depth < 32),
 rel AS (
     SELECT c.oid, c.relkind, c.relpersistence, CAST(CAST(c.oid AS regclass) AS text) AS name,
         min(reached.depth) AS depth
-    FROM reached JOIN pg_class c ON c.oid = reached.oid GROUP BY c.oid)
+    FROM reached JOIN pg_class c ON c.oid = reached.oid GROUP BY c.oid, c.relkind, c.relpersistence)
 SELECT pg_is_in_recovery(),
     (SELECT ARRAY[s.subname, rel.name, CAST(rel.depth AS text)] FROM pg_subscription_rel sr
         JOIN pg_subscription s ON s.oid = sr.srsubid JOIN rel ON rel.oid = sr.srrelid ORDER BY rel.depth LIMIT 1),

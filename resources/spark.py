@@ -65,6 +65,8 @@ def _with_sql_conf(session: SparkSession, client_conf: dict[str, str] | None = N
             try:
                 session.conf.set(key, value)
             except Exception as exc:  # noqa: BLE001 - pyspark's Connect errors share no narrower base
+                if "CANNOT_MODIFY" not in str(exc) and "Cannot modify the value" not in str(exc):
+                    raise  # the server away, or another failure: its own message
                 raise ConfigError(
                     f"spark.conf {key}: a Spark Connect client cannot set it ({str(exc).splitlines()[0][:200]}); "
                     "set it on the Spark Connect server instead, or remove it from rowrelay.yaml") from None

@@ -9,6 +9,7 @@ processes whose pid files this module wrote.
 from __future__ import annotations
 
 import base64
+import contextlib
 import glob
 import os
 import pwd
@@ -775,8 +776,14 @@ def spark_connect_up(ports: Ports) -> None:
     """A warm Spark (Connect server, local[2]) that runs can share instead of starting a JVM each."""
     base = home() / "spark-connect"
     pidfile, logfile = base / "spark-connect.pid", base / "spark-connect.log"
+    if logfile.exists():  # a server started by an earlier release wrote it readable by all
+        logfile.chmod(0o600)
     if reuse_or_claim("spark connect", read_pid(pidfile), lambda: spark_connect_ready(ports.spark_connect),
                       ports.spark_connect, "ROWRELAY_SPARK_CONNECT_PORT", logfile, 120):
+        with contextlib.suppress(OSError, TypeError):
+            if b"log4j2.configurationFile" not in Path(f"/proc/{read_pid(pidfile)}/cmdline").read_bytes():
+                log("spark connect: this server was started by an earlier release and logs whole plans (the JDBC "
+                    "password among them) at INFO: restart it (`python -m stack down`, then `up`)")
         return
     base.mkdir(parents=True, exist_ok=True)
     log4j = base / "log4j2.properties"

@@ -876,3 +876,6 @@ def test_a_dry_run_backfill_changes_nothing(services, pg_database, pg_engine, da
         in out, out
     assert h.progress(table) is None and dagster_instance.get_dynamic_partitions(partitions) == []
     assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=2) == []
+    from assets.relay import pool_name
+
+    assert pool_name(table) not in dagster_instance.event_log_storage.get_concurrency_keys()

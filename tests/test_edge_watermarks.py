@@ -573,8 +573,8 @@ def test_mariadb_engines_whose_rows_rowrelay_cannot_tell_final_are_refused(servi
 def test_mariadb_myisam_table_relays_exactly_once_beside_a_long_insert(services, mariadb_database, mariadb_engine,
                                                                        dagster_instance, spark, name) -> None:
     """MyISAM (and Aria) are accepted without transactions to wait for: a writing statement takes the whole table, so
-    rows become visible in the order their ids were drawn. Shown end to end: ticks and runs while one long
-    INSERT ... SELECT of 200k rows is running, then every row exactly once."""
+    rows become visible in the order their ids were drawn. Shown end to end: ticks and runs while one slow
+    INSERT ... SELECT of 20k rows runs for seconds, then every row exactly once."""
     with mariadb_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int) ENGINE=MyISAM"))
         conn.execute(text(f"INSERT INTO {name} (v) SELECT seq FROM seq_1_to_1000"))
@@ -587,18 +587,40 @@ def test_mariadb_myisam_table_relays_exactly_once_beside_a_long_insert(services,
 
     def long_insert() -> None:
         with mariadb_engine.begin() as conn:
-            conn.execute(text(f"INSERT INTO {name} (v) SELECT seq FROM seq_1_to_200000"))
+            # ~4 s: a row every 0.2 ms (SLEEP per row), so ticks and runs go on beside it.
+            conn.execute(text(f"INSERT INTO {name} (v) SELECT seq FROM seq_1_to_20000 WHERE SLEEP(0.0002) = 0"))
         done.set()
 
     writer = threading.Thread(target=long_insert)
     writer.start()
+    ticks_while_writing = 0
     while not done.is_set():
         for key in h.tick(table):
             h.run(table, key)
+        ticks_while_writing += not done.is_set()  # the insert still ran when this tick (and its runs) ended
         time.sleep(0.05)
     writer.join()
-    h.drain(table, until_hi=201_000, timeout=180)
-    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 201_001)))
+    assert ticks_while_writing >= 2, "the insert ended before the relay could tick beside it: nothing was shown"
+    h.drain(table, until_hi=21_000, timeout=180)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 21_001)))
+
+
+def test_postgres_rule_that_writes_elsewhere_is_not_a_relation_the_read_takes_rows_from(services, pg_database,
+                                                                                         pg_engine, name) -> None:
+    """Only a view's SELECT rule says what a read of it takes rows from. An INSERT rule of a logged table that also
+    writes into an UNLOGGED audit table was followed too, and the table refused (found by review)."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v int)"))
+        conn.execute(text(f"CREATE UNLOGGED TABLE {name}_audit (id bigint, v int)"))
+        conn.execute(text(f"CREATE RULE {name}_audited AS ON INSERT TO {name} DO ALSO "
+                          f"INSERT INTO {name}_audit VALUES (NEW.id, NEW.v)"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1), (2)"))
+    source = SourceDatabaseResource(url=source_url(pg_database))
+    try:
+        seen = source.observe(source.table_shape("public", name, "id"))
+        assert seen is not None and seen.watermark == 2
+    finally:
+        source.dispose()
 
 
 def test_postgres_partitioned_table_relays_exactly_once(services, pg_database, pg_engine, dagster_instance, spark,

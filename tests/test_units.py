@@ -171,6 +171,14 @@ def test_url_variables_stay_in_their_part_of_the_url(monkeypatch: pytest.MonkeyP
     assert make_url(resolve_url_env("postgresql://u:${NOPE_X:-p@ss}@h/db")).password == "p@ss"
     assert resolve_url_env("sqlite:///data/${HOST}.db") == "sqlite:///data/db.example.db"
     assert make_url(resolve_url_env("postgresql://u:lit%40eral@h/db")).password == "lit@eral"  # the URL's own escapes
+    # A ${VAR} holding user:password, whole parameters, or a parameter's name (found by review).
+    monkeypatch.setenv("CREDS", "app:s3:cr@t")
+    monkeypatch.setenv("PARAMS", "sslmode=require&connect_timeout=5")
+    monkeypatch.setenv("NAME", "sslmode")
+    creds = make_url(resolve_url_env("postgresql://${CREDS}@h/db?${PARAMS}&${NAME}=verify-full"))
+    assert (creds.username, creds.password) == ("app", "s3:cr@t")
+    assert dict(creds.query) == {"sslmode": ("require", "verify-full"), "connect_timeout": "5"}
+    assert make_url(resolve_url_env("postgresql://${USR}@h/db")).username == "us@er"
     source = SourceDatabaseResource(url="postgresql://u:${PW}@h:5432/db?sslpassword=${KEYPW}&sslmode=disable")
     assert source.safe_description == "postgresql://u:***@h:5432/db?sslmode=disable&sslpassword=***"
     with pytest.raises(SourceError, match=r"not a valid database URL \(ValueError; its variables: \$\{PW\}\)") as bad:
