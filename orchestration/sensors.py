@@ -319,10 +319,10 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     recent = [progress] if progress is not None else []
     shape = cached_table_shape(source, table)
     slices = [SliceRange.from_key(k) for k in keys]
+    if not write and progress is None and (missing := progress_missing(conf, channel, shape.timestamps)) is not None:
+        raise missing  # a dry run refuses as the backfill's baseline or first publish would
     if progress is None and table.start_after == "latest" and not slices:
         if not write:
-            if (missing := progress_missing(conf, channel, shape.timestamps)) is not None:
-                raise missing  # as recording the baseline would be
             safe_hi, _ = settled_watermark(source, shape, table, None, state)
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps, waiting=(
                 "start_after: latest: its baseline is not recorded yet; a backfill or the sensor would record it at "

@@ -879,3 +879,30 @@ def test_a_dry_run_backfill_changes_nothing(services, pg_database, pg_engine, da
     from assets.relay import pool_name
 
     assert pool_name(table) not in dagster_instance.event_log_storage.get_concurrency_keys()
+
+
+def test_a_dry_run_refuses_where_the_backfill_would(services, pg_database, pg_engine, dagster_home,
+                                                   dagster_instance, spark, name, tmp_path, capsys,
+                                                   monkeypatch) -> None:
+    """A table whose messages are already in its topic under a new transactional_id_prefix (here `start_after:
+    latest` too): the backfill refuses to send them again or to record a baseline over them (ProgressMissing). Its
+    dry run said what it would cut and exited 0 (found by review); it refuses the same way, and changes nothing."""
+    from resources.config import parse_config
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 5)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                          "watermark": "id"}])
+    table = cfg.tables[0]
+    Harness(cfg, dagster_instance).drain(table, until_hi=5)
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    data["kafka"]["transactional_id_prefix"] = "other"
+    data["tables"][0]["start_after"] = "latest"
+    moved = _config_file(parse_config(data), tmp_path / "moved.yaml")
+    capsys.readouterr()
+    for dry in (["--dry-run"], []):
+        assert main(["--config", moved, "backfill", "--table", table.table_id, *dry]) == 1
+        err = capsys.readouterr().err
+        assert "committed progress is empty" in err and "already holds this table's messages up to watermark 5" \
+            in err, err
+    assert sorted(m.value["id"] for m in read_topic(services.kafka_bootstrap, table.topic_name)) == [1, 2, 3, 4, 5]
