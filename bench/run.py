@@ -126,6 +126,19 @@ def drop_bench_topics(stack: Stack) -> None:
                 fut.result()
 
 
+def broker_state(stack: Stack) -> dict[str, Any]:
+    """What the broker carries and how its JVM runs: a developer's stack collects thousands of test topics, and a
+    heap too small for them costs every publish G1 marking (`cpu_s.broker_gc_marking`)."""
+    from stack.local import read_pid
+
+    topics = AdminClient({"bootstrap.servers": stack.bootstrap}).list_topics(timeout=30).topics
+    pid = read_pid(stack.home / "kafka" / "kafka.pid")
+    jvm: list[str] = []
+    with contextlib.suppress(OSError, TypeError):
+        jvm = [a for a in Path(f"/proc/{pid}/cmdline").read_text().split("\0") if a.startswith("-X")]
+    return {"topics": len(topics), "partitions": sum(len(t.partitions) for t in topics.values()), "jvm": jvm}
+
+
 def topic_count(stack: Stack, topic: str) -> int:
     """Committed messages in a topic, counted by a read_committed consumer to the end."""
     return topic_census(stack, topic, 0).messages
@@ -335,6 +348,18 @@ def _cpu_ticks(pid: int) -> int:
     return sum(int(v) for v in fields[11:15])
 
 
+def thread_cpu_ticks(pid: int, name_prefix: str) -> int:
+    """User + system ticks of a process's live threads whose name starts with `name_prefix`."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                stat = (task / "stat").read_text()
+                if stat[stat.index("(") + 1:].startswith(name_prefix):
+                    total += sum(int(v) for v in stat.rsplit(")", 1)[1].split()[11:13])
+    return total
+
+
 def live_cpu_ticks(field: int, value: int) -> int:
     """User + system ticks of every live process whose /proc stat `field` (after the command name) is `value`:
     1, the parent pid; 3, the session id."""
@@ -366,6 +391,8 @@ class CpuMeter:
             out["postgres"] += live_cpu_ticks(1, postmaster)
         if pid is not None:
             out["process"] = _cpu_ticks(pid)
+        if self.pids.get("broker"):  # G1's concurrent marking: high when the broker's heap is short (stack/local.py)
+            out["broker_gc_marking"] = thread_cpu_ticks(self.pids["broker"], "G1 Conc#")
         return out
 
     @staticmethod
@@ -376,6 +403,9 @@ class CpuMeter:
         if process_s is not None:
             out["process"] = round(process_s, 2)
         out["all"] = round(sum(out.values()), 2)
+        if "broker_gc_marking" in end:  # part of "broker", not added to "all" again
+            marking = end["broker_gc_marking"] - start.get("broker_gc_marking", 0)
+            out["broker_gc_marking"] = round(marking / CLK_TCK, 2)
         return out
 
 
@@ -676,11 +706,15 @@ def main(argv: list[str] | None = None) -> int:
     # The 1M-row throughput figures: `--repeats` rounds, each running every tool once in the same order, so a slow
     # stretch of this shared box slows each tool alike; each figure is the median of its rounds (every sample is
     # in results.json, and so are the ratios within each round).
+    results["broker"] = broker_state(stack)
+    log(f"broker: {results['broker']['partitions']:,} partitions, JVM {' '.join(results['broker']['jvm'])}")
     if "ceiling" in only:
-        # A long-running Spark Connect server has a warm JIT; a fresh one compiles its JDBC and JSON code paths on
-        # the first read (the first 1M rows took 2-3x longer here). One untimed pass warms it for every figure.
-        log("spark ceiling: one untimed warm-up pass of the Spark Connect server")
-        run_spark_ceiling(stack, table, args.rows)
+        # Long-running services have a warm JIT; a fresh Spark Connect server compiles its JDBC and JSON code paths
+        # on the first read (the first 1M rows took 2-3x longer here), a fresh broker its produce path (its C2
+        # compiler took 5.9 CPU-s of its first 1M-row publish). One untimed pass of the ceiling + Kafka path warms
+        # both for every figure.
+        log("warm-up: one untimed pass of the Spark ceiling + Kafka path (Spark Connect server and broker)")
+        run_kafka_path(stack, table, args.rows, f"warm{run_id}")
     samples: dict[str, list[dict[str, Any]]] = {}
     for rnd in range(1, args.repeats + 1):
         tag = "" if rnd == 1 else f"r{rnd}"  # round 1 keeps the plain names (the idle tick reuses its config)
@@ -907,8 +941,9 @@ def print_table(r: dict[str, Any]) -> None:
              ("rowrelay exactly once in every run", r.get("rowrelay_exactly_once")),
              ("exactly once in every run that promises it (+ ceiling + Kafka, memory)",
               r.get("exactly_once_every_run")),
-             *((f"CPU-s, {label} (process / Spark / PostgreSQL / broker = all)",
-                " / ".join(str(cpu.get(k)) for k in ("process", "spark", "postgres", "broker")) + f" = {cpu['all']}")
+             *((f"CPU-s, {label} (process / Spark / PostgreSQL / broker = all; broker's G1 marking)",
+                " / ".join(str(cpu.get(k)) for k in ("process", "spark", "postgres", "broker")) + f" = {cpu['all']}"
+                + f"; {cpu.get('broker_gc_marking')}")
                for label, cpu in (("Spark ceiling", r.get("spark_ceiling_cpu_s")),
                                   ("ceiling + Kafka", r.get("kafka_path_cpu_s")),
                                   ("rowrelay 1M slice", r.get("rowrelay_1m_cpu_s"))) if cpu),

@@ -169,6 +169,30 @@ class _ForkServerState:
         return [self.requests.fileno(), self.responses.fileno(), *(p.go_fd for p in self.pending.values())]
 
 
+def redeliver_termination(interval_s: float = 5.0) -> None:
+    """Send SIGTERM again every `interval_s` once one has come, until the process ends.
+
+    Python runs a signal handler between bytecodes wherever the main thread is. When that is inside a callback
+    whose exceptions the interpreter only prints (an import's module-lock weakref callback, a `__del__`), the
+    interrupt Dagster's handler raises is printed as "Exception ignored" and lost: the run stayed CANCELING until
+    run monitoring's cancel timeout (seen in CI as a Terminate landing on an import at a step's start). Python
+    writes every signal's number to the wakeup fd whatever the handler, and Dagster swaps handlers as it goes,
+    so a thread reading that fd learns of a SIGTERM whichever handler took it. Main thread only."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # the C signal handler must never block on it
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while signal.SIGTERM not in (data := os.read(read_fd, 64)):  # other signals (SIGCHLD) are written too
+            if not data:
+                return
+        while True:
+            time.sleep(interval_s)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="rowrelay-terminate-redelivery", daemon=True).start()
+
+
 def _run_worker(go_fd: int, close_fds: list[int], execute_run_args: str) -> None:
     """In the forked worker: wait for the launcher's go, then run exactly what `dagster api execute_run` runs."""
     code = 1
@@ -184,6 +208,7 @@ def _run_worker(go_fd: int, close_fds: list[int], execute_run_args: str) -> None
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM is an interrupt from here on (execute_run's capture_interrupts maps it again the same way).
         setup_interrupt_handlers()
+        redeliver_termination()
         try:
             execute_run_command.callback(input_json=execute_run_args, compressed_input_json=None)
             code = 0

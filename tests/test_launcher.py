@@ -331,3 +331,50 @@ def test_a_worker_tag_copied_from_another_run_names_no_worker() -> None:
     assert WarmWorker.from_run(DagsterRun(job_name="j", run_id="retry", tags={WORKER_TAG: worker.to_tag()})) is None
     earlier = json.dumps({"pid": 4242, "host": "host", "start": 17, "server_pid": 99})
     assert WarmWorker.from_run(DagsterRun(job_name="j", run_id="any", tags={WORKER_TAG: earlier})).pid == 4242
+
+
+SWALLOWED_TERMINATE = """
+import os, signal, sys, time, weakref
+from dagster._core.errors import DagsterExecutionInterruptedError
+from dagster._utils.interrupts import raise_interrupts_as, setup_interrupt_handlers
+from orchestration.launcher import redeliver_termination
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as _run_worker sets the worker up
+setup_interrupt_handlers()
+if sys.argv[1] == "redeliver":
+    redeliver_termination(0.5)
+
+
+class ModuleLock:
+    pass
+
+
+def callback(_ref):  # as importlib's module-lock callback: Python only prints what it raises
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(10_000):  # the handler runs at one of these bytecodes, inside the callback
+        pass
+
+
+with raise_interrupts_as(DagsterExecutionInterruptedError):  # as during a step
+    try:
+        lock = ModuleLock()
+        ref = weakref.ref(lock, callback)
+        del lock
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("not interrupted")
+    except DagsterExecutionInterruptedError:
+        print("interrupted")
+"""
+
+
+@pytest.mark.parametrize("mode", ["as_dagster", "redeliver"])
+def test_a_terminate_swallowed_inside_a_callback_is_sent_again(mode: str) -> None:
+    """A Terminate whose interrupt Python swallowed (raised inside an import's module-lock callback) left the run
+    CANCELING until run monitoring's timeout (seen once in CI). Here the first SIGTERM is swallowed in both modes
+    (the "Exception ignored" print shows it); the worker's redelivery interrupts the step within a second."""
+    proc = subprocess.run([sys.executable, "-c", SWALLOWED_TERMINATE, mode], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "Exception ignored" in proc.stderr and "DagsterExecutionInterruptedError" in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == ("not interrupted" if mode == "as_dagster" else "interrupted"), proc.stderr
