@@ -71,6 +71,8 @@ from dagster._serdes import ConfigurableClass, ConfigurableClassData  # dagster.
 from dagster._utils.hosted_user_process import recon_repository_from_origin  # loads a code origin's definitions
 from dagster._utils.interrupts import setup_interrupt_handlers  # SIGTERM -> interrupt, as Dagster's workers
 
+from resources.spark import release_sessions
+
 WORKER_TAG = "rowrelay/warm_worker"  # JSON {pid, host, start, server_pid}: what health checks and terminate use
 DEFAULT_PRELOAD = ("dagster", "pandas", "pyarrow", "confluent_kafka", "sqlalchemy", "pyspark.sql.connect.session")
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,6 +219,11 @@ def _run_worker(go_fd: int, close_fds: list[int], execute_run_args: str) -> None
     except BaseException:  # noqa: BLE001 - the worker must end with os._exit, never return into the server loop
         traceback.print_exc()
     finally:
+        with contextlib.suppress(Exception):  # no interrupt (one sent again, above) may skip the os._exit below
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with contextlib.suppress(Exception):
+            release_sessions()  # os._exit runs no atexit hook: the run's Spark Connect session, released here
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()

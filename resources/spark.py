@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import weakref
@@ -23,6 +24,29 @@ if TYPE_CHECKING:
 _lock = threading.Lock()
 # One LazyPySparkResource per Spark endpoint and process: it creates the SparkSession on first use.
 _lazy_sessions: dict[str, Any] = {}
+# The Spark Connect sessions this process made, to release at its end (release_sessions).
+_connect_sessions: dict[str, Any] = {}
+
+
+def release_sessions(timeout_s: float = 5.0) -> None:
+    """Release this process's Spark Connect sessions on the server; called when the process is done with Spark.
+
+    A Connect session lives on the server until its client releases it or it idles past the server's timeout
+    (`spark.connect.session.manager.defaultSessionTimeout`, 60 minutes by default), holding its state and the
+    class loader its compiled plans are loaded into. Every run is a process with a session of its own, and none
+    was released: a table relayed every few seconds kept hundreds on the server. Best effort and bounded: a
+    server that is gone must not hold up the process's exit (its client retries for minutes)."""
+    with _lock:
+        sessions = list(_connect_sessions.values())
+        for key in _connect_sessions:
+            _lazy_sessions.pop(key, None)
+        _connect_sessions.clear()
+    if sessions:
+        # SparkSession.stop() releases the session on the server and closes the channel; it raises nothing.
+        stopping = threading.Thread(target=lambda: [session.stop() for session in sessions],
+                                    name="rowrelay-spark-release", daemon=True)
+        stopping.start()
+        stopping.join(timeout_s)
 
 
 def default_jars() -> str:
@@ -160,8 +184,13 @@ class SparkResource(ConfigurableResource):
             if lazy is None:
                 lazy = _lazy_sessions[self.remote or self.master] = LazyPySparkResource(
                     spark_config=self.session_config())
-            client_conf = {key: resolve_env(value) for key, value in self.conf.items()} if self.remote else None
-            return _with_sql_conf(lazy.spark_session, client_conf)
+            if not self.remote:
+                return _with_sql_conf(lazy.spark_session)
+            session = lazy.spark_session
+            if not _connect_sessions:
+                atexit.register(release_sessions)  # at a normal exit (a forked warm worker's end calls it itself)
+            _connect_sessions[self.remote] = session
+            return _with_sql_conf(session, {key: resolve_env(value) for key, value in self.conf.items()})
 
     def read_slice(self, source: SourceDatabaseResource, shape: TableShape, slice_range: SliceRange,
                    expected_rows: int) -> DataFrame:

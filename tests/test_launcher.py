@@ -378,3 +378,63 @@ def test_a_terminate_swallowed_inside_a_callback_is_sent_again(mode: str) -> Non
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert "Exception ignored" in proc.stderr and "DagsterExecutionInterruptedError" in proc.stderr, proc.stderr
     assert proc.stdout.strip() == ("not interrupted" if mode == "as_dagster" else "interrupted"), proc.stderr
+
+
+SESSION_END = """
+import os, sys
+from resources.spark import SparkResource
+
+session = SparkResource(remote=sys.argv[1]).get_session()
+session.range(1).collect()
+print(session.session_id, flush=True)
+if sys.argv[2] == "released":
+    from resources.spark import release_sessions
+
+    release_sessions()
+elif sys.argv[2] == "warm_worker_end":  # a forked worker's end: its run failed here, then os._exit
+    import orchestration.launcher as launcher
+
+    go_read, go_write = os.pipe()
+    os.write(go_write, b"1")
+    launcher._run_worker(go_read, [], "not a run")
+elif sys.argv[2] == "os_exit":
+    os._exit(0)
+"""
+
+
+SESSION_OPEN = """
+import sys
+from pyspark.sql import SparkSession
+
+again = SparkSession.builder.remote(sys.argv[1] + "/;session_id=" + sys.argv[2]).create()
+try:
+    print("open" if again.range(3).count() == 3 else "wrong count")
+except Exception as exc:
+    print(str(exc).splitlines()[0][:300])
+finally:
+    again.client.close()  # not stop(): that would release the session looked at
+"""
+
+
+@pytest.mark.parametrize("end", ["os_exit", "released", "normal_exit", "warm_worker_end"])
+def test_a_process_releases_its_spark_connect_session(services: Services, end: str) -> None:
+    """A Connect session lives on the server until released or idle for the server's timeout (60 min by
+    default). No run released its own: a table relayed every few seconds kept hundreds of sessions there. A
+    process now releases its session when it exits, and a warm worker (which ends with os._exit, running no
+    atexit hook) as it ends; `os_exit` shows the server keeps a session nobody releases. Each in a process of its
+    own (a Connect session made in this one would turn later local sessions into Connect ones)."""
+    if not services.spark_remote:
+        pytest.skip("no Spark Connect server in this test environment")
+
+    def python(code: str, *args: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, text=True, capture_output=True,
+                              timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.stdout.strip(), proc.stderr[-2000:]
+        return proc.stdout.strip()
+
+    session_id = python(SESSION_END, services.spark_remote, end).split()[0]
+    seen = python(SESSION_OPEN, services.spark_remote, session_id)
+    if end == "os_exit":
+        assert seen == "open"
+    else:
+        assert "SESSION_CLOSED" in seen, seen
