@@ -55,7 +55,10 @@ from dagster import _check as check
 # Private Dagster APIs, all in one place. Dagster exposes no public way to write a run launcher or to run a
 # run's worker body, so these are what its own launchers and `dagster api execute_run` use (1.13.27):
 from dagster._cli.api import execute_run_command  # the worker body: click command behind `dagster api execute_run`
-from dagster._core.errors import DagsterLaunchFailedError  # what a launcher raises when it cannot launch
+from dagster._core.errors import (
+    DagsterExecutionInterruptedError,  # what Dagster's SIGTERM handler raises in a step
+    DagsterLaunchFailedError,  # what a launcher raises when it cannot launch
+)
 from dagster._core.events import EngineEventData  # metadata on the launch's engine event
 from dagster._core.launcher import (  # the run launcher interface (RunLauncher is @public, not exported at top)
     CheckRunHealthResult,
@@ -70,8 +73,6 @@ from dagster._grpc.types import ExecuteRunArgs  # the argument of `dagster api e
 from dagster._serdes import ConfigurableClass, ConfigurableClassData  # dagster.yaml-configurable classes
 from dagster._utils.hosted_user_process import recon_repository_from_origin  # loads a code origin's definitions
 from dagster._utils.interrupts import setup_interrupt_handlers  # SIGTERM -> interrupt, as Dagster's workers
-
-from resources.spark import release_sessions
 
 WORKER_TAG = "rowrelay/warm_worker"  # JSON {pid, host, start, server_pid}: what health checks and terminate use
 DEFAULT_PRELOAD = ("dagster", "pandas", "pyarrow", "confluent_kafka", "sqlalchemy", "pyspark.sql.connect.session")
@@ -171,28 +172,33 @@ class _ForkServerState:
         return [self.requests.fileno(), self.responses.fileno(), *(p.go_fd for p in self.pending.values())]
 
 
-def redeliver_termination(interval_s: float = 5.0) -> None:
-    """Send SIGTERM again every `interval_s` once one has come, until the process ends.
+def redeliver_lost_interrupts(delay_s: float = 0.5) -> None:
+    """Send SIGTERM again when Python swallowed the interrupt a SIGTERM raised.
 
     Python runs a signal handler between bytecodes wherever the main thread is. When that is inside a callback
     whose exceptions the interpreter only prints (an import's module-lock weakref callback, a `__del__`), the
-    interrupt Dagster's handler raises is printed as "Exception ignored" and lost: the run stayed CANCELING until
-    run monitoring's cancel timeout (seen in CI as a Terminate landing on an import at a step's start). Python
-    writes every signal's number to the wakeup fd whatever the handler, and Dagster swaps handlers as it goes,
-    so a thread reading that fd learns of a SIGTERM whichever handler took it. Main thread only."""
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)  # the C signal handler must never block on it
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    interrupt Dagster's handler raises goes to `sys.unraisablehook` ("Exception ignored in: ...") and is lost:
+    the run stayed CANCELING until run monitoring's cancel timeout (seen in CI, a Terminate landing on an import
+    at a step's start). Only a lost interrupt is sent again, from a timer outside the callback; one that was
+    delivered is never repeated, so the cleanup it starts is not interrupted in turn."""
+    previous = sys.unraisablehook
 
-    def watch() -> None:
-        while signal.SIGTERM not in (data := os.read(read_fd, 64)):  # other signals (SIGCHLD) are written too
-            if not data:
-                return
-        while True:
-            time.sleep(interval_s)
-            os.kill(os.getpid(), signal.SIGTERM)
+    def hook(unraisable: Any) -> None:
+        previous(unraisable)  # printed as before
+        if isinstance(unraisable.exc_value, (KeyboardInterrupt, DagsterExecutionInterruptedError)):
+            timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGTERM))
+            timer.daemon = True
+            timer.start()
 
-    threading.Thread(target=watch, name="rowrelay-terminate-redelivery", daemon=True).start()
+    sys.unraisablehook = hook
+
+
+def worker_signals() -> None:
+    """A warm worker's signals, as Dagster's own workers have them: SIGINT and SIGTERM interrupt the run (and
+    execute_run's capture_interrupts maps them again the same way); a lost interrupt is sent again."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    setup_interrupt_handlers()
+    redeliver_lost_interrupts()
 
 
 def _run_worker(go_fd: int, close_fds: list[int], execute_run_args: str) -> None:
@@ -207,10 +213,7 @@ def _run_worker(go_fd: int, close_fds: list[int], execute_run_args: str) -> None
         if go != b"1":  # the launch was aborted or the fork server died before recording us
             code = 0
             return
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        # SIGTERM is an interrupt from here on (execute_run's capture_interrupts maps it again the same way).
-        setup_interrupt_handlers()
-        redeliver_termination()
+        worker_signals()
         try:
             execute_run_command.callback(input_json=execute_run_args, compressed_input_json=None)
             code = 0
@@ -219,11 +222,13 @@ def _run_worker(go_fd: int, close_fds: list[int], execute_run_args: str) -> None
     except BaseException:  # noqa: BLE001 - the worker must end with os._exit, never return into the server loop
         traceback.print_exc()
     finally:
-        with contextlib.suppress(Exception):  # no interrupt (one sent again, above) may skip the os._exit below
+        with contextlib.suppress(Exception):  # a late Terminate must not cut the release and flush below short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with contextlib.suppress(Exception):
-            release_sessions()  # os._exit runs no atexit hook: the run's Spark Connect session, released here
+        spark = sys.modules.get("resources.spark")  # the code location's own, if its run used Spark
+        if spark is not None:
+            with contextlib.suppress(Exception):
+                spark.release_sessions()  # os._exit runs no atexit hook: the run's Spark Connect session, released
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()

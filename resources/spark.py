@@ -36,17 +36,18 @@ def release_sessions(timeout_s: float = 5.0) -> None:
     class loader its compiled plans are loaded into. Every run is a process with a session of its own, and none
     was released: a table relayed every few seconds kept hundreds on the server. Best effort and bounded: a
     server that is gone must not hold up the process's exit (its client retries for minutes)."""
-    with _lock:
-        sessions = list(_connect_sessions.values())
-        for key in _connect_sessions:
-            _lazy_sessions.pop(key, None)
-        _connect_sessions.clear()
-    if sessions:
-        # SparkSession.stop() releases the session on the server and closes the channel; it raises nothing.
-        stopping = threading.Thread(target=lambda: [session.stop() for session in sessions],
-                                    name="rowrelay-spark-release", daemon=True)
-        stopping.start()
-        stopping.join(timeout_s)
+    def release() -> None:
+        with _lock:  # inside the bound too: a session being made holds the lock through the client's retries
+            sessions = list(_connect_sessions.values())
+            for key in _connect_sessions:
+                _lazy_sessions.pop(key, None)
+            _connect_sessions.clear()
+        for session in sessions:
+            session.stop()  # releases the session on the server and closes the channel; it raises nothing
+
+    releasing = threading.Thread(target=release, name="rowrelay-spark-release", daemon=True)
+    releasing.start()
+    releasing.join(timeout_s)
 
 
 def default_jars() -> str:

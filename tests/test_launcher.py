@@ -337,12 +337,13 @@ SWALLOWED_TERMINATE = """
 import os, signal, sys, time, weakref
 from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._utils.interrupts import raise_interrupts_as, setup_interrupt_handlers
-from orchestration.launcher import redeliver_termination
+from orchestration.launcher import worker_signals
 
-signal.signal(signal.SIGINT, signal.default_int_handler)  # as _run_worker sets the worker up
-setup_interrupt_handlers()
 if sys.argv[1] == "redeliver":
-    redeliver_termination(0.5)
+    worker_signals()  # what _run_worker sets up
+else:  # Dagster's own worker
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    setup_interrupt_handlers()
 
 
 class ModuleLock:
@@ -373,7 +374,7 @@ with raise_interrupts_as(DagsterExecutionInterruptedError):  # as during a step
 def test_a_terminate_swallowed_inside_a_callback_is_sent_again(mode: str) -> None:
     """A Terminate whose interrupt Python swallowed (raised inside an import's module-lock callback) left the run
     CANCELING until run monitoring's timeout (seen once in CI). Here the first SIGTERM is swallowed in both modes
-    (the "Exception ignored" print shows it); the worker's redelivery interrupts the step within a second."""
+    (the "Exception ignored" print shows it); a warm worker sends it again, and the step is interrupted."""
     proc = subprocess.run([sys.executable, "-c", SWALLOWED_TERMINATE, mode], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert "Exception ignored" in proc.stderr and "DagsterExecutionInterruptedError" in proc.stderr, proc.stderr
