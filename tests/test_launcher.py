@@ -422,7 +422,7 @@ def test_a_process_releases_its_spark_connect_session(services: Services, end: s
     """A Connect session lives on the server until released or idle for the server's timeout (60 min by
     default). No run released its own: a table relayed every few seconds kept hundreds of sessions there. A
     process now releases its session when it exits, and a warm worker (which ends with os._exit, running no
-    atexit hook) as it ends; `os_exit` shows the server keeps a session nobody releases. Each in a process of its
+    atexit hook) as it ends; `os_exit`: a session nobody releases is not closed. Each in a process of its
     own (a Connect session made in this one would turn later local sessions into Connect ones)."""
     if not services.spark_remote:
         pytest.skip("no Spark Connect server in this test environment")
