@@ -34,7 +34,7 @@ def release_sessions(timeout_s: float = 5.0) -> None:
     A Connect session lives on the server until its client releases it or it idles past the server's timeout
     (`spark.connect.session.manager.defaultSessionTimeout`, 60 minutes by default), holding its state and the
     class loader its compiled plans are loaded into. Every run is a process with a session of its own, and none
-    was released: a table relayed every few seconds kept hundreds on the server. Best effort and bounded: a
+    was released: a table relayed every 5 s would keep up to ~700 there. Best effort and bounded: a
     server that is gone must not hold up the process's exit (its client retries for minutes)."""
     def release() -> None:
         with _lock:  # inside the bound too: a session being made holds the lock through the client's retries
