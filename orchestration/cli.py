@@ -938,14 +938,15 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             source.dispose()
         # A dry run changes nothing: it says what a backfill would delete, cut and publish.
         would = "would be " if args.dry_run else ""
-        for orphan in plan.delete if not args.dry_run else []:
-            instance.delete_dynamic_partition(partitions.name, orphan.key)
+        if not args.dry_run:
+            for orphan in plan.delete:
+                instance.delete_dynamic_partition(partitions.name, orphan.key)
+            if plan.add:
+                instance.add_dynamic_partitions(partitions.name, [s.key for s in plan.add])
         if plan.delete:
             print(f"{table.table_id}: {'would delete' if args.dry_run else 'deleted'} partitions "
                   f"{[s.key for s in plan.delete]}: they do not continue Kafka's progress "
                   f"({plan.text(plan.committed_hi)}) and could never commit", flush=True)
-        if plan.add and not args.dry_run:
-            instance.add_dynamic_partitions(partitions.name, [s.key for s in plan.add])
         todo = plan.chain
         print(f"{table.table_id}: committed up to {plan.text(plan.committed_hi)}; {len(plan.add)} new slice(s) "
               f"{would}cut; {len(todo)} slice(s) {'would be published' if args.dry_run else 'to publish'}"

@@ -43,7 +43,9 @@ def resolve_env(template: str) -> str:
     variable is an error naming it."""
 
     def sub(m: re.Match[str]) -> str:
-        value = os.environ.get(m.group(1)) or m.group(2) if m.group(2) is not None else os.environ.get(m.group(1))
+        value = os.environ.get(m.group(1))
+        if not value and m.group(2) is not None:
+            value = m.group(2)
         if value is None:
             raise ConfigError(f"environment variable {m.group(1)} is not set (used in rowrelay configuration)")
         return value

@@ -637,7 +637,7 @@ def _topic_configs(admin: AdminClient, topics: list[str], timeout: float) -> dic
 
 
 def _check_existing_topics(admin: AdminClient, channel: TableChannel, existing: dict[str, Any],
-                           timeout: float, bootstrap: str = "<broker:port>") -> int | None:
+                           timeout: float, bootstrap: str) -> int | None:
     """Refuse topics someone else created with settings rowrelay cannot work with; returns the data topic's
     max.message.bytes where readable.
 
