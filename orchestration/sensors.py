@@ -323,7 +323,9 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
         raise missing  # a dry run refuses as the backfill's baseline or first publish would
     if progress is None and table.start_after == "latest" and not slices:
         if not write:
-            safe_hi, _ = settled_watermark(source, shape, table, None, state)
+            # The new state keeps a pending candidate, so the dry run waits for open transactions as the backfill's
+            # baseline would (a CI run caught it answering "not final yet" at once while another test's was open).
+            safe_hi, state = settled_watermark(source, shape, table, None, state)
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps, waiting=(
                 "start_after: latest: its baseline is not recorded yet; a backfill or the sensor would record it at "
                 f"the safe watermark ({shape.watermark_text(safe_hi) if safe_hi is not None else 'not final yet'})"))

@@ -474,7 +474,9 @@ def kafka_up(ports: Ports) -> None:
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     pidfile.write_text(str(proc.pid))
-    wait_until(lambda: kafka_ready(ports.kafka), 120, "kafka", logfile, proc.pid)
+    # A broker loads every partition before it answers: ~15,000 left by tests took over two minutes here. The wait
+    # still ends at once if the broker exits.
+    wait_until(lambda: kafka_ready(ports.kafka), 600, "kafka", logfile, proc.pid)
     ensure_kafka_scram_user(ports)
     wait_until(lambda: kafka_sasl_ready(ports.kafka_sasl), 60, "kafka SASL_SSL listener", logfile, proc.pid)
 

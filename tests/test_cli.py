@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -869,8 +870,17 @@ def test_a_dry_run_backfill_changes_nothing(services, pg_database, pg_engine, da
     out = capsys.readouterr().out
     assert "3 new slice(s) would be cut; 3 slice(s) would be published" in out, out
     assert dagster_instance.get_dynamic_partitions(partitions) == []
-    assert main(["--config", _config_file(latest, tmp_path / "b.yaml"), "backfill", "--table", table.table_id,
-                 "--dry-run"]) == 0
+    # A transaction open in the table's database while the dry run looks: like the backfill's baseline, the dry
+    # run waits for it to end rather than answering "not final yet" at once (a CI run met another test's).
+    with pg_engine.connect() as held:
+        held.execute(text("SELECT txid_current()"))
+        release = threading.Timer(2.5, held.rollback)
+        release.start()
+        try:
+            assert main(["--config", _config_file(latest, tmp_path / "b.yaml"), "backfill", "--table",
+                         table.table_id, "--dry-run"]) == 0
+        finally:
+            release.join()
     out = capsys.readouterr().out
     assert "its baseline is not recorded yet; a backfill or the sensor would record it at the safe watermark (30)" \
         in out, out
