@@ -954,6 +954,11 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         if args.dry_run and plan.add:
             print(f"{table.table_id}: slices {plan.add[0].key} ... {plan.add[-1].key} (dry run: nothing cut, "
                   "added or sent)", flush=True)
+        if plan.add and plan.state.pending:  # cut what was final at once; newer rows were still settling
+            frontier, newest = plan.chain[-1].hi, max(c.watermark for c in plan.state.pending)
+            print(f"{table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) were not final "
+                  "yet (a transaction that may write below them was open): the sensor or the next backfill sends them",
+                  flush=True)
         if not plan.add and plan.state.pending:  # the wait ran out with rows still not final
             frontier = plan.chain[-1].hi if plan.chain else plan.committed_hi
             newest = max(c.watermark for c in plan.state.pending)

@@ -326,9 +326,15 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
             # The new state keeps a pending candidate, so the dry run waits for open transactions as the backfill's
             # baseline would (a CI run caught it answering "not final yet" at once while another test's was open).
             safe_hi, state = settled_watermark(source, shape, table, None, state)
+            if safe_hi is not None:
+                at = f"the safe watermark ({shape.watermark_text(safe_hi)})"
+            elif state.pending:
+                at = "the safe watermark (not final yet: a transaction that may write below it is still open)"
+            else:  # as latest_baseline records it: an empty table's every row to come is new
+                at = f"{shape.watermark_text(0)} (the table is empty: every row it gets will be sent)"
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps, waiting=(
                 "start_after: latest: its baseline is not recorded yet; a backfill or the sensor would record it at "
-                f"the safe watermark ({shape.watermark_text(safe_hi) if safe_hi is not None else 'not final yet'})"))
+                f"{at}"))
         progress, state = latest_baseline(source, shape, table, channel, conf, state)
         if progress is None:
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps,

@@ -891,6 +891,27 @@ def test_a_dry_run_backfill_changes_nothing(services, pg_database, pg_engine, da
     assert pool_name(table) not in dagster_instance.event_log_storage.get_concurrency_keys()
 
 
+def test_a_dry_run_names_an_empty_latest_tables_baseline(services, pg_database, pg_engine, dagster_home,
+                                                          dagster_instance, name, tmp_path, capsys,
+                                                          monkeypatch) -> None:
+    """An empty `start_after: latest` table: the backfill records its baseline at 0 at once (every row to come is
+    new), but its dry run said "the safe watermark (not final yet)", as if it waited for something (found by
+    review). It now names what the backfill records."""
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 0)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                          "start_after": "latest"}])
+    config_file = _config_file(cfg, tmp_path / "c.yaml")
+    table = cfg.tables[0]
+    assert main(["--config", config_file, "backfill", "--table", table.table_id, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would record it at 0 (the table is empty: every row it gets will be sent)" in out, out
+    assert Harness(cfg, dagster_instance).progress(table) is None
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    baseline = Harness(cfg, dagster_instance).progress(table)
+    assert baseline is not None and baseline.hi == 0, baseline
+
+
 def test_a_dry_run_refuses_where_the_backfill_would(services, pg_database, pg_engine, dagster_home,
                                                    dagster_instance, spark, name, tmp_path, capsys,
                                                    monkeypatch) -> None:
