@@ -137,6 +137,7 @@ def unique(prefix: str = "t") -> str:
     return made
 
 
+@pytest.hookimpl(trylast=True)  # after the runner's own hook has torn down session fixtures (daemons, servers)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Delete the topics this process's tests made on the local stack (names holding a unique() name).
 
