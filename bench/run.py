@@ -339,10 +339,15 @@ def peak_rss_kib(pid: int) -> int:
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def _stat_fields(stat: str) -> list[str]:
+    """A /proc stat line's fields after its `(name)`, which may itself hold spaces and parentheses."""
+    return stat.rsplit(")", 1)[1].split()
+
+
 def _cpu_ticks(pid: int) -> int:
     """User + system ticks of a process (all its threads) and of its children it has reaped; 0 if it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = _stat_fields(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return 0
     return sum(int(v) for v in fields[11:15])
@@ -356,7 +361,7 @@ def thread_cpu_ticks(pid: int, name_prefix: str) -> int:
             with contextlib.suppress(OSError, ValueError):
                 stat = (task / "stat").read_text()
                 if stat[stat.index("(") + 1:].startswith(name_prefix):
-                    total += sum(int(v) for v in stat.rsplit(")", 1)[1].split()[11:13])
+                    total += sum(int(v) for v in _stat_fields(stat)[11:13])
     return total
 
 
@@ -367,7 +372,7 @@ def live_cpu_ticks(field: int, value: int) -> int:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[field]) == value:
+                if int(_stat_fields((entry / "stat").read_text())[field]) == value:
                     total += _cpu_ticks(int(entry.name))
     return total
 

@@ -954,19 +954,18 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         if args.dry_run and plan.add:
             print(f"{table.table_id}: slices {plan.add[0].key} ... {plan.add[-1].key} (dry run: nothing cut, "
                   "added or sent)", flush=True)
-        if plan.add and plan.state.pending:  # cut what was final at once; newer rows were still settling
-            frontier, newest = plan.chain[-1].hi, max(c.watermark for c in plan.state.pending)
-            print(f"{table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) were not final "
-                  "yet (a transaction that may write below them was open): the sensor or the next backfill sends them",
-                  flush=True)
-        if not plan.add and plan.state.pending:  # the wait ran out with rows still not final
+        if plan.state.pending:  # rows above what was cut are not final yet
             frontier = plan.chain[-1].hi if plan.chain else plan.committed_hi
             newest = max(c.watermark for c in plan.state.pending)
-            # Not a failure: what could be cut safely is published; the rest waits for the next backfill or tick.
-            print(f"rowrelay: warning: {table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) "
-                  f"are not final after {args.settle_timeout:g} s: a transaction that may still write below them "
-                  "is open (or settle_seconds has not passed), so they were not cut. Run backfill again once it "
-                  "ends, or raise --settle-timeout", file=sys.stderr, flush=True)
+            if plan.add:  # cut what was final at once; the newer rows were still settling
+                print(f"{table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) were not "
+                      "final yet (a transaction that may write below them was open): the sensor or the next backfill "
+                      "sends them", flush=True)
+            else:  # the wait ran out. Not a failure: the rest waits for the next backfill or tick
+                print(f"rowrelay: warning: {table.table_id}: rows above {plan.text(frontier)} (up to "
+                      f"{plan.text(newest)}) are not final after {args.settle_timeout:g} s: a transaction that may "
+                      "still write below them is open (or settle_seconds has not passed), so they were not cut. Run "
+                      "backfill again once it ends, or raise --settle-timeout", file=sys.stderr, flush=True)
         if args.dry_run or not todo:
             return 0
         job = defs.resolve_job_def(job_name(table))
