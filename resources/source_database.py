@@ -117,7 +117,9 @@ _MYSQL_ENGINES_KNOWN = frozenset({"innodb", "myisam", "aria"})
 # (0: the table itself). A view's rule is its SELECT rule (ev_type '1'); a rule that writes elsewhere on INSERT
 # reads nothing into this table. Then: the recovery flag; a subscription filling any of them; the first foreign table,
 # materialized view or UNLOGGED relation among them; the most caching of the watermark's sequences (its serial or
-# identity sequence, any its DEFAULT calls).
+# identity sequence, any its DEFAULT calls) in any of them, with the relation it feeds: a child's or a partition's own
+# DEFAULT serves inserts made into it directly, and a view's rows take their ids from its base table. A reached
+# relation's watermark is its column of the same name (a view that renames the column is not followed: README).
 _PG_FINALITY_CATALOG = """
 WITH RECURSIVE reached(oid, depth) AS (
     SELECT CAST(CAST(:rel AS regclass) AS oid), 0
@@ -140,17 +142,22 @@ SELECT pg_is_in_recovery(),
                   CAST(rel.depth AS text)]
         FROM rel WHERE rel.relkind IN ('f', 'm') OR rel.relpersistence = 'u'
         ORDER BY rel.relkind IN ('f', 'm') DESC, rel.depth, rel.name LIMIT 1),
-    q.seqcache, CAST(CAST(q.seqrelid AS regclass) AS text)
+    q.seqcache, CAST(CAST(q.seqrelid AS regclass) AS text), q.name, CAST(q.depth AS text)
 FROM (SELECT 1) one LEFT JOIN LATERAL (
-    SELECT s.seqcache, s.seqrelid FROM pg_sequence s
-    WHERE :integer AND (s.seqrelid = CAST(pg_get_serial_sequence(CAST(:rel AS text), :column) AS regclass)
-        OR s.seqrelid IN (
+    SELECT s.seqcache, s.seqrelid, rel.name, rel.depth FROM rel
+    JOIN pg_attribute a ON a.attrelid = rel.oid AND a.attname = :column AND a.attnum > 0 AND NOT a.attisdropped
+    JOIN pg_sequence s ON s.seqrelid IN (
+        -- its serial or identity sequence (what pg_get_serial_sequence finds)
+        SELECT d.objid FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
+            AND d.refobjid = rel.oid AND d.refobjsubid = a.attnum AND d.deptype IN ('a', 'i')
+        UNION ALL
+        -- any sequence its DEFAULT calls
         SELECT dep.refobjid FROM pg_attrdef ad
-        JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum
         JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = ad.oid
             AND dep.refclassid = 'pg_class'::regclass
-        WHERE ad.adrelid = CAST(:rel AS regclass) AND a.attname = :column))
-    ORDER BY s.seqcache DESC LIMIT 1) q ON true
+        WHERE ad.adrelid = rel.oid AND ad.adnum = a.attnum)
+    WHERE :integer
+    ORDER BY s.seqcache DESC, rel.depth, rel.name LIMIT 1) q ON true
 """
 # PostgreSQL: the WAL position each finality candidate waits to see flushed, from the first check that found its
 # transactions ended, per server start (see `is_final`).
@@ -955,9 +962,9 @@ class SourceDatabaseResource(ConfigurableResource):
         - a PostgreSQL foreign table (its writers' transactions are on another server) or materialized view (its
           rows appear at a refresh, below rows already sent). These and the two above are looked for in every
           relation a read of the table takes rows from: partitions, inheritance children, a view's base relations;
-        - a PostgreSQL integer watermark drawn from a sequence with CACHE > 1: each session draws its ids from a
-          cache of its own, so a session can insert id 2 long after another committed 21, in a transaction that
-          began after the cut (nothing the cut could wait for);
+        - a PostgreSQL integer watermark drawn from a sequence with CACHE > 1, in any of those relations: each
+          session draws its ids from a cache of its own, so a session can insert id 2 long after another committed
+          21, in a transaction that began after the cut (nothing the cut could wait for);
         - a MariaDB/MySQL table in MEMORY (a restart empties it and reuses its ids) or an engine other than InnoDB
           (whose open transactions `is_final` reads), MyISAM and Aria (one writing statement at a time).
 
@@ -971,7 +978,7 @@ class SourceDatabaseResource(ConfigurableResource):
         remedy = "point the source's url at the primary and run again; nothing was cut or sent"
         if self.dialect == "postgresql":
             # Any relation a read of the table takes rows from counts: a partition, a child, a view's base table.
-            standby, subscription, odd, cache, sequence = conn.execute(sa.text(_PG_FINALITY_CATALOG), {
+            standby, subscription, odd, cache, sequence, fed, fed_depth = conn.execute(sa.text(_PG_FINALITY_CATALOG), {
                 "rel": self.engine.dialect.identifier_preparer.format_table(self._table(shape)),
                 "column": shape.watermark, "integer": shape.watermark_kind == "integer"}).one()
             if standby:
@@ -1012,8 +1019,9 @@ class SourceDatabaseResource(ConfigurableResource):
                     f"`ALTER TABLE {relation} SET LOGGED` (or relay a logged copy) and run again; nothing was cut or "
                     "sent")
             if cache is not None and int(cache) > 1:
+                of = "" if fed_depth == "0" else f" of {fed}, which a read of the table takes rows from,"
                 raise SourceError(
-                    f"{label}: watermark column {shape.watermark!r} takes its ids from sequence {sequence}, which "
+                    f"{label}: watermark column {shape.watermark!r}{of} takes its ids from sequence {sequence}, which "
                     f"caches {cache} per session (CACHE {cache}): a session can insert an id from its cache long "
                     "after another session committed a higher one, in a transaction no cut can wait for, and that "
                     f"row would never be sent. Run `ALTER SEQUENCE {sequence} CACHE 1` (ids are then drawn in "
