@@ -40,10 +40,12 @@ from dagster import (
 from resources.config import TableConfig
 from resources.exactly_once import (
     BadRowError,
+    ProgressMissing,
     ProgressRecord,
     PublishedSlice,
     SliceOutOfOrder,
     TableChannel,
+    progress_missing,
     read_back_slice,
     read_committed_progress,
     refuse_watermark_change,
@@ -205,13 +207,22 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
 
 
 def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: ProgressRecord | None,
-                start_after: int = 0, first_run_at: datetime | None = None) -> TableLag:
+                start_after: int = 0, first_run_at: datetime | None = None,
+                published: tuple[dict[str, Any], TableChannel] | None = None) -> TableLag:
     """Rows above the committed progress and how long they have waited: the age of the oldest of them when the
     table has `lag_timestamp_column`, else the time since the last commit (an upper bound only while rows wait);
     with nothing ever committed, the time since the table's first run (`first_run_at`, a lower bound: its rows
-    have waited at least that long), else unknown."""
+    have waited at least that long), else unknown.
+
+    `published` (Kafka's settings and the table's channel): with no committed progress, first ask whether the
+    table's rows were published all the same (its progress topic deleted, or its transactional_id_prefix changed)
+    and raise that `ProgressMissing`: every run refuses until a human resolves it, so "nothing committed yet, rows
+    wait" would hide why nothing moves."""
     shape = table_shape(source, table)
     refuse_watermark_change(progress, shape.watermark_id)  # a lag in another column's sense would be wrong
+    if progress is None and published is not None and (
+            missing := progress_missing(published[0], published[1], shape.timestamps)) is not None:
+        raise missing
     hi = progress.hi if progress else start_after
     top = source.max_watermark(shape)
     # `start_after: latest` before its baseline: the rows there now are never sent, so none of them is lag.
@@ -593,7 +604,12 @@ def _unevaluated(check_name: str, exc: Exception) -> AssetCheckResult:
 
 def unmeasured_lag(table: TableConfig, exc: Exception) -> AssetCheckResult:
     """The lag check when the lag cannot be measured (the source or Kafka away, the table gone): a WARN saying
-    why, not the last outcome left standing."""
+    why, not the last outcome left standing. Progress missing over rows already published is an ERROR: no run can
+    publish until a human resolves it (its message says how), so the lag only grows."""
+    if isinstance(exc, ProgressMissing):
+        return AssetCheckResult(check_name=LAG_CHECK, passed=False, severity=AssetCheckSeverity.ERROR,
+                                description=str(exc), metadata={"lag_measured_as": "progress_missing",
+                                                                "error": str(exc)[:2000]})
     result = _unevaluated(LAG_CHECK, exc)
     return AssetCheckResult(check_name=LAG_CHECK, passed=False, severity=AssetCheckSeverity.WARN,
                             description=f"{table.table_id}: lag {result.description}", metadata=result.metadata)
@@ -625,10 +641,12 @@ def build_table_checks(table: TableConfig, transactional_id_prefix: str = "rowre
                              f"ERROR above {table.error_lag_seconds} s (warn_lag_seconds / error_lag_seconds).")
     def lag(context: AssetCheckExecutionContext) -> AssetCheckResult:
         try:
-            progress = read_committed_progress(context.resources.kafka_io_manager.kafka_conf(), channel,
-                                               timeout=CHECK_KAFKA_TIMEOUT_S)
+            conf = context.resources.kafka_io_manager.kafka_conf()
+            progress = read_committed_progress(conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
             return lag_result(table, measure_lag(getattr(context.resources, source_key), table, progress,
-                                                 channel.start_after))
+                                                 channel.start_after, published=(conf, channel)))
+        except ProgressMissing as exc:
+            return unmeasured_lag(table, exc)
         except Exception as exc:  # noqa: BLE001 - reported as the check's outcome
             return _unevaluated(LAG_CHECK, exc)
 

@@ -650,7 +650,9 @@ def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
             first_run = first_run_at(instance, table)
     source = SourceDatabaseResource.for_source(config.sources[table.source])
     try:
-        return measure_lag(source, table, progress, channel.start_after, first_run)
+        # Progress missing over rows already published is raised, as `verify` does: the next run refuses too.
+        return measure_lag(source, table, progress, channel.start_after, first_run,
+                           published=(kafka_conf(config), channel))
     finally:
         source.dispose()
 

@@ -67,7 +67,8 @@ def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChanne
         # The process's long-lived progress reader (a new consumer per table and minute is ~60 ms each).
         progress = read_progress_tail(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
         result = lag_result(table, measure_lag(source, table, progress, channel.start_after,
-                                               None if progress else first_run_at(instance, table)))
+                                               None if progress else first_run_at(instance, table),
+                                               published=(kafka_conf, channel)))
     except Exception as exc:  # noqa: BLE001 - a lag that cannot be measured is a WARN, not a green check
         result, measured = unmeasured_lag(table, exc), " unmeasured"
     # Its own outcome: a WARN "not measured" after a measured WARN (or back) is a change to record.

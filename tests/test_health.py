@@ -213,3 +213,52 @@ def test_a_table_renamed_away_fails_the_sensor_tick_with_the_table_checks_messag
     with pytest.raises(Exception) as failed:
         h.tick(table)
     assert f"table '{name}' not found" in str(failed.value) and "check `table:` in rowrelay.yaml" in str(failed.value)
+
+
+def test_progress_missing_over_published_rows_is_an_error_in_status_and_the_lag_check(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """A table whose rows are in its topic while its committed progress reads empty (here a new
+    transactional_id_prefix; a deleted progress topic looks the same) is refused by every run and by `verify`, until
+    a human resets it. `status` showed it as "rows wait, nothing committed yet" and exited 0, and the lag check
+    measured a lag, hiding why nothing moved. Both now say what happened and how to resolve it: `status` exits 1,
+    the lag check is an ERROR."""
+    import time
+
+    import yaml
+
+    from assets.relay import source_resource_key
+    from orchestration.cli import main
+    from orchestration.factory import lag_tick
+    from resources.config import parse_config
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 5) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id"}])
+    table = cfg.tables[0]
+    Harness(cfg, dagster_instance).drain(table, until_hi=5)
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    data["kafka"]["transactional_id_prefix"] = "other"
+    moved = parse_config(data)
+    path = tmp_path / "moved.yaml"
+    path.write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+
+    assert main(["--config", str(path), "status", "--table", table.table_id]) == 1
+    err = capsys.readouterr().err
+    assert f"rowrelay: {table.table_id} no status: " in err and "committed progress is empty" in err \
+        and "already holds this table's messages up to watermark 5" in err \
+        and f"rowrelay reset --table {table.table_id} --after 5" in err, err
+
+    h = Harness(moved, dagster_instance)
+    _, note = lag_tick(dagster_instance, moved.tables[0], channel_for(moved.tables[0], "other"),
+                       h.defs.resources[source_resource_key(table.source)],
+                       {"bootstrap.servers": services.kafka_bootstrap}, {}, time.time())
+    assert note.startswith("lag recorded"), note
+    red = _latest(dagster_instance, table, LAG_CHECK)
+    assert not red.passed and red.severity == AssetCheckSeverity.ERROR, red.description
+    assert "committed progress is empty" in red.description and "rowrelay reset" in red.description, red.description
+    assert red.metadata["lag_measured_as"].value == "progress_missing"
