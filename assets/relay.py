@@ -214,21 +214,22 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     with nothing ever committed, the time since the table's first run (`first_run_at`, a lower bound: its rows
     have waited at least that long), else unknown.
 
-    `published` (Kafka's settings and the table's channel): with no committed progress, first ask whether the
-    table's rows were published all the same (its progress topic deleted, or its transactional_id_prefix changed)
-    and raise that `ProgressMissing`: every run refuses until a human resolves it, so "nothing committed yet, rows
-    wait" would hide why nothing moves."""
+    `published` (Kafka's settings and the table's channel): with no committed progress but rows to send (or a
+    baseline to record), ask whether the table's rows were published all the same (its progress topic deleted, or
+    its transactional_id_prefix changed) and raise that `ProgressMissing`: every run refuses until a human resolves
+    it, so "nothing committed yet, rows wait" would hide why nothing moves. Not asked of a table with nothing to
+    send (an empty table is never refused, and the lag sensor asks every minute: ~a Kafka consumer per ask)."""
     shape = table_shape(source, table)
     refuse_watermark_change(progress, shape.watermark_id)  # a lag in another column's sense would be wrong
-    if progress is None and published is not None and (
-            missing := progress_missing(published[0], published[1], shape.timestamps)) is not None:
-        raise missing
     hi = progress.hi if progress else start_after
     top = source.max_watermark(shape)
     # `start_after: latest` before its baseline: the rows there now are never sent, so none of them is lag.
     awaiting_baseline = progress is None and table.start_after == "latest"
     rows = (source.count_rows(shape, hi, top, table.skip_watermark_values)
             if top is not None and top > hi and not awaiting_baseline else 0)
+    if progress is None and published is not None and (rows or awaiting_baseline) and (
+            missing := progress_missing(published[0], published[1], shape.timestamps)) is not None:
+        raise missing
     last = progress.committed_at if progress and progress.committed_at else None
     seconds: float | None
     if awaiting_baseline:
