@@ -67,6 +67,7 @@ class SensorState:
     pending: list[WatermarkCandidate] = field(default_factory=list)
     chain: list[SliceRange] | None = None  # None: not known (a first tick, an old cursor): read from storage
     waiting_since: float | None = None
+    table: str | None = None  # the table's incarnation the pending candidates were seen in (WatermarkCandidate)
 
     def to_cursor(self) -> str:
         data: dict[str, Any] = {"pending": [[c.watermark, c.marker, list(c.waits),
@@ -78,6 +79,8 @@ class SensorState:
                 data["timestamps"] = True
         if self.waiting_since is not None:
             data["waiting_since"] = self.waiting_since
+        if self.table is not None:
+            data["table"] = self.table
         return json.dumps(data)
 
     @classmethod
@@ -89,7 +92,7 @@ class SensorState:
         chain = [SliceRange(int(lo), int(hi), timestamps) for lo, hi in data["chain"]] if "chain" in data else None
         return cls([WatermarkCandidate(int(c[0]), float(c[1]), tuple(c[2]) if len(c) > 2 else (),
                                        int(c[3]) if len(c) > 3 else None)
-                    for c in data.get("pending", [])], chain, data.get("waiting_since"))
+                    for c in data.get("pending", [])], chain, data.get("waiting_since"), data.get("table"))
 
 
 def known_chain(chain: list[SliceRange] | None, committed_hi: int) -> list[SliceRange] | None:
@@ -139,8 +142,12 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
     seen = source.observe(shape)
     # The max of an append-only table never falls: a pending candidate above it (or any, once the table is empty)
     # is from a table since re-created or emptied (`rowrelay reset` after it), and its waits from that table. Kept,
-    # it would turn final at once and be cut up to, over the new table's open transactions.
-    candidates = [c for c in state.pending if seen is not None and c.watermark <= seen.watermark]
+    # it would turn final at once and be cut up to, over the new table's open transactions. So is one seen in
+    # another incarnation of the table (PostgreSQL: re-created or truncated), even below the new max: the new
+    # table's ids restarted, and a lower one may still be uncommitted (found by review).
+    incarnation = seen.table if seen is not None else None
+    candidates = [c for c in state.pending
+                  if seen is not None and c.watermark <= seen.watermark and state.table == incarnation]
     if seen is not None and (above is None or seen.watermark > above) and all(
             seen.watermark > c.watermark for c in candidates):
         candidates.append(seen)
@@ -158,7 +165,7 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
             safe_hi, pending = settle(candidates, final)
     if above is not None:
         pending = [c for c in pending if c.watermark > above]
-    return safe_hi, SensorState(pending)
+    return safe_hi, SensorState(pending, table=incarnation)
 
 
 _NULLS_OK: dict[tuple[str, str], float] = {}
@@ -204,7 +211,8 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
                                         lambda: source.count_rows(shape, cut_after, slices[-1].hi))
         if not slices and safe_hi is not None:  # keep the settled value: it is final, only held back
             pending.insert(0, WatermarkCandidate.settled(safe_hi))
-    return TickPlan(slices=slices, state=SensorState(pending, waiting_since=waiting_since), safe_hi=safe_hi,
+    return TickPlan(slices=slices, state=SensorState(pending, waiting_since=waiting_since, table=state.table),
+                    safe_hi=safe_hi,
                     cut_after=cut_after)
 
 
@@ -365,7 +373,7 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
         # The slices' end was final when they were cut: cut again up to it at once (already-final candidate),
         # not after the open transactions of this moment, or a busy source would re-cut them at full size.
         state = SensorState([WatermarkCandidate.settled(chain[-1].hi), *state.pending], state.chain,
-                            state.waiting_since)
+                            state.waiting_since, state.table)
         delete, chain, frontier = delete + chain, [], committed_hi
     if chain and not cut_while_pending:
         return CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps)
@@ -646,7 +654,7 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
     if chain is None or (chain and not instance.has_dynamic_partition(partitions.name, chain[0].key)):
         stored = open_keys(instance, partitions.name, committed_hi)
         chain = reconcile([SliceRange.from_key(k) for k in stored], committed_hi).chain
-    state = SensorState(state.pending, chain, state.waiting_since)
+    state = SensorState(state.pending, chain, state.waiting_since, state.table)
     job_label = job_name if group else None
 
     def skip(reason: str) -> TableTick:
@@ -708,7 +716,7 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
         partition_requests.append(partitions.build_delete_request(deleted))
     if plan.add:
         partition_requests.append(partitions.build_add_request([s.key for s in plan.add]))
-    after = SensorState(plan.state.pending, plan.chain, plan.state.waiting_since).to_cursor()
+    after = SensorState(plan.state.pending, plan.chain, plan.state.waiting_since, plan.state.table).to_cursor()
     waiting = f"{table.table_id}: {plan.waiting}" if not requests and plan.waiting else None
     return TableTick(requests, partition_requests, after, waiting)
 

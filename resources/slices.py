@@ -146,12 +146,15 @@ class WatermarkCandidate:
     them may hold a lower watermark it has not committed yet, so all must have ended first.
     `durable_at`: MariaDB, the redo log position when the max was seen; with no `waits`, every row at or below the
     max is durable once the log is flushed that far (None: not known; the position at the check is used).
+    `table`: which incarnation of the table it was seen in (PostgreSQL: its oid and relfilenode, which a re-creation
+    or a TRUNCATE changes; None: not known). A candidate is about that table's ids only.
     """
 
     watermark: int
     marker: float
     waits: tuple[str, ...] = ()
     durable_at: int | None = None
+    table: str | None = None
 
     @classmethod
     def settled(cls, watermark: int) -> WatermarkCandidate:

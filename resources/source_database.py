@@ -910,11 +910,17 @@ class SourceDatabaseResource(ConfigurableResource):
             if self.dialect == "postgresql":
                 # Same statement, same snapshot: the xmax the later xmin must reach. now(): this transaction's
                 # start, before every transaction this look does not wait for.
+                # The table's incarnation: a candidate of a table since re-created or truncated (ids restarted)
+                # must not settle over the new table's open transactions (sensors.settled_watermark).
+                incarnation = sa.text(
+                    "(SELECT c.oid::text || '/' || c.relfilenode::text FROM pg_class c "
+                    "WHERE c.oid = CAST(:rowrelay_rel AS regclass))").bindparams(
+                    rowrelay_rel=self.engine.dialect.identifier_preparer.format_table(t))
                 row = conn.execute(sa.select(sa.func.max(wm), sa.text("pg_snapshot_xmax(pg_current_snapshot())::text"),
                                              sa.text(("LOCALTIMESTAMP" if shape.watermark_kind == "timestamp"
-                                                      else "now()") if coarse else "NULL"))
+                                                      else "now()") if coarse else "NULL"), incarnation)
                                    .select_from(t)).one()
-                clock = row[2]
+                clock, table_token = row[2], row[3]
                 waits = tuple(conn.execute(sa.text(_PG_OPEN_VXIDS)).scalars()) if row[0] is not None else ()
             elif self.dialect == "mysql":
                 # Our own InnoDB transaction, begun before the max is read, proves a later innodb_trx read fresh.
@@ -922,7 +928,7 @@ class SourceDatabaseResource(ConfigurableResource):
                 row = conn.execute(sa.select(sa.func.max(wm), sa.text("UNIX_TIMESTAMP(NOW(6))"),
                                              sa.text("CONNECTION_ID()"),
                                              sa.text("UTC_TIMESTAMP(6)" if coarse else "NULL")).select_from(t)).one()
-                clock = row[3]
+                clock, table_token = row[3], None
                 # Running statements first, then open transactions: a statement that ends between the two reads
                 # has touched a row by then, so its transaction, if still open, is in the second (the other order
                 # missed one that ended in between with its transaction open).
@@ -933,7 +939,7 @@ class SourceDatabaseResource(ConfigurableResource):
                 durable_at = _innodb_lsns(conn).get("innodb_lsn_current") if row[0] is not None else None
             else:
                 row, waits = (conn.execute(sa.select(sa.func.max(wm)).select_from(t)).scalar(), time.time()), ()
-                clock = None
+                clock = table_token = None
         if row[0] is None:
             return None
         value = shape.watermark_value(row[0])
@@ -947,7 +953,7 @@ class SourceDatabaseResource(ConfigurableResource):
             # Its rows carry its start time (CURRENT_TIMESTAMP is the statement's), in the watermark's unit.
             below = math.floor(earliest * 1_000_000)  # microseconds since 1970 UTC, as timestamp watermarks are
             value = min(value, below // shape.watermark_unit * shape.watermark_unit - 1)
-        return WatermarkCandidate(value, float(row[1]), waits, durable_at)
+        return WatermarkCandidate(value, float(row[1]), waits, durable_at, table_token)
 
     def refuse_unknowable_finality(self, shape: TableShape, conn: sa.Connection | None = None) -> None:
         """Refuse a source where `is_final` cannot know when new rows are final, so a cut could skip a row for good:

@@ -5,6 +5,7 @@ Each test drives the real pipeline (sensor ticks, runs, the `rowrelay` CLI) on t
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -81,6 +82,52 @@ def test_a_recreated_table_is_not_cut_on_the_old_tables_pending_max(services, pg
         writer.commit()
     h.drain(table, until_hi=5, timeout=60)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3, 4, 5])
+
+
+def test_a_recreated_table_past_the_old_pending_max_is_not_cut_on_it(services, pg_database, pg_engine,
+                                                                      dagster_instance, spark, name) -> None:
+    """As above, but the new table's ids pass the old pending max (10) before the next tick, while its id 4 is still
+    uncommitted: the old candidate was kept (only one above the new max went), its waits had ended, so it turned
+    final at once and (0, 10] was cut without id 4, never to be sent (found by review). A candidate now belongs to
+    the incarnation of the table it was seen in (PostgreSQL: oid and relfilenode)."""
+    _pg_table(pg_engine, name, 10)
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
+    table = h.table()
+    with pg_engine.connect() as holder:
+        holder.begin()
+        holder.execute(text(f"INSERT INTO {name} (v) VALUES ('open')"))  # holds an xid: the max 10 stays pending
+        assert h.tick(table) == []
+        assert [c.watermark for c in SensorState.from_cursor(h.cursors[table.table_id]).pending] == [10]
+        holder.rollback()
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {name}"))
+    _pg_table(pg_engine, name, 3)  # ids 1..3
+    with pg_engine.connect() as writer:
+        writer.begin()
+        writer.execute(text(f"INSERT INTO {name} (v) VALUES ('late')"))  # id 4, open
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (v) SELECT 'early' FROM generate_series(5, 12)"))  # 5..12
+        # Other sessions' commits flush the WAL past id 4's open insert, as on any server in use (the stack's
+        # server commits asynchronously, and left alone it keeps that last page unflushed, which alone made the old
+        # candidate wait here).
+        stop = threading.Event()
+
+        def commit_others() -> None:
+            while not stop.wait(0.05):
+                with pg_engine.begin() as other:
+                    other.execute(text("SET LOCAL synchronous_commit = on"))
+                    other.execute(text("SELECT txid_current()"))
+
+        flowing = threading.Thread(target=commit_others, daemon=True)
+        flowing.start()
+        try:
+            assert h.tick(table) == [], "cut on the old table's max while id 4 was still uncommitted"
+        finally:
+            stop.set()
+            flowing.join()
+        writer.commit()
+    h.drain(table, until_hi=12, timeout=60)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 13)))
 
 
 def test_racing_cuts_heal_without_loss_or_duplicate(services, pg_database, pg_engine, dagster_instance, spark,
