@@ -1502,10 +1502,14 @@ class SlicePublisher:
             raise RelayError(f"{self.channel.table}: a reset needs a reason (it is kept in the progress record)")
         ch = self.channel
         replaced = self._progress_after_fence()
+        # The columns last published carry over: the next slice is checked against them (`on_schema_change`). A
+        # reset without them let a re-created table's new columns through unchecked (found by review).
         record = ProgressRecord(table=ch.table, slice=f"reset-{after}", lo=after, hi=after, rows=0, bytes=0,
                                 checksum="", topic=ch.topic, transactional_id=ch.transactional_id,
                                 committed_at=datetime.now(UTC).isoformat(), reset_reason=reason,
                                 topic_ends=topic_end_offsets(self.kafka_conf, ch.topic),
+                                columns=replaced.columns if replaced else [],
+                                schema_fingerprint=replaced.schema_fingerprint if replaced else "",
                                 **watermark_fields(watermark))
         self.publish_progress_only(record, reset=True)
         return ResetOutcome(record, replaced)
