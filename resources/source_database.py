@@ -744,7 +744,9 @@ class SourceDatabaseResource(ConfigurableResource):
         """Counts, cuts, reads and the lag's oldest row see the same rows: the table's `where:` (its own SQL), as
         one predicate, and, given the `watermark` column, none whose watermark is in `skip`."""
         if shape.where:
-            q = q.where(sa.text(f"({shape.where})"))
+            # A literal, not sa.text: a `:word` inside the predicate's strings (`note <> ':draft'`, JSON) is SQL, not a
+            # bind parameter (sa.text failed such a predicate with "a value is required for bind parameter").
+            q = q.where(sa.literal_column(f"({shape.where})"))
         if skip and watermark is not None:
             q = q.where(watermark.not_in([shape.watermark_param(w) for w in skip]))
         return q
