@@ -1343,7 +1343,13 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
     from confluent_kafka.admin import AdminClient
 
     from assets.relay import channel_for
-    from resources.exactly_once import REPLAY_HEADER, base_conf, read_progress_history, read_published_messages
+    from resources.exactly_once import (
+        REPLAY_HEADER,
+        base_conf,
+        read_progress_history,
+        read_published_messages,
+        transaction_timeout_ms,
+    )
 
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     conf = kafka_conf(config)
@@ -1360,10 +1366,26 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
         raise ReplayError(f"topic {target!r} has {len(meta.partitions)} partition(s); the range's messages are in "
                           f"partition {needed} of {channel.topic}: give --topic a topic with at least {needed + 1}")
     replay_id = f"replay-{uuid.uuid4().hex[:12]}"
-    producer = Producer({**conf, "transactional.id": f"{config.kafka.transactional_id_prefix}.replay.{table.table_id}",
-                         "enable.idempotence": True})
+    # The publisher's transaction timeout (the user's, else 10 minutes), not librdkafka's 60 s: a replay of a large
+    # range is one transaction, and the broker aborted it after a minute with a bare KafkaException (found by review).
+    timeout_ms = transaction_timeout_ms(conf)
+    producer = Producer({"queue.buffering.max.messages": 500_000, **conf,
+                         "transactional.id": f"{config.kafka.transactional_id_prefix}.replay.{table.table_id}",
+                         "enable.idempotence": True, "transaction.timeout.ms": timeout_ms})
     marker = (REPLAY_HEADER, replay_id.encode())
     rows = 0
+    began = time.monotonic()
+
+    def produce(msg: Any) -> None:
+        # Same partition as the original: per partition, consumers see watermark order again.
+        while True:
+            try:
+                producer.produce(target, msg.value(), msg.key(), partition=msg.partition(),
+                                 headers=[*(msg.headers() or []), marker])
+                return
+            except BufferError:  # the local queue is full: let deliveries drain it, then produce the message
+                producer.poll(0.5)
+
     try:
         producer.init_transactions(60)  # fences an earlier replay of this table that is still open
         producer.begin_transaction()
@@ -1375,21 +1397,28 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
                     wm = message_watermark(msg) if piece.hi < piece.record.hi else None
                     if wm is not None and wm > piece.hi:
                         continue  # above a reset inside the slice: sent again by a later slice, not this range's
-                    # Same partition as the original: per partition, consumers see watermark order again.
-                    producer.produce(target, msg.value(), msg.key(), partition=msg.partition(),
-                                     headers=[*(msg.headers() or []), marker])
+                    produce(msg)
                     rows += 1
                     producer.poll(0)
                 if read != piece.record.rows:
                     raise ReplayError(f"{table.table_id}: read {read} messages of slice {piece.record.slice}, but "
                                       f"its progress record says {piece.record.rows}; nothing was replayed")
             producer.commit_transaction(60)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(KafkaException):
                 producer.abort_transaction(30)
+            if isinstance(exc, KafkaException):
+                elapsed = time.monotonic() - began
+                cause = (f"it was open {elapsed:.0f} s, past transaction.timeout.ms ({timeout_ms} ms), so Kafka "
+                         "aborted it: replay the range in parts (--from/--to), or raise kafka.producer "
+                         "transaction.timeout.ms up to the brokers' transaction.max.timeout.ms"
+                         if elapsed * 1000 >= 0.9 * timeout_ms else "run the replay again")
+                raise ReplayError(f"{table.table_id}: the replay's transaction ({rows} messages produced) failed: "
+                                  f"{exc.args[0].str() if exc.args else exc}; nothing was replayed, {cause}") from None
             raise
     finally:
-        producer.flush(5)
+        with contextlib.suppress(KafkaException):
+            producer.flush(5)
     return {"table": table.table_id, "replay_id": replay_id, "from": int(lo), "to": int(hi), "rows": rows,
             "topic": target,
             "slices": [piece.key for piece in records]}

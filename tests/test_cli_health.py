@@ -273,3 +273,38 @@ def test_status_of_a_latest_table_before_its_baseline_counts_no_lag(pg_database,
         assert (lag.lag_rows, lag.lag_basis) == (1, "oldest_unpublished_row") and lag.lag_seconds < 60, lag
     finally:
         source.dispose()
+
+
+def test_a_replay_that_outlives_the_transaction_timeout_says_what_to_do(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """A replay is one transaction. It ran under librdkafka's 60 s default (not the publisher's timeout), and when
+    the broker aborted it the user got a KafkaException traceback (found by review). Now it takes the publisher's
+    timeout and fails with what happened and what to do; nothing of it is visible."""
+    import resources.exactly_once as protocol
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 200) g"))
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 100, "key": ["id"]}],
+                       producer={"transaction.timeout.ms": "2000"})
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=200)
+    config_file = _config_file(cfg, tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    read = protocol.read_published_messages
+
+    def slow_read(conf, record):  # the first slice read, then a pause past the 2 s timeout (and the broker's check)
+        yield from read(conf, record)
+        time.sleep(5.5)
+
+    monkeypatch.setattr(protocol, "read_published_messages", slow_read)
+    capsys.readouterr()
+    assert main(["--config", config_file, "replay", "--table", table.table_id, "--from", "0", "--to", "200"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert f"rowrelay: {table.table_id}: the replay's transaction (" in err and "nothing was replayed" in err, err
+    assert "past transaction.timeout.ms (2000 ms)" in err and "replay the range in parts (--from/--to)" in err, err
+    assert not [m for m in read_topic(services.kafka_bootstrap, table.topic_name) if "rowrelay.replay" in m.headers]
