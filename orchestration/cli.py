@@ -1201,11 +1201,11 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     old progress (a reset forward), skipped by it. Uncommitted partitions entirely at or below W (a reset forward
     over slices cut but not published) are materialized alike: no run could ever commit them. Committed partitions
     at or below W are left as they are."""
-    from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue, RunsFilter
+    from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue
 
     from assets.relay import asset_key, channel_for, partitions_for
     from orchestration.factory import job_name
-    from orchestration.sensors import ACTIVE
+    from orchestration.history import table_active_runs
     from resources.exactly_once import SlicePublisher
 
     (table,) = _tables(config, args.table)
@@ -1225,7 +1225,9 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         return 2
     args.after = int(args.after)  # a plain int from here: Dagster's metadata takes no int subclass
     with DagsterInstance.get() as instance:
-        active = instance.get_runs_count(RunsFilter(job_name=job_name(table), statuses=ACTIVE))
+        # A Materialize from the UI runs `__ASSET_JOB`: counted too (the reset would fence it, with a stop text
+        # telling the user nothing was lost).
+        active = table_active_runs(instance, table, job_name(table))
         if active and not args.force:
             print(f"rowrelay: {active} run(s) of {table.table_id} are queued or running; stop the table's sensor and "
                   "let them finish (or pass --force: the reset fences a running publisher)", file=sys.stderr)

@@ -221,14 +221,20 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
     return result
 
 
-def table_runs_active(instance: DagsterInstance, table: TableConfig, job_name: str) -> bool:
-    """Whether a run of the table is queued or running: of its job, or any run whose asset selection holds the
-    table's asset (the UI's Materialize launches `__ASSET_JOB`). A roll-up deletes the keys such a run targets."""
+def table_active_runs(instance: DagsterInstance, table: TableConfig, job_name: str) -> int:
+    """The table's queued or running runs: of its job, or any run whose asset selection holds the table's asset
+    (the UI's Materialize launches `__ASSET_JOB`)."""
     from orchestration.sensors import ACTIVE
 
     key = asset_key(table)
-    return any(run.job_name == job_name or key in (run.asset_selection or ())
-               for run in instance.get_runs(RunsFilter(statuses=ACTIVE)))
+    return sum(1 for run in instance.get_runs(RunsFilter(statuses=ACTIVE))
+               if run.job_name == job_name or key in (run.asset_selection or ()))
+
+
+def table_runs_active(instance: DagsterInstance, table: TableConfig, job_name: str) -> bool:
+    """Whether a run of the table is queued or running (`table_active_runs`). A roll-up deletes the keys such a run
+    targets."""
+    return table_active_runs(instance, table, job_name) > 0
 
 
 def iter_compact(instance: DagsterInstance, tables: list[TableConfig], kafka_conf: dict[str, Any],

@@ -943,7 +943,8 @@ def test_a_reset_keeps_the_schema_check(services, pg_database, pg_engine, dagste
                                         name, tmp_path, capsys, monkeypatch) -> None:
     """`on_schema_change: fail` compares a slice's columns with the last progress record's. A reset's record had
     none, so the first slice after any reset (the runbook's re-created table, most of all) published new columns
-    unchecked (found by review). The reset now carries the columns last published; `schema accept` works over it."""
+    unchecked (found by review). The reset now carries the columns last published; `schema accept` works over it.
+    And a reset waits for a run of the table launched from the UI, as for the table's own job's."""
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     _serial_table(pg_engine, name, 20)
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
@@ -951,6 +952,20 @@ def test_a_reset_keeps_the_schema_check(services, pg_database, pg_engine, dagste
     config_file = _config_file(cfg, tmp_path / "c.yaml")
     table = cfg.tables[0]
     assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    # A Materialize from the UI runs `__ASSET_JOB`: the reset counted only the table's own job's runs, went ahead
+    # and fenced it (found by review). It is counted now.
+    from dagster import DagsterRunStatus
+    from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
+
+    from assets.relay import asset_key
+
+    ui_run = create_run_for_test(dagster_instance, job_name="__ASSET_JOB", status=DagsterRunStatus.STARTED,
+                                 asset_selection=frozenset({asset_key(table)}))
+    capsys.readouterr()
+    assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", "20", "--reason",
+                 "kept where it was"]) == 1
+    assert f"1 run(s) of {table.table_id} are queued or running" in capsys.readouterr().err
+    dagster_instance.report_run_canceled(ui_run)
     assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", "20", "--reason",
                  "kept where it was"]) == 0
     with pg_engine.begin() as conn:
