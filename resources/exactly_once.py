@@ -1153,6 +1153,31 @@ class PublishedSlice:
     checksum: str | None
 
 
+def pieces_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: SliceRange,
+                    timeout: float = 30.0) -> list[LivePiece]:
+    """The committed pieces that tile `rng`, in order; [] if nothing does. Whole slices (`records_in_range`), else,
+    where a reset back landed inside a slice, the part of it the reset kept (`live_pieces`: the partition (lo, W]
+    the reset left), found by reading the table's progress history: loading such a key failed "not published"."""
+    records = records_in_range(kafka_conf, channel, rng, timeout)
+    if records:
+        return [LivePiece(r, r.lo, r.hi) for r in records]
+    tiles, at = [], rng.lo
+    for piece in live_pieces(read_progress_history(kafka_conf, channel, timeout)):
+        if piece.lo == at and piece.hi <= rng.hi:
+            tiles.append(piece)
+            at = piece.hi
+    return tiles if tiles and at == rng.hi else []
+
+
+def read_piece_messages(kafka_conf: dict[str, Any], piece: LivePiece, timeout: float = 30.0) -> Iterator[Any]:
+    """A piece's messages: its slice's (`read_published_messages`), but those above the piece's end where a reset
+    cut the slice (the slices cut after the reset sent those rows again)."""
+    for msg in read_published_messages(kafka_conf, piece.record, timeout):
+        if piece.hi < piece.record.hi and (wm := message_watermark(msg)) is not None and wm > piece.hi:
+            continue
+        yield msg
+
+
 def read_back_slice(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float = 30.0) -> PublishedSlice:
     """The slice's messages counted and checksummed as `SliceDigest` did while publishing. One partition is read
     as a stream (it holds the slice in publish order); several are gathered and put in watermark order."""

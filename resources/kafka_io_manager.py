@@ -26,8 +26,8 @@ from resources.exactly_once import (
     TopicSettingsError,
     TransactionTimedOut,
     WatermarkChanged,
-    read_published_messages,
-    records_in_range,
+    pieces_in_range,
+    read_piece_messages,
     tiles_by_range,
 )
 from resources.history import summarize
@@ -307,12 +307,13 @@ class KafkaIOManager(ConfigurableIOManager):
         rows: list[dict[str, Any]] = []
         conf = self.kafka_conf()
         for key in keys:
-            # A slice's own record, or for a roll-up key the records of the slices it spans, in order.
-            tiles = records_in_range(conf, channel, SliceRange.from_key(key))
+            # A slice's own record, or for a roll-up key the records of the slices it spans, in order; the part of a
+            # slice a reset back kept, for the partition the reset left.
+            tiles = pieces_in_range(conf, channel, SliceRange.from_key(key))
             if not tiles:
                 raise Failure(f"{channel.table}: slice {key} has not been published (no progress record)")
             for tile in tiles:
-                for msg in read_published_messages(conf, tile):
+                for msg in read_piece_messages(conf, tile):
                     headers = dict(msg.headers() or [])
                     rows.append({"slice": key, "partition": msg.partition(), "offset": msg.offset(),
                                  "key": msg.key().decode() if msg.key() is not None else None,
