@@ -206,6 +206,24 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
     return max(0.0, (current - oldest).total_seconds())
 
 
+# Tables found not missing their progress, and when (monotonic): the lag sensor asks every minute, and each answer
+# reads the data topic's tail (a shared topic: back until the table's newest message) and lists every topic.
+_PROGRESS_NOT_MISSING: dict[tuple[str, str, str], float] = {}
+PROGRESS_NOT_MISSING_TTL_S = 600.0
+
+
+def raise_if_progress_missing(kafka_conf: dict[str, Any], channel: TableChannel, timestamps: bool) -> None:
+    """`progress_missing`'s refusal, raised; a "not missing" answer is trusted for PROGRESS_NOT_MISSING_TTL_S per
+    process (a change of prefix or a deleted progress topic comes with a new code location, or is seen then)."""
+    key = (str(kafka_conf.get("bootstrap.servers")), channel.progress_topic, channel.topic)
+    if time.monotonic() - _PROGRESS_NOT_MISSING.get(key, -PROGRESS_NOT_MISSING_TTL_S) < PROGRESS_NOT_MISSING_TTL_S:
+        return
+    if (missing := progress_missing(kafka_conf, channel, timestamps, timeout=CHECK_KAFKA_TIMEOUT_S)) is not None:
+        _PROGRESS_NOT_MISSING.pop(key, None)
+        raise missing
+    _PROGRESS_NOT_MISSING[key] = time.monotonic()
+
+
 def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: ProgressRecord | None,
                 start_after: int = 0, first_run_at: datetime | None = None,
                 published: tuple[dict[str, Any], TableChannel] | None = None) -> TableLag:
@@ -227,9 +245,8 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     awaiting_baseline = progress is None and table.start_after == "latest"
     rows = (source.count_rows(shape, hi, top, table.skip_watermark_values)
             if top is not None and top > hi and not awaiting_baseline else 0)
-    if progress is None and published is not None and (rows or awaiting_baseline) and (
-            missing := progress_missing(published[0], published[1], shape.timestamps)) is not None:
-        raise missing
+    if progress is None and published is not None and (rows or awaiting_baseline):
+        raise_if_progress_missing(published[0], published[1], shape.timestamps)
     last = progress.committed_at if progress and progress.committed_at else None
     seconds: float | None
     if awaiting_baseline:

@@ -1266,14 +1266,14 @@ def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChan
         consumer.close()
 
 
-def progress_missing(kafka_conf: dict[str, Any], channel: TableChannel, timestamps: bool = False
-                     ) -> ProgressMissing | None:
+def progress_missing(kafka_conf: dict[str, Any], channel: TableChannel, timestamps: bool = False,
+                     timeout: float = 30.0) -> ProgressMissing | None:
     """For a table whose committed progress is empty: the refusal if its rows were published all the same (its data
     topic holds its messages, or another transactional_id_prefix's progress topic holds its progress), so that
     publishing would send them again; None if nothing of it was published. `timestamps`: the table's watermark is
     a time, so the remedy names one (`rowrelay reset --after` refuses a time's microseconds)."""
     ch = channel
-    in_topic = table_messages_high_watermark(kafka_conf, ch)
+    in_topic = table_messages_high_watermark(kafka_conf, ch, timeout)
     if in_topic is not None and in_topic > ch.start_after:
         at = watermark_text(in_topic, timestamps)
         return ProgressMissing(
@@ -1284,7 +1284,7 @@ def progress_missing(kafka_conf: dict[str, Any], channel: TableChannel, timestam
             f"deliberately ({at} is the last watermark of this table already in the topic; a lower value "
             "sends rows again: only for a re-created table whose ids restarted)",
             table=ch.table, topic_watermark=in_topic)
-    if in_topic is None and (elsewhere := progress_under_other_prefix(kafka_conf, ch)) is not None:
+    if in_topic is None and (elsewhere := progress_under_other_prefix(kafka_conf, ch, timeout)) is not None:
         # The prefix and the topic changed together: the new topic is empty, but the table has committed progress
         # under the old prefix.
         name, record = elsewhere

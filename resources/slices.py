@@ -154,7 +154,7 @@ class WatermarkCandidate:
     marker: float
     waits: tuple[str, ...] = ()
     durable_at: int | None = None
-    table: str | None = None
+    table: str | None = field(default=None, compare=False)  # not part of its identity: `is_final` keys on it
 
     @classmethod
     def settled(cls, watermark: int) -> WatermarkCandidate:

@@ -119,21 +119,27 @@ _MYSQL_ENGINES_KNOWN = frozenset({"innodb", "myisam", "aria"})
 # materialized view or UNLOGGED relation among them; the most caching of the watermark's sequences (its serial or
 # identity sequence, any its DEFAULT calls) in any of them, with the relation it feeds: a child's or a partition's own
 # DEFAULT serves inserts made into it directly, and a view's rows take their ids from its base table. A reached
-# relation's watermark is its column of the same name (a view that renames the column is not followed: README).
+# relation's watermark is its column of the same name, and only along relations whose ids the table's can be
+# (`ids`): partitions, children, and the base of a view over one relation. A join's other tables have columns of
+# that name too (`customers.id` beside `orders.id`): they are not followed (a review found such views refused), nor
+# is a view that renames the column (README).
 _PG_FINALITY_CATALOG = """
-WITH RECURSIVE reached(oid, depth) AS (
-    SELECT CAST(CAST(:rel AS regclass) AS oid), 0
+WITH RECURSIVE reached(oid, depth, ids) AS (
+    SELECT CAST(CAST(:rel AS regclass) AS oid), 0, true
     UNION
-    SELECT x.oid, r.depth + 1 FROM reached r CROSS JOIN LATERAL (
-        SELECT i.inhrelid AS oid FROM pg_inherits i WHERE i.inhparent = r.oid
+    SELECT x.oid, r.depth + 1, r.ids AND x.single FROM reached r CROSS JOIN LATERAL (
+        SELECT i.inhrelid AS oid, true AS single FROM pg_inherits i WHERE i.inhparent = r.oid
         UNION ALL
-        SELECT d.refobjid FROM pg_rewrite w JOIN pg_depend d ON d.classid = 'pg_rewrite'::regclass
-            AND d.objid = w.oid AND d.refclassid = 'pg_class'::regclass
-        WHERE w.ev_class = r.oid AND w.ev_type = '1' AND d.refobjid <> r.oid) x
+        SELECT b.oid, b.bases = 1 FROM (
+            SELECT v.oid, count(*) OVER () AS bases FROM (
+                SELECT DISTINCT d.refobjid AS oid FROM pg_rewrite w
+                JOIN pg_depend d ON d.classid = 'pg_rewrite'::regclass AND d.objid = w.oid
+                    AND d.refclassid = 'pg_class'::regclass
+                WHERE w.ev_class = r.oid AND w.ev_type = '1' AND d.refobjid <> r.oid) v) b) x
     WHERE r.depth < 32),
 rel AS (
     SELECT c.oid, c.relkind, c.relpersistence, CAST(CAST(c.oid AS regclass) AS text) AS name,
-        min(reached.depth) AS depth
+        min(reached.depth) AS depth, bool_or(reached.ids) AS ids
     FROM reached JOIN pg_class c ON c.oid = reached.oid GROUP BY c.oid, c.relkind, c.relpersistence)
 SELECT pg_is_in_recovery(),
     (SELECT ARRAY[s.subname, rel.name, CAST(rel.depth AS text)] FROM pg_subscription_rel sr
@@ -146,17 +152,19 @@ SELECT pg_is_in_recovery(),
 FROM (SELECT 1) one LEFT JOIN LATERAL (
     SELECT s.seqcache, s.seqrelid, rel.name, rel.depth FROM rel
     JOIN pg_attribute a ON a.attrelid = rel.oid AND a.attname = :column AND a.attnum > 0 AND NOT a.attisdropped
-    JOIN pg_sequence s ON s.seqrelid IN (
+    CROSS JOIN LATERAL (
         -- its serial or identity sequence (what pg_get_serial_sequence finds)
-        SELECT d.objid FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
-            AND d.refobjid = rel.oid AND d.refobjsubid = a.attnum AND d.deptype IN ('a', 'i')
-        UNION ALL
+        SELECT d.objid AS seq FROM pg_depend d WHERE d.classid = 'pg_class'::regclass
+            AND d.refclassid = 'pg_class'::regclass AND d.refobjid = rel.oid AND d.refobjsubid = a.attnum
+            AND d.deptype IN ('a', 'i')
+        UNION
         -- any sequence its DEFAULT calls
         SELECT dep.refobjid FROM pg_attrdef ad
         JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = ad.oid
             AND dep.refclassid = 'pg_class'::regclass
-        WHERE ad.adrelid = rel.oid AND ad.adnum = a.attnum)
-    WHERE :integer
+        WHERE ad.adrelid = rel.oid AND ad.adnum = a.attnum) q
+    JOIN pg_sequence s ON s.seqrelid = q.seq
+    WHERE :integer AND rel.ids
     ORDER BY s.seqcache DESC, rel.depth, rel.name LIMIT 1) q ON true
 """
 # PostgreSQL: the WAL position each finality candidate waits to see flushed, from the first check that found its

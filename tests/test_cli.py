@@ -657,7 +657,7 @@ def test_backfill_refuses_a_wait_that_never_ends_and_reset_takes_a_negative_wate
 
 
 def test_replay_serves_the_part_of_a_slice_below_a_reset_inside_it(
-        services, pg_database, pg_engine, dagster_home, dagster_instance, name, tmp_path, capsys,
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
         monkeypatch) -> None:
     """Slices of 10 up to 75, `reset --after 65`, a backfill: rows 61-65 are committed and in the topic (the old
     slice (60,70] published them; the reset kept (60,65] as a partition), but replay refused every range ending at
@@ -706,6 +706,22 @@ def test_replay_serves_the_part_of_a_slice_below_a_reset_inside_it(
     (whole,) = pieces_in_range(kafka, channel_for(table), SliceRange(50, 60))
     assert whole.key == whole.record.slice == SliceRange(50, 60).key
     assert pieces_in_range(kafka, channel_for(table), SliceRange(60, 70)) == []  # (65, 70] was sent again since
+    # And through the IO manager, as a downstream asset loads the partition.
+    from dagster import DynamicPartitionsDefinition, build_input_context, build_output_context
+
+    from assets.relay import asset_key, partitions_for
+    from resources.kafka_io_manager import channel_metadata
+
+    def load(key: str) -> list[int]:
+        context = build_input_context(
+            upstream_output=build_output_context(definition_metadata=channel_metadata(channel_for(table))),
+            asset_key=asset_key(table), partition_key=key, instance=dagster_instance,
+            asset_partitions_def=DynamicPartitionsDefinition(name=partitions_for(table).name))
+        frame = h.defs.resources["kafka_io_manager"].load_input(context).toPandas()
+        return sorted(frame["watermark"])
+
+    assert load(SliceRange(60, 65).key) == [61, 62, 63, 64, 65]
+    assert load(SliceRange(50, 60).key) == list(range(51, 61))
 
     done = replay(60, 65)
     assert (done["rows"], done["slices"]) == (5, [SliceRange(60, 65).key])
