@@ -301,3 +301,18 @@ def assert_exactly_once(messages: list[Consumed], expected_ids: list[int], id_fi
         by_partition.setdefault(m.partition, []).append(m.watermark)
     for p, wms in by_partition.items():
         assert wms == sorted(wms), f"partition {p} is not in watermark order"
+
+
+def drained_then_moved_to_another_prefix(services, pg_database, dagster_instance, name: str, rows: int,
+                                         **changes: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Table `public.<name>` (ids 1..rows, made by the caller) relayed up to `rows`, then its config with
+    `transactional_id_prefix: other` (and `changes` to the table): its progress reads empty there while its rows are
+    in the topic ("progress missing"). Returns the config, its table, and the moved config as data."""
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id"}])
+    table = cfg.tables[0]
+    Harness(cfg, dagster_instance).drain(table, until_hi=rows)
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    data["kafka"]["transactional_id_prefix"] = "other"
+    data["tables"][0].update(changes)
+    return cfg, table, data

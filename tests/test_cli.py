@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from orchestration.cli import main, verify_table
 from resources.config import RelayConfig, TableConfig
-from tests.pipeline import Harness, read_topic, relay_config, topic_names
+from tests.pipeline import Harness, drained_then_moved_to_another_prefix, read_topic, relay_config, topic_names
 
 pytestmark = pytest.mark.integration
 
@@ -952,13 +952,8 @@ def test_a_dry_run_refuses_where_the_backfill_would(services, pg_database, pg_en
 
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     _serial_table(pg_engine, name, 5)
-    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
-                                                          "watermark": "id"}])
-    table = cfg.tables[0]
-    Harness(cfg, dagster_instance).drain(table, until_hi=5)
-    data = cfg.model_dump(mode="json", exclude_none=True)
-    data["kafka"]["transactional_id_prefix"] = "other"
-    data["tables"][0]["start_after"] = "latest"
+    _, table, data = drained_then_moved_to_another_prefix(services, pg_database, dagster_instance, name, 5,
+                                                          start_after="latest")
     moved = _config_file(parse_config(data), tmp_path / "moved.yaml")
     capsys.readouterr()
     for dry in (["--dry-run"], []):

@@ -55,12 +55,9 @@ def test_start_after_changed_before_first_commit_heals(services, pg_database, pg
     assert keys == ["000000000005-000000000010"]  # the orphan is gone, the range re-cut from progress
 
 
-def test_a_recreated_table_is_not_cut_on_the_old_tables_pending_max(services, pg_database, pg_engine,
-                                                                   dagster_instance, spark, name) -> None:
-    """The sensor's cursor keeps the maxima still waiting for open transactions. A table re-created with lower ids
-    (before anything of it committed, or after `rowrelay reset`) still had the old table's max pending: its waits
-    had ended, so it turned final at once and the range up to it was cut over the new table's open transactions,
-    whose rows then committed inside a cut range and were never sent. A pending max above the table's max now goes."""
+def _recreated_with_the_old_max_pending(services, pg_database, pg_engine, dagster_instance, name):
+    """A table of ids 1..10 whose max the sensor's cursor keeps pending (a transaction held an xid through the
+    tick), then dropped and re-created with ids 1..3. Returns the harness and the table."""
     _pg_table(pg_engine, name, 10)
     h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
     table = h.table()
@@ -73,6 +70,16 @@ def test_a_recreated_table_is_not_cut_on_the_old_tables_pending_max(services, pg
     with pg_engine.begin() as conn:
         conn.execute(text(f"DROP TABLE {name}"))
     _pg_table(pg_engine, name, 3)  # ids 1..3
+    return h, table
+
+
+def test_a_recreated_table_is_not_cut_on_the_old_tables_pending_max(services, pg_database, pg_engine,
+                                                                   dagster_instance, spark, name) -> None:
+    """The sensor's cursor keeps the maxima still waiting for open transactions. A table re-created with lower ids
+    (before anything of it committed, or after `rowrelay reset`) still had the old table's max pending: its waits
+    had ended, so it turned final at once and the range up to it was cut over the new table's open transactions,
+    whose rows then committed inside a cut range and were never sent. A pending max above the table's max now goes."""
+    h, table = _recreated_with_the_old_max_pending(services, pg_database, pg_engine, dagster_instance, name)
     with pg_engine.connect() as writer:
         writer.begin()
         writer.execute(text(f"INSERT INTO {name} (v) VALUES ('late')"))  # id 4, open
@@ -90,18 +97,7 @@ def test_a_recreated_table_past_the_old_pending_max_is_not_cut_on_it(services, p
     uncommitted: the old candidate was kept (only one above the new max went), its waits had ended, so it turned
     final at once and (0, 10] was cut without id 4, never to be sent (found by review). A candidate now belongs to
     the incarnation of the table it was seen in (PostgreSQL: oid and relfilenode)."""
-    _pg_table(pg_engine, name, 10)
-    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
-    table = h.table()
-    with pg_engine.connect() as holder:
-        holder.begin()
-        holder.execute(text(f"INSERT INTO {name} (v) VALUES ('open')"))  # holds an xid: the max 10 stays pending
-        assert h.tick(table) == []
-        assert [c.watermark for c in SensorState.from_cursor(h.cursors[table.table_id]).pending] == [10]
-        holder.rollback()
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"DROP TABLE {name}"))
-    _pg_table(pg_engine, name, 3)  # ids 1..3
+    h, table = _recreated_with_the_old_max_pending(services, pg_database, pg_engine, dagster_instance, name)
     with pg_engine.connect() as writer:
         writer.begin()
         writer.execute(text(f"INSERT INTO {name} (v) VALUES ('late')"))  # id 4, open

@@ -11,7 +11,7 @@ from assets.relay import LAG_CHECK, PARITY_CHECK, asset_key, channel_for, evalua
 from orchestration.factory import lag_sensor_name
 from resources.exactly_once import ProgressRecord, SlicePublisher
 from resources.source_database import SourceDatabaseResource
-from tests.pipeline import Harness, relay_config
+from tests.pipeline import Harness, drained_then_moved_to_another_prefix, relay_config
 
 pytestmark = pytest.mark.integration
 
@@ -236,12 +236,7 @@ def test_progress_missing_over_published_rows_is_an_error_in_status_and_the_lag_
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
         conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 5) g"))
-    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
-                                                         "watermark": "id"}])
-    table = cfg.tables[0]
-    Harness(cfg, dagster_instance).drain(table, until_hi=5)
-    data = cfg.model_dump(mode="json", exclude_none=True)
-    data["kafka"]["transactional_id_prefix"] = "other"
+    _, table, data = drained_then_moved_to_another_prefix(services, pg_database, dagster_instance, name, 5)
     moved = parse_config(data)
     path = tmp_path / "moved.yaml"
     path.write_text(yaml.safe_dump(data))
