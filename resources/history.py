@@ -73,7 +73,10 @@ def plan_rollups(keys: list[SliceRange], records: list[ProgressRecord], now: dat
     (uncommitted, a gap, a reset inside it, records not read) is never rolled up and ends a group."""
     # The records still standing: after a reset back, the old slices' records (superseded, their rows published
     # again under new ones) overlapped the new ones, and no key of the range was ever rolled up.
-    records = sorted((r for r in live_records(records) if r.hi > r.lo), key=lambda r: (r.lo, r.hi))
+    # A range recorded twice (`schema accept` records the committed slice again, with the accepted columns) counts
+    # once, as its newest record: two records of one range overlap, and the key would never tile.
+    newest = {(r.lo, r.hi): r for r in live_records(records) if r.hi > r.lo}
+    records = sorted(newest.values(), key=lambda r: (r.lo, r.hi))
     los = [r.lo for r in records]
     groups: list[tuple[str, list[SliceRange], list[ProgressRecord]]] = []
     current: tuple[str, list[SliceRange], list[ProgressRecord]] | None = None

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -77,6 +78,20 @@ def test_rollups_after_a_reset_back_take_the_records_that_stand() -> None:
     records = [rec(0, 1, old), rec(1, 2, old), reset, rec(0, 1, new, rows=3), rec(1, 2, new, rows=4)]
     (rollup,) = plan_rollups([SliceRange(0, 1), SliceRange(1, 2)], records, NOW, HistoryPolicy())
     assert rollup.range == SliceRange(0, 2) and summarize(rollup.records)["rows"] == 7
+
+
+def test_rollups_take_a_slice_recorded_again_by_schema_accept_once() -> None:
+    """`schema accept` records the committed slice again (same range, rows and checksum, the accepted columns): the
+    two records of (1, 2] overlapped, so (1, 2] stayed a key of its own and split the roll-up until Kafka compacted
+    the progress topic."""
+    old, accepted = NOW - timedelta(days=5), NOW - timedelta(days=4, hours=23)
+    again = replace(rec(1, 2, old), columns=[["id", "bigint"], ["w", "integer"]], committed_at=accepted.isoformat(),
+                    reset_reason="schema accepted: w is fine")
+    records = [rec(0, 1, old), rec(1, 2, old), again, rec(2, 3, old)]
+    keys = [SliceRange(0, 1), SliceRange(1, 2), SliceRange(2, 3)]
+    (rollup,) = plan_rollups(keys, records, NOW, HistoryPolicy())
+    assert rollup.range == SliceRange(0, 3) and rollup.keys == keys
+    assert summarize(rollup.records)["rows"] == 3 and again in rollup.records  # the newest record of (1, 2]
 
 
 def test_summary_is_the_same_however_the_range_was_rolled_up() -> None:
