@@ -37,8 +37,11 @@ MAX_WATERMARK = 2**63 - 1
 # The range of a timestamp watermark (Python's datetime: years 1 to 9999), in microseconds since 1970 UTC.
 MIN_MICROS = datetime_to_micros(datetime.min)
 MAX_MICROS = datetime_to_micros(datetime.max)
+# The names of rowrelay's own columns beside a slice's (FRAME_WATERMARK, `TableShape.text_column`, `tie_order`,
+# `utf8_shadows`): a source column may not take one.
+INTERNAL_PREFIX = "__rowrelay_"
 # A timestamp watermark's microseconds since 1970 UTC, computed in Spark next to the slice's columns.
-FRAME_WATERMARK = "__rowrelay_watermark"
+FRAME_WATERMARK = f"{INTERNAL_PREFIX}watermark"
 
 # Virtual transaction ids of the transactions open now in this database, other than ours. Every transaction
 # holds the lock on its own vxid from its start, with or without an xid (pg_locks shows fast-path locks too).
@@ -186,10 +189,15 @@ class InnodbTrxStale(RuntimeError):
 # formatting it again (a 1M-row read: Spark CPU -0.5 s, PostgreSQL +0.3 s). Finite values outside that range (BC,
 # year 10000 and later) still reach Spark raw and are rendered as before; +-infinity, which Spark cannot hold (its
 # read failed with "long overflow"), become the strings "infinity" / "-infinity", as NaN and Infinity do for
-# floats. {c}: the quoted column.
+# floats. A BC `timestamp` is rendered here too, as an astronomical year like Spark's text of a BC timestamptz or
+# date (44 BC: "-0043", 1 BC: "0000"): Spark's text of it dropped the era (44 BC came as "0044-..."). {c}: the
+# quoted column.
 PG_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (in range, text)
-    "timestamp": ("{c} >= TIMESTAMP '0001-01-01' AND {c} < TIMESTAMP '10000-01-01'",
-                  "to_char({c}, 'YYYY-MM-DD\"T\"HH24:MI:SS.US')"),
+    "timestamp": ("isfinite({c}) AND {c} < TIMESTAMP '10000-01-01'",
+                  "CASE WHEN {c} >= TIMESTAMP '0001-01-01' THEN to_char({c}, 'YYYY-MM-DD\"T\"HH24:MI:SS.US') "
+                  "WHEN EXTRACT(YEAR FROM {c}) = -1 THEN to_char({c}, '\"0000\"-MM-DD\"T\"HH24:MI:SS.US') "
+                  "ELSE '-' || lpad(CAST(-1 - CAST(EXTRACT(YEAR FROM {c}) AS int) AS text), 4, '0') "
+                  "|| to_char({c}, '-MM-DD\"T\"HH24:MI:SS.US') END"),
     "timestamptz": ("{c} >= TIMESTAMPTZ '0001-01-01 00:00:00+00' AND {c} < TIMESTAMPTZ '10000-01-01 00:00:00+00'",
                     "to_char({c} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US') || '+00:00'"),
     "date": ("{c} >= DATE '0001-01-01' AND {c} < DATE '10000-01-01'", "to_char({c}, 'YYYY-MM-DD')"),
@@ -372,7 +380,11 @@ class TableShape:
 
     def watermark_value(self, value: Any) -> int:
         """A watermark as the database returned it (an int, a Decimal, a datetime), as rowrelay carries it."""
-        return datetime_to_micros(value) if isinstance(value, datetime) else int(value)
+        if isinstance(value, datetime):
+            return datetime_to_micros(value)
+        if isinstance(value, str) and self.timestamps:  # pymysql's text of a DATETIME no datetime holds
+            raise SourceError(invalid_datetime_message(self.label, self.watermark, value))
+        return int(value)
 
     def watermark_text(self, value: int) -> str:
         """For error messages: the value, or the time a timestamp watermark stands for (as in keys and the CLI)."""
@@ -645,6 +657,10 @@ class SourceDatabaseResource(ConfigurableResource):
             if "`" in name:
                 raise SourceError(f"{label}: column {name!r} has a backtick in its name, which Spark's column "
                                   "references cannot carry; leave it out with `columns:` or rename it in a view")
+            if name.lower().startswith(INTERNAL_PREFIX):  # Spark matches names case-insensitively
+                raise SourceError(f"{label}: column {name!r} has a name rowrelay gives columns of its own in a "
+                                  f"slice's read (names starting with {INTERNAL_PREFIX}: Spark would fail every run "
+                                  "with COLUMN_ALREADY_EXISTS); leave it out with `columns:` or rename it in a view")
             # The watermark stays whole: the read filters on it. A tie_break is checked too: its bytes sort as its
             # UTF-8 text does (by code point), as the text the driver gave did.
             checked = (name in charsets and name != watermark and isinstance(col_type, sa.String)
@@ -666,6 +682,8 @@ class SourceDatabaseResource(ConfigurableResource):
             self.check_watermark_range(shape)  # one indexed max query, only for BIGINT UNSIGNED watermarks
         if self.dialect == "postgresql" and shape.timestamps:
             self.check_watermark_times(shape, label)  # one indexed probe
+        if self.dialect == "mysql" and shape.timestamps:
+            self.check_mysql_datetime_watermark(shape, label)  # one catalog row
         return shape
 
     def _text_charsets(self, schema: str | None, table: str) -> tuple[dict[str, str], set[str]]:
@@ -907,13 +925,14 @@ class SourceDatabaseResource(ConfigurableResource):
         transaction that starts after this look, so waits for nothing, still writes the max's own value while the
         database clock is in the max's step. Then the candidate stops one microsecond below the max, and the rows at
         the max wait for a later look. The clock is read as the writers write: PostgreSQL's session time (the
-        server's zone, as `DEFAULT now()` on a `timestamp` stores it; an instant for `timestamptz`), MariaDB's UTC
-        (its zone-less DATETIME needs UTC writers: README, timestamp watermarks).
+        server's zone, as `DEFAULT now()` on a `timestamp` stores it; an instant for `timestamptz`), MariaDB's NOW(6)
+        in this session's zone (the server's default, as `CURRENT_TIMESTAMP` stores a DATETIME for writers in it; a
+        source URL that sets another zone must set the writers').
         """
         t = self._table(shape)
         wm = t.c[shape.watermark]
         coarse = shape.watermark_unit > 1
-        earliest: float | None = None  # MariaDB: the start (epoch seconds) of the earliest statement still running
+        earliest: int | None = None  # MariaDB: the start of the earliest writing statement still running
         durable_at: int | None = None
         with self.engine.connect() as conn:
             self.refuse_unknowable_finality(shape, conn)
@@ -935,15 +954,17 @@ class SourceDatabaseResource(ConfigurableResource):
             elif self.dialect == "mysql":
                 # Our own InnoDB transaction, begun before the max is read, proves a later innodb_trx read fresh.
                 conn.execute(sa.text("START TRANSACTION WITH CONSISTENT SNAPSHOT"))
+                # NOW(6): the wall clock of this session's zone (the server's default unless the URL sets one),
+                # which is what writers in that zone store with CURRENT_TIMESTAMP: a DATETIME's own frame. The
+                # epoch time only times the settle delay.
                 row = conn.execute(sa.select(sa.func.max(wm), sa.text("UNIX_TIMESTAMP(NOW(6))"),
-                                             sa.text("CONNECTION_ID()"),
-                                             sa.text("UTC_TIMESTAMP(6)" if coarse else "NULL")).select_from(t)).one()
+                                             sa.text("CONNECTION_ID()"), sa.text("NOW(6)")).select_from(t)).one()
                 clock, table_token = row[3], None
                 # Running statements first, then open transactions: a statement that ends between the two reads
                 # has touched a row by then, so its transaction, if still open, is in the second (the other order
                 # missed one that ended in between with its transaction open).
                 if row[0] is not None and shape.timestamps:
-                    earliest = self._earliest_running_write(conn, float(row[1]))
+                    earliest = self._earliest_running_write(conn, datetime_to_micros(row[3]))
                 waits = self._innodb_trx_open_since(conn, int(row[2])) if row[0] is not None else ()
                 # Every row at or below the max committed before this point of the redo log (see is_final).
                 durable_at = _innodb_lsns(conn).get("innodb_lsn_current") if row[0] is not None else None
@@ -961,8 +982,7 @@ class SourceDatabaseResource(ConfigurableResource):
                 value -= 1
         if earliest is not None:
             # Its rows carry its start time (CURRENT_TIMESTAMP is the statement's), in the watermark's unit.
-            below = math.floor(earliest * 1_000_000)  # microseconds since 1970 UTC, as timestamp watermarks are
-            value = min(value, below // shape.watermark_unit * shape.watermark_unit - 1)
+            value = min(value, earliest // shape.watermark_unit * shape.watermark_unit - 1)
         return WatermarkCandidate(value, float(row[1]), waits, durable_at, table_token)
 
     def refuse_unknowable_finality(self, shape: TableShape, conn: sa.Connection | None = None) -> None:
@@ -1070,9 +1090,10 @@ class SourceDatabaseResource(ConfigurableResource):
                     f"higher one committed could be cut past and never sent; {remedy}. If this table is written on "
                     "this server itself, not by replication, set `tables_written_here: true` on the source")
 
-    def _earliest_running_write(self, conn: sa.Connection, now: float) -> float | None:
-        """MariaDB: the start, in epoch seconds on the database clock, of the earliest statement of another session
-        still running that may write rows, or None.
+    def _earliest_running_write(self, conn: sa.Connection, now: int) -> int | None:
+        """MariaDB: the start of the earliest statement of another session still running that may write rows, or
+        None, in the frame of `now` (NOW(6) of the observe session read as UTC, as a DATETIME watermark is: the
+        wall clock its writers store).
 
         A statement's CURRENT_TIMESTAMP(6) is its start time, but InnoDB lists its transaction only once it first
         touches a row: an `INSERT ... VALUES (f())` whose expression, subquery on a non-InnoDB table or lock wait
@@ -1080,7 +1101,7 @@ class SourceDatabaseResource(ConfigurableResource):
         it runs. So a timestamp watermark is final only below every such statement's start. Statements that read
         (SELECT, WITH, SHOW: reports, Spark's own reads) are left out: a report query must not hold the table
         back for its whole length. Not covered: a SELECT whose stored function inserts into the table.
-        `now`: the database clock read before this look (UNIX_TIMESTAMP(NOW(6))), so each start is estimated no
+        `now`: the database clock read before this look (NOW(6), in microseconds), so each start is estimated no
         later than it was; a second is taken off for MySQL, whose processlist counts whole seconds."""
         try:
             rows = conn.execute(sa.text(
@@ -1091,7 +1112,7 @@ class SourceDatabaseResource(ConfigurableResource):
                 "SELECT TIME, INFO FROM information_schema.PROCESSLIST "
                 "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute')")).all()]
         running = [float(elapsed) for elapsed, info in rows if not _READ_STATEMENT.match(info or "")]
-        return now - max(running) - _STATEMENT_START_MARGIN_S if running else None
+        return now - math.ceil((max(running) + _STATEMENT_START_MARGIN_S) * 1_000_000) if running else None
 
     def is_final(self, candidate: WatermarkCandidate, settle_seconds: float) -> bool:
         """Whether every row with watermark <= `candidate.watermark` is committed (none can still appear).
@@ -1230,6 +1251,27 @@ class SourceDatabaseResource(ConfigurableResource):
                 "microseconds since 1970), so no slice can be cut. Fix those rows, or leave them out with `where:` "
                 f"(for example {shape.watermark} < '10000-01-01'); nothing was sent")
 
+    def check_mysql_datetime_watermark(self, shape: TableShape, label: str) -> None:
+        """Refuse a MariaDB/MySQL DATETIME watermark that moves when a row is updated (`ON UPDATE
+        CURRENT_TIMESTAMP`: the UPDATE lifted a row sent already above progress, and it was sent again).
+
+        Zero dates and zero months or days ('0000-00-00', '2024-05-00': an sql_mode without NO_ZERO_DATE /
+        NO_ZERO_IN_DATE accepts them) are not looked for here: inside a slice they relay as stored, and below a
+        `start_after` they are never read; where a cut or check meets one as a bound, `TableShape.watermark_value`
+        refuses it (it failed every tick with a bare "invalid literal for int()")."""
+        with self.engine.connect() as conn:
+            extra = conn.execute(sa.text(
+                "SELECT EXTRA FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = COALESCE(:schema, DATABASE()) "
+                "AND TABLE_NAME = :table AND COLUMN_NAME = :column"),
+                {"schema": shape.schema, "table": shape.name, "column": shape.watermark}).scalar()
+            if extra and "on update" in extra.lower():
+                raise SourceError(
+                    f"{label}: watermark column {shape.watermark!r} is set on every UPDATE ({extra}): an update "
+                    "moves a row already sent above progress, and it would be sent again (a duplicate). Drop the "
+                    f"clause (`ALTER TABLE {shape.name} MODIFY {shape.watermark} <its type and DEFAULT, without "
+                    "ON UPDATE>`) or choose a watermark that is set once, when the row is inserted (an "
+                    "AUTO_INCREMENT id, a creation time); nothing was sent")
+
     def _range_message(self, shape: TableShape, value: int) -> str:
         label = shape.label
         return (f"{label}: watermark column {shape.watermark!r} holds {value}, above the largest watermark rowrelay "
@@ -1331,6 +1373,17 @@ def wal_flushed_to(flushed: int, target: int) -> bool:
     return flushed >= target or (offset in _WAL_PAGE_HEADERS and flushed >= target - offset)
 
 
+def invalid_datetime_message(label: str, column: str, value: str) -> str:
+    """Why a MariaDB/MySQL DATETIME watermark holding a zero date, or a zero month or day, cannot be relayed."""
+    return (f"{label}: watermark column {column!r} holds {value!r}, a DATETIME with a zero date, month or day (an "
+            "sql_mode without NO_ZERO_DATE and NO_ZERO_IN_DATE accepts them), which is no time rowrelay can carry or "
+            "order, so no slice can be cut at it. Fix those rows (UPDATE them to real times), or leave them out: zero "
+            "dates lie below every time, so a `start_after` skips them; others, unless one is the table's newest, "
+            f"with `where: {column} >= '1000-01-01' AND MONTH({column}) > 0 AND DAYOFMONTH({column}) > 0` in "
+            "rowrelay.yaml. Add NO_ZERO_DATE,NO_ZERO_IN_DATE to the server's sql_mode to keep new ones out. Nothing "
+            "of such a slice was sent")
+
+
 # Query parameters of a source URL whose values are not shown (`safe_description`): libpq's sslpassword, tokens,
 # keys (a key's file name is hidden too, harmlessly).
 _SECRET_PARAMETER = re.compile(r"pass|secret|token|key|credential", re.IGNORECASE)
@@ -1368,14 +1421,34 @@ def _innodb_lsns(conn: sa.Connection) -> dict[str, int]:
     return {str(name).lower(): int(value) for name, value in rows}
 
 
+# innodb_trx's trx_id of a transaction that has written: MySQL prints one that has not (read-only so far) as its
+# memory address with bit 48 set, an id the next transaction on that connection may show again.
+_INNODB_WRITE_TRX_IDS = 2**48
+
+
 def _innodb_trx_key(row: sa.Row) -> str:
-    """One open InnoDB transaction, as `thread id|trx_started` (as InnoDB reports it, so never converted between
-    zones). Not trx_id: it is 0 for every read-only transaction and changes when one first writes."""
-    return f"{row.trx_mysql_thread_id}|{row.trx_started}"
+    """One open InnoDB transaction, as `thread id|trx_started|trx_id` (as InnoDB reports them, so never converted
+    between zones). The thread and start tell a transaction while its client is connected; trx_id, once it has
+    written (before that it is 0, or an address on MySQL, and it changes at the first write), also after its client
+    disconnected from a prepared XA transaction, which MariaDB keeps detached under thread id 0."""
+    trx_id = int(row.trx_id) if str(row.trx_id).isdigit() else 0
+    return f"{row.trx_mysql_thread_id}|{row.trx_started}|{trx_id if trx_id < _INNODB_WRITE_TRX_IDS else 0}"
 
 
 def _same_innodb_trx(key: str, open_now: list[sa.Row]) -> bool:
-    return any(_innodb_trx_key(r) == key for r in open_now)
+    """Whether the transaction `key` names is among `open_now`: the same thread and start; or the same trx_id, once
+    it has written; or a detached XA transaction (thread 0) of the same start, whose trx_id changed if it first
+    wrote after the key was taken (another detached one of that second only makes the cut wait longer). A key
+    without trx_id (a sensor cursor written before it was kept) is matched by thread and start."""
+    thread, started, *rest = key.split("|")
+    trx_id = rest[0] if rest and rest[0] != "0" else None
+    for row in open_now:
+        now = _innodb_trx_key(row).split("|")
+        if now[1] == started and now[0] in (thread, "0"):
+            return True
+        if trx_id is not None and now[2] == trx_id:
+            return True
+    return False
 
 
 def _mysql_error_code(exc: sa.exc.DBAPIError) -> int | None:

@@ -238,7 +238,11 @@ def test_postgres_renders_dates_and_timestamps_except_watermark_and_tie_break_ra
         '"id"', '"at"', '"seen"',  # the watermark and the tie_break: whole (the read filters and sorts on them)
         """CASE WHEN NOT ("day" >= DATE '0001-01-01' AND "day" < DATE '10000-01-01') AND isfinite("day") """
         """THEN "day" END AS "day\"""",
-        f"""CASE WHEN "at" >= TIMESTAMP '0001-01-01' AND "at" < TIMESTAMP '10000-01-01' THEN to_char("at", {ts}) """
+        # a BC timestamp rendered too, as an astronomical year (44 BC: -0043), as Spark gives a BC timestamptz
+        f"""CASE WHEN isfinite("at") AND "at" < TIMESTAMP '10000-01-01' THEN CASE WHEN "at" >= TIMESTAMP """
+        f"""'0001-01-01' THEN to_char("at", {ts}) WHEN EXTRACT(YEAR FROM "at") = -1 THEN to_char("at", """
+        """'"0000"-MM-DD"T"HH24:MI:SS.US') ELSE '-' || lpad(CAST(-1 - CAST(EXTRACT(YEAR FROM "at") AS int) AS """
+        """text), 4, '0') || to_char("at", '-MM-DD"T"HH24:MI:SS.US') END """
         """WHEN NOT isfinite("at") THEN "at"::text END AS "__rowrelay_text_1\"""",
         """CASE WHEN "seen" >= TIMESTAMPTZ '0001-01-01 00:00:00+00' """
         """AND "seen" < TIMESTAMPTZ '10000-01-01 00:00:00+00' """

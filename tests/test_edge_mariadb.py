@@ -1,0 +1,273 @@
+"""MariaDB edges of the safe high watermark and of table checks found by review (XA transactions whose client went
+away, running statements in another time zone, ON UPDATE and zero-date watermarks), and two PostgreSQL type and name
+edges. Real MariaDB, PostgreSQL (and Kafka and Spark where a run is needed)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from datetime import datetime
+
+import pymysql
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL
+
+from resources.slices import WatermarkCandidate
+from resources.source_database import SourceDatabaseResource, SourceError, TableShape
+from tests.pipeline import source_url
+
+pytestmark = pytest.mark.integration
+
+
+def observe_fresh(source: SourceDatabaseResource, shape: TableShape) -> WatermarkCandidate | None:
+    """`observe`, asked again while the shared server's innodb_trx cache stays stale (other sessions' ticks)."""
+    from resources.source_database import InnodbTrxStale
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return source.observe(shape)
+        except InnodbTrxStale:
+            assert time.monotonic() < deadline, "innodb_trx stayed stale for 30 s"
+
+
+def final_within(source: SourceDatabaseResource, candidate: WatermarkCandidate, seconds: float) -> bool:
+    """Whether `candidate` turns final within `seconds` (innodb_trx is a cache: asked a few times)."""
+    deadline = time.monotonic() + seconds
+    while not source.is_final(candidate, 0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def raw_connection(url: URL) -> pymysql.connections.Connection:
+    return pymysql.connect(host=url.host, port=url.port, user=url.username, password=url.password,
+                           database=url.database, autocommit=True)
+
+
+# --------------------------------------------------------------------------- 1. XA transaction, client gone
+
+
+def test_mariadb_prepared_xa_transaction_whose_client_disconnected_still_holds_the_cut(
+        services, mariadb_database, mariadb_engine, name) -> None:
+    """XA START; INSERT id 2; XA END; XA PREPARE, then the client disconnects (a transaction manager's connection
+    lost or recycled): MariaDB keeps the prepared transaction, detached (innodb_trx: thread id 0, same trx_id and
+    start), until XA COMMIT or ROLLBACK. It was taken as ended and the cut passed id 2, which a transaction
+    manager's recovery then committed below progress: never sent (found by review)."""
+    xid = f"rr_{uuid.uuid4().hex[:12]}"
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int) ENGINE=InnoDB"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
+    source = SourceDatabaseResource(url=source_url(mariadb_database))
+    xa = raw_connection(mariadb_database)
+    admin = raw_connection(mariadb_database)
+    try:
+        with xa.cursor() as cur:
+            cur.execute(f"XA START '{xid}'")
+            cur.execute(f"INSERT INTO {name} (v) VALUES (2)")  # id 2, uncommitted
+            cur.execute(f"XA END '{xid}'")
+            cur.execute(f"XA PREPARE '{xid}'")
+        with admin.cursor() as cur:
+            cur.execute(f"INSERT INTO {name} (v) VALUES (3)")  # id 3, committed
+        time.sleep(0.15)  # innodb_trx's cache
+        seen = observe_fresh(source, source.table_shape(None, name, "id"))
+        assert seen is not None and seen.watermark == 3 and seen.waits
+        assert not final_within(source, seen, 0.5), "final while the XA transaction was attached"
+        xa.close()  # the client goes away; the prepared transaction stays
+        with admin.cursor() as cur:
+            cur.execute("XA RECOVER")
+            assert any(row[3] == xid.encode() for row in cur.fetchall()), "no detached XA transaction to test"
+        time.sleep(0.3)  # innodb_trx's cache refreshed
+        assert not final_within(source, seen, 2.0), (
+            f"{seen} called final while XA transaction {xid!r}, holding id 2, was prepared and detached")
+        with admin.cursor() as cur:
+            cur.execute(f"XA COMMIT '{xid}'")  # the transaction manager's recovery
+        assert final_within(source, seen, 10.0), f"{seen} held after the XA transaction committed"
+    finally:
+        # Never left prepared: it would hold every cut on the server.
+        with admin.cursor() as cur, contextlib.suppress(pymysql.MySQLError):
+            cur.execute(f"XA ROLLBACK '{xid}'")
+        admin.close()
+        source.dispose()
+
+
+# --------------------------------------------------------------------------- 2. running statements, server zone
+
+
+@pytest.mark.parametrize("zone", ["-05:00", "+05:30"])
+def test_mariadb_running_insert_holds_a_datetime_cut_in_the_servers_time_zone(
+        services, mariadb_database, name, zone: str) -> None:
+    """A DATETIME(6) DEFAULT CURRENT_TIMESTAMP(6) row takes its statement's start in the writer's zone, the server's
+    default. The cut's cap below a still-running INSERT was computed in UTC and compared with those wall-clock
+    values: at -05:00 the row of an `INSERT ... SLEEP` was cut past (lost), at +05:30 the cut was held 5.5 hours
+    behind (found by review). Here the writers and rowrelay are in the server's default zone."""
+    from resources.slices import datetime_to_micros
+    from tests.test_edge_watermarks import global_time_zone
+
+    with global_time_zone(services, zone):  # connections made inside take it; a short window (the server is shared)
+        writers = create_engine(mariadb_database, isolation_level="AUTOCOMMIT")
+        source = SourceDatabaseResource(url=source_url(mariadb_database))
+        slow_error: list[BaseException] = []
+
+        def slow_insert() -> None:  # row 2's time is its statement's start; InnoDB lists it only 3 s later
+            try:
+                with writers.connect() as conn:
+                    conn.execute(text(f"INSERT INTO {name} (n) VALUES (2 + SLEEP(3))"))
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                slow_error.append(exc)
+
+        try:
+            with writers.connect() as conn:
+                assert conn.execute(text("SELECT @@session.time_zone")).scalar() == zone
+                conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, created_at DATETIME(6) NOT NULL "
+                                  "DEFAULT CURRENT_TIMESTAMP(6), INDEX (created_at))"))
+                conn.execute(text(f"INSERT INTO {name} (n) VALUES (1)"))
+            shape = source.table_shape(None, name, "created_at")
+            writer = threading.Thread(target=slow_insert)
+            writer.start()
+            time.sleep(0.5)
+            with writers.connect() as conn:
+                conn.execute(text(f"INSERT INTO {name} (n) VALUES (3)"))  # committed while row 2's INSERT runs
+            seen = observe_fresh(source, shape)
+            writer.join()
+            assert not slow_error, slow_error
+            with writers.connect() as conn:
+                times: dict[int, datetime] = dict(conn.execute(text(f"SELECT n, created_at FROM {name}")).all())
+        finally:
+            source.dispose()
+            writers.dispose()
+    assert seen is not None and times[1] < times[2] < times[3]
+    assert seen.watermark < datetime_to_micros(times[2]), (
+        f"cut candidate {seen.watermark} at or above row 2 ({times[2]}), still being inserted when seen ({zone})")
+    assert seen.watermark >= datetime_to_micros(times[1]), (
+        f"cut candidate {seen.watermark} below row 1 ({times[1]}), committed before the running INSERT ({zone})")
+
+
+# --------------------------------------------------------------------------- 3. ON UPDATE watermark
+
+
+def test_mariadb_watermark_set_on_update_is_refused(mariadb_database, mariadb_engine, name) -> None:
+    """`DATETIME(6) ... ON UPDATE CURRENT_TIMESTAMP(6)` as the watermark: an UPDATE lifted a row already sent above
+    progress and it was sent again (found by review). Refused at the table check, naming the fix."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, created_at DATETIME(6) NOT NULL DEFAULT "
+                          "CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6), INDEX (created_at))"))
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1)"))
+    source = SourceDatabaseResource(url=source_url(mariadb_database))
+    try:
+        with pytest.raises(SourceError, match=rf"{name}: watermark column 'created_at' is set on every UPDATE "
+                                              r"\(on update current_timestamp\(6\)\).*Drop the clause.*"
+                                              r"choose a watermark that is set once"):
+            source.table_shape(None, name, "created_at")
+        with mariadb_engine.begin() as conn:  # the remedy: the same column without ON UPDATE
+            conn.execute(text(f"ALTER TABLE {name} MODIFY created_at DATETIME(6) NOT NULL "
+                              "DEFAULT CURRENT_TIMESTAMP(6)"))
+        assert source.table_shape(None, name, "created_at").watermark_kind == "timestamp"
+    finally:
+        source.dispose()
+
+
+# --------------------------------------------------------------------------- 4. zero dates in a watermark
+
+
+@pytest.mark.parametrize("zero", ["0000-00-00 00:00:00", "2024-05-00 10:00:00"])
+def test_mariadb_zero_datetime_watermark_is_a_clear_error(services, mariadb_database, mariadb_engine,
+                                                          dagster_instance, name, zero: str) -> None:
+    """A DATETIME watermark holding a zero date, or a zero day (the default sql_mode accepts both; pymysql returns
+    them as text), failed every sensor tick with a bare "invalid literal for int()" (found by review). Now the
+    tick fails naming the table, the column, the value and the remedy, before anything is cut; the `where:` it
+    names lets the table relay."""
+    from tests.pipeline import Harness, relay_config
+
+    writer = create_engine(mariadb_database, connect_args={"init_command": "SET sql_mode = ''"})
+    with writer.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, at DATETIME(6) NOT NULL, "
+                          "INDEX (at))"))
+        for at in ("2024-04-29 10:00:00", zero):  # the zero-in-date value sorts last: the max a tick sees
+            conn.execute(text(f"INSERT INTO {name} (at) VALUES (:at)"), {"at": at})
+    writer.dispose()
+    table = {"source": "src", "table": name, "watermark": "at", "settle_seconds": 0.2}
+    if zero.startswith("2024"):  # start_after unset asks first for rows below 1970: a zero date is one of them
+        table["start_after"] = "2024-01-01T00:00:00Z"
+    h = Harness(relay_config(services, {"src": mariadb_database}, [table]), dagster_instance)
+    with pytest.raises(SourceError, match=(
+            rf"{name}: watermark column 'at' holds '{zero}\.000000', a DATETIME with a zero date, month or day.*"
+            r"Fix those rows.*a `start_after` skips them.*unless one is the table's newest.*"
+            r"`where: at >= '1000-01-01' AND MONTH\(at\) > 0 AND DAYOFMONTH\(at\) > 0`")):
+        h.tick(h.table())
+    assert h.progress(h.table()) is None
+
+    with mariadb_engine.begin() as conn:  # the odd row no longer the newest: the `where:` it names then serves
+        conn.execute(text(f"INSERT INTO {name} (at) VALUES ('2024-05-02 10:00:00')"))
+    ok = relay_config(services, {"src": mariadb_database}, [{
+        **table, "start_after": "2024-01-01T00:00:00Z",
+        "where": "at >= '1000-01-01' AND MONTH(at) > 0 AND DAYOFMONTH(at) > 0"}])
+    source = SourceDatabaseResource(url=source_url(mariadb_database))
+    try:  # the remedy it names passes the table check and the cut's look
+        shape = source.table_shape(None, name, "at", where=ok.tables[0].where)
+        seen = observe_fresh(source, shape)
+        assert seen is not None and shape.watermark_text(seen.watermark).startswith("2024-05-02T10:00:00")
+        assert source.count_rows(shape, shape.watermark_value(datetime(2024, 1, 1)), seen.watermark) == 2
+        if zero.startswith("0000"):  # below every time: a `start_after` alone skips it, as before
+            plain = source.table_shape(None, name, "at")
+            assert source.count_rows(plain, plain.watermark_value(datetime(2024, 1, 1)), seen.watermark) == 2
+    finally:
+        source.dispose()
+
+
+# --------------------------------------------------------------------------- 5. PostgreSQL: BC timestamp
+
+
+def test_postgres_bc_timestamp_keeps_its_era(services, pg_database, pg_engine, spark, name) -> None:
+    """A BC `timestamp` (without time zone) arrived as "0044-03-15T12:00:00.000000", the text of 44 AD (found by
+    review). It comes as an astronomical year now, like a BC timestamptz or date: 44 BC is -0043, 1 BC is 0000."""
+    import json
+
+    from resources.messages import message_columns
+    from resources.slices import SliceRange
+    from resources.spark import SparkResource
+
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, ts timestamp, tstz timestamptz)"))
+        conn.execute(text(f"INSERT INTO {name} (ts, tstz) VALUES "
+                          "('0044-03-15 12:00:00 BC', '0044-03-15 12:00:00+00 BC'), "
+                          "('0044-03-15 12:00:00', '0044-03-15 12:00:00+00'), "
+                          "('0001-12-31 23:59:59.999999 BC', '0001-12-31 23:59:59.999999+00 BC'), "
+                          "('4713-01-01 00:00:00 BC', NULL), ('infinity', NULL), (NULL, NULL)"))
+    source = SourceDatabaseResource(url=source_url(pg_database))
+    try:
+        shape = source.table_shape("public", name, "id")
+        frame = SparkResource(master="local[2]", jars=services.jdbc_jars).read_slice(
+            source, shape, SliceRange(0, 6), 6)
+        values = message_columns(frame, shape, "none", False, name, "k").toArrow().column("value").to_pylist()
+    finally:
+        source.dispose()
+    got = {v["id"]: (v["ts"], v["tstz"]) for v in (json.loads(raw) for raw in values)}
+    assert got == {1: ("-0043-03-15T12:00:00.000000", "-0043-03-15T12:00:00.000000+00:00"),
+                   2: ("0044-03-15T12:00:00.000000", "0044-03-15T12:00:00.000000+00:00"),
+                   3: ("0000-12-31T23:59:59.999999", "0000-12-31T23:59:59.999999+00:00"),
+                   4: ("-4712-01-01T00:00:00.000000", None), 5: ("infinity", None), 6: (None, None)}, got
+
+
+# --------------------------------------------------------------------------- 6. names of rowrelay's own columns
+
+
+@pytest.mark.parametrize("column", ["__rowrelay_text_1", "__rowrelay_watermark", "__rowrelay_bytes_0",
+                                    "__ROWRELAY_TIE_ORDER"])
+def test_postgres_column_named_like_rowrelays_own_is_refused(pg_database, pg_engine, name, column: str) -> None:
+    """A column named like one rowrelay adds to a slice's read passed the table check, and every run then failed
+    with Spark's bare COLUMN_ALREADY_EXISTS (found by review): refused at the table check, naming the fix."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f'CREATE TABLE {name} (id bigserial PRIMARY KEY, ts timestamp, "{column}" text)'))
+    source = SourceDatabaseResource(url=source_url(pg_database))
+    try:
+        with pytest.raises(SourceError, match=rf"public\.{name}: column '{column}' has a name rowrelay gives columns "
+                                              r"of its own.*leave it out with `columns:` or rename it in a view"):
+            source.table_shape("public", name, "id")
+        assert source.table_shape("public", name, "id", columns=["id", "ts"]).column_names == ["id", "ts"]
+    finally:
+        source.dispose()
