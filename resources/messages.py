@@ -75,9 +75,10 @@ def json_object_expr(fields: list[StructField], json_columns: set[str], texts: d
                      ) -> Column:
     """One JSON object per row, fields in column order, computed in the JVM.
 
-    JSON columns are spliced in verbatim (the database guarantees valid JSON): Spark's VARIANT would
-    re-sort keys and drop decimal scale (1.10 -> 1.1), which is not exact. `texts`: column -> the column of its
-    text as the source rendered it (NULL where the source left the value to Spark; see TableShape.rendered_select).
+    JSON columns are spliced in verbatim (PostgreSQL's are valid JSON; MariaDB's are checked first, `json_checked`):
+    Spark's VARIANT would re-sort keys and drop decimal scale (1.10 -> 1.1), which is not exact. `texts`: column -> the
+    column of its text as the source rendered it (NULL where the source left the value to Spark; see
+    TableShape.rendered_select).
     """
     from pyspark.sql import functions as F
 
@@ -160,6 +161,85 @@ def bad_utf8_error(table: str, message: str, timestamps: bool) -> BadRowError | 
         watermark=at, column=column)
 
 
+# How a row whose JSON column holds text that is not JSON stops the read (raise_error in Spark), for SliceFrame.fetch.
+BAD_JSON = "rowrelay-bad-json"
+_BAD_JSON_AT = re.compile(BAD_JSON + r"\[(-?\d+)\] column (\"(?:[^\"\\]|\\.)*\")")
+
+# A JSON text is reduced to its bare structure, then parsed. The reductions, left to right: each valid escape to a
+# plain character, each string (no control character, no other backslash) to "", each number (RFC 8259's grammar,
+# standing alone) to 0. What was not valid stays as it was, and fails below. Possessive quantifiers only: no
+# backtracking, no recursion per character (a long string would overflow Java's regex stack).
+_JSON_ESCAPE = r'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})'
+_JSON_STRING = r'"[^"\\\x00-\x1f]*+"'
+_JSON_NUMBER = r'(?<![\w.+\-])-?+(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][+\-]?+[0-9]++)?+(?![\w.+\-])'
+
+
+def is_json_text(col: Column) -> Column:
+    """True where `col` (not NULL) is one JSON text (RFC 8259), duplicate keys allowed; False, never NULL, otherwise.
+
+    Spark has no strict validator: try_parse_json ignores text after the first value ({"a":1}x), rejects duplicate
+    keys (by a session setting) and lone surrogate escapes; Spark's JSON functions take single quotes and raw control
+    characters in strings, and their Jackson limits numbers (1000 characters), names and nesting. So the text is
+    parsed by Jackson twice, as an array's only element and as the first of two: each parse ignores what follows the
+    array's closing bracket, and no text passes both but one value. A short text without a single quote or a
+    control character is parsed as it is (the common case: no regex pass). Any other text first has its strings and
+    numbers checked by regex and reduced (no length limit applies to them then), and fails for a quote left (not
+    a string) or a single quote. Jackson's one limit left: 999 levels of nesting (MariaDB's json_valid() takes 31).
+    """
+    from pyspark.sql import functions as F
+
+    def one_value(text: Column) -> Column:
+        # [text] has one element: a single value, or one closed early ("1]x"); [text,0] then has one, not two.
+        alone = F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))).eqNullSafe(1)
+        first = F.json_array_length(F.concat(F.lit("["), text, F.lit(",0]"))).eqNullSafe(2)
+        return alone & first
+
+    reduced = F.regexp_replace(F.regexp_replace(F.regexp_replace(col, _JSON_ESCAPE, "x"), _JSON_STRING, '""'),
+                               _JSON_NUMBER, "0")
+    stray_quote = F.regexp_replace(reduced, '""', "").rlike("[\"']")
+    # At most 1000 characters (no number, name or string beyond Jackson's limits) and nothing Spark's lenient
+    # Jackson takes that JSON does not (a single quote, a raw control character): parsed as it is.
+    plain = (F.length(col) <= 1000) & ~col.rlike("['\\x00-\\x1f]")
+    return F.when(plain, one_value(col)).otherwise(~stray_quote & one_value(reduced))
+
+
+def json_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShape) -> DataFrame:
+    """MariaDB/MySQL JSON columns, checked: a value that is not JSON stops the read naming the row and the column
+    (BAD_JSON), since it is spliced into the message as it is. MariaDB's JSON is text with a json_valid() check,
+    which takes 1., -, 1e, "\\x41" (and a session with check_constraint_checks=0 skips it: any text): the message
+    was not JSON and its slice committed. PostgreSQL parses json strictly on input: not checked (no cost). Only the
+    JSON columns' values pay, per row; a table without one runs the same plan as before."""
+    from pyspark.sql import functions as F
+
+    if shape.dialect != "mysql":
+        return df
+    json_cols = set(shape.json_columns)
+    names = [c for c in shape.column_names if c in fields and is_json_field(fields[c], json_cols)]
+    if not names:
+        return df
+    wm = F.col(f"`{shape.frame_watermark}`").cast("long").cast("string")
+    checked = {}
+    for name in names:
+        col = F.col(f"`{name}`")
+        stop = F.raise_error(F.concat(F.lit(f"{BAD_JSON}["), wm, F.lit(f"] column {json.dumps(name)}")))
+        checked[name] = F.when(col.isNull() | is_json_text(col), col).otherwise(stop)
+    return df.withColumns(checked)
+
+
+def bad_json_error(table: str, message: str, timestamps: bool) -> BadRowError | None:
+    """The BadRowError for a read stopped by `json_checked`, from the error's message; None for any other."""
+    found = _BAD_JSON_AT.search(message)
+    if found is None:
+        return None
+    at, column = int(found.group(1)), json.loads(found.group(2))
+    row = watermark_text(at, timestamps)
+    return BadRowError(
+        f"{table}: row {row} holds text that is not JSON in column {column!r} (MariaDB's json_valid() accepts some, "
+        "such as 1. or -, and any text with check_constraint_checks=0; or JSON nested deeper than 999 levels), so "
+        f"its message would not be JSON; nothing of the slice is sent. Fix the value, or leave the row out with "
+        f"skip_watermarks: [{row}]; then re-run the slice.", table=table, watermark=at, column=column)
+
+
 def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: bool, table: str,
                     slice_key: str, schema: list[StructField] | None = None) -> DataFrame:
     """key, value, watermark and its text per row, in the input's order (pure Spark; no Python per row).
@@ -170,6 +250,7 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
     json_cols = set(shape.json_columns)
     fields = {f.name: f for f in (schema if schema is not None else df.schema.fields)}
     df, fields = utf8_checked(df, fields, shape)
+    df = json_checked(df, fields, shape)  # after the UTF-8 check: a JSON value's bad bytes are named as such
     texts = {name: text for name, text in shape.source_texts.items() if text in fields}
     data = json_object_expr([fields[c] for c in shape.column_names], json_cols, texts)
     if envelope:
@@ -264,7 +345,8 @@ class SliceFrame:
         try:
             return self.read_chunk(sub, expected_rows).toArrow()
         except Exception as exc:
-            bad = bad_utf8_error(self.channel.table, str(exc), sub.timestamps)
+            bad = (bad_utf8_error(self.channel.table, str(exc), sub.timestamps)
+                   or bad_json_error(self.channel.table, str(exc), sub.timestamps))
             if bad is not None:
                 raise bad from exc
             cause = jvm_cause(exc)

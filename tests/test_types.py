@@ -643,3 +643,154 @@ def test_postgres_domains_are_read_as_their_base_types(services, pg_database, pg
     got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 2)
     assert got == [{"id": 1, "c": "ab", "m": "1.50", "at": "2026-11-27T10:00:00.123456+00:00"},
                    {"id": 2, "c": None, "m": "-0.01", "at": None}]
+
+
+# Text MariaDB's json_valid() (so a JSON column's CHECK) takes that is not JSON; JSON at its edges that it takes.
+MARIA_NOT_JSON = ['{"a":-}', "[1.]", '{"a":1e}', '{"x":"\\x41"}', "1.e5", '"\\a"', "[1.5E-]", '{"a":"\\U0041"}']
+JSON_EDGES = [
+    '{"b": 1.10, "a": [1, 2.50], "b": {"c": 1, "c": 2}}',  # duplicate keys, key order and number text kept
+    "[" * 30 + '{"deep": true}' + "]" * 30,  # 31 levels: json_valid()'s most
+    "[12345678901234567890123456789012345678901234567890, -0, 1E400, -1.5e-400, 0.1000000000000000000000000001]",
+    "1" * 1500,  # longer than Jackson's 1000-digit numbers
+    '{"\\u0000": "a\\u0000b \\"\\\\\\/\\b\\f\\n\\r\\t \\uD83D\\uDE00 \u00e9 \U0001f600 \u2028\u2029\u0085 \x7f"}',
+    ' \n\t[ "x" , {} , [ ] , null , true , false ]\r\n ',
+    '"only a string"', "null", "-0.0e-0",
+]
+# JSON that json_valid() refuses, kept by a session with check_constraint_checks=0.
+JSON_UNCHECKED = ["[" * 200 + "{}" + "]" * 200, '["\\ud800", "\\udc00 \\uDBFF"]']
+
+
+def test_json_check_tells_json_from_any_other_text(spark) -> None:
+    """`is_json_text` against a strict parser: what MariaDB's json_valid() takes but is not JSON, and what Spark's
+    own JSON functions would take (text after the value, single quotes, raw control characters) are refused; JSON
+    with duplicate keys, lone surrogate escapes, long strings, names and numbers, deep nesting is not."""
+    from resources.messages import is_json_text
+
+    def strict(s: str) -> bool:
+        def refuse(constant: str) -> None:
+            raise ValueError(constant)
+        try:
+            json.loads(s, parse_constant=refuse, parse_int=str, parse_float=str)  # NaN, Infinity are not JSON
+        except (ValueError, RecursionError):
+            return False
+        return True
+
+    not_json = MARIA_NOT_JSON + [
+        "", " ", "{'a':1}", '["\\\'"]', "NaN", "[Infinity]", "01", ".5", "+1", '{"a":1,}', "[1,,2]", '{"a":1}x',
+        '{"a":1}{"b":2}', "[1]]", "{}}", "1],[2", "1,2", '{"a":1},{"b":2', "true false", "[1]//c", '{"a" 1}',
+        '{"a":"x\ty"}', '"a\x00b"', '"\x1f"', "[1]\x00", "\ufeff[]", "[]\u2028", '"\\ud8', '"\\"', '"a', "[1.5.5]",
+        "[--1]", "[1-2]", "[0x10]", "{a:1}", "[tru]", '{1:2}', '["\\u00e"]', '{"a":"\\\\\\"}', '"\\\\"\\""']
+    long_ones = ['"' + "\\n" * 200_000 + '"', '{"' + "k" * 60_000 + '": 1}', "[" * 900 + "]" * 900,
+                 "[" + ",".join(['"\\u00e9", 1.5e3'] * 50_000) + "]"]
+    json_texts = JSON_EDGES + JSON_UNCHECKED + long_ones
+    texts = json_texts + not_json
+    assert [strict(s) for s in texts] == [True] * len(json_texts) + [False] * len(not_json)
+    frame = spark.createDataFrame([(i, s) for i, s in enumerate(texts)], "i int, s string")
+    got = [r.ok for r in frame.select(is_json_text(frame["s"]).alias("ok")).orderBy(frame["i"]).collect()]
+    wrong = [(s[:60], ok) for s, ok in zip(texts, got, strict=True) if ok != strict(s)]
+    assert not wrong, wrong
+
+
+def _raw_values(bootstrap: str, topic: str, count: int) -> list[bytes]:
+    """The first `count` message values of partition 0, as bytes, read_committed."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{topic}",
+                         "isolation.level": "read_committed", "enable.auto.commit": False})
+    try:
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        values = []
+        while len(values) < count and (msg := consumer.poll(10)) is not None:
+            if not msg.error():
+                values.append(msg.value())
+        return values
+    finally:
+        consumer.close()
+
+
+@pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
+def test_mariadb_json_that_is_not_json_stops_its_slice(services, mariadb_database, mariadb_engine, dagster_instance,
+                                                       spark, name, spark_remote: bool) -> None:
+    """MariaDB's json_valid() takes `{"a":-}`, `[1.]`, `"\\x41"` (and a session with check_constraint_checks=0 any
+    text): spliced in as it was, the message was not JSON and the slice committed. Now such a value stops its slice
+    as bad_row naming the row and the column (nothing visible, progress unchanged); with the rows left out the rest
+    arrive byte for byte as stored: duplicate keys, nesting, long numbers, escapes, whitespace, scalars, SQL NULL,
+    and JSON json_valid() refuses (200 levels deep, lone surrogate escapes)."""
+    from resources.kafka_io_manager import STOPPED_TAG
+    from tests.test_errors import failure_text
+
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, j JSON, n int)"))
+        insert = text(f"INSERT INTO {name} (j, n) VALUES (:j, :n)")
+        for value in JSON_EDGES[:2]:
+            conn.execute(insert, {"j": value, "n": 7})
+        conn.execute(insert, {"j": '{"a":-}', "n": 7})  # row 3: json_valid() takes it
+        for value in JSON_EDGES[2:] + [None]:
+            conn.execute(insert, {"j": value, "n": 7})
+        conn.execute(text("SET SESSION check_constraint_checks = 0"))  # the CHECK is skipped: any text is kept
+        conn.execute(insert, {"j": "{'a': 1} x", "n": 7})  # row 12
+        for value in JSON_UNCHECKED:
+            conn.execute(insert, {"j": value, "n": 7})
+        stored = dict(conn.execute(text(f"SELECT id, j FROM {name} ORDER BY id")).all())
+    assert len(stored) == 14
+    base = {"source": "src", "table": name, "watermark": "id", "settle_seconds": 0.5}
+    said, key = [], None
+    for skip in ([], [3]):  # the same slice, run again with row 3 left out
+        h = Harness(relay_config(services, {"src": mariadb_database}, [{**base, "skip_watermarks": skip}],
+                                 spark_remote=spark_remote), dagster_instance)
+        table = h.table()
+        key = key or h.cut(table)[0]
+        result = h.run(table, key, raise_on_error=False)
+        assert not result.success
+        said.append(result.output if spark_remote else failure_text(result))
+        if not spark_remote:
+            assert dagster_instance.get_run_by_id(result.run_id).tags.get(STOPPED_TAG) == "bad_row"
+        assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
+        assert h.progress(table) is None
+    assert (f"{table.table_id}: row 3 holds text that is not JSON in column 'j'" in said[0]
+            and "skip_watermarks: [3]" in said[0]), said[0][-3000:]
+    assert (f"{table.table_id}: row 12 holds text that is not JSON in column 'j'" in said[1]
+            and "skip_watermarks: [12]" in said[1]), said[1][-3000:]
+    skipping = Harness(relay_config(services, {"src": mariadb_database}, [{**base, "skip_watermarks": [3, 12]}],
+                                    spark_remote=spark_remote), dagster_instance)
+    skipping.drain(skipping.table(), until_hi=14)
+    sent = [i for i in stored if i not in (3, 12)]
+    want = [b'{"id":%d,"j":%s,"n":7}' % (i, b"null" if stored[i] is None else stored[i].encode()) for i in sent]
+    got = _raw_values(services.kafka_bootstrap, table.topic_name, len(want))
+    assert got == want
+    assert [json.loads(v)["id"] for v in got] == sent  # each one JSON
+
+
+def test_mariadb_json_that_is_not_json_after_a_sent_chunk_leaves_nothing_visible(services, mariadb_database,
+                                                                                  mariadb_engine, dagster_instance,
+                                                                                  spark, name) -> None:
+    """The bad value in the slice's second chunk: the first chunk's messages were already produced in the slice's
+    transaction, which is aborted: nothing is visible, progress stays. Fixed, the slice then arrives exactly once."""
+    from tests.conftest import partition_ends
+    from tests.test_errors import failure_text
+
+    rows = 100_005
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, j JSON)"))
+        conn.execute(text(f"INSERT INTO {name} (j) SELECT CONCAT('{{\"k\": [', seq, ', 1.50]}}') FROM seq_1_to_{rows}"))
+        conn.execute(text(f"UPDATE {name} SET j = '[1.]' WHERE id = {rows - 2}"))
+    h = Harness(relay_config(services, {"src": mariadb_database}, [
+        {"source": "src", "table": name, "watermark": "id", "settle_seconds": 0.5, "slice_max_rows": 200_000}]),
+        dagster_instance)
+    table = h.table()
+    (key,) = h.cut(table)
+    assert "..." not in key  # one slice, two chunks
+    result = h.run(table, key, raise_on_error=False)
+    assert not result.success
+    said = failure_text(result)
+    assert f"{table.table_id}: row {rows - 2} holds text that is not JSON in column 'j'" in said, said[-3000:]
+    # The first chunk (~50,000 rows) was being produced when the second failed: what reached the log is aborted.
+    assert partition_ends(services.kafka_bootstrap, table.topic_name, 0)[1] > 0
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=3.0) == []
+    assert h.progress(table) is None
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"UPDATE {name} SET j = '[1.0]' WHERE id = {rows - 2}"))
+    assert h.run(table, key).success
+    got = read_topic(services.kafka_bootstrap, table.topic_name)
+    assert_exactly_once(got, list(range(1, rows + 1)))
+    assert got[rows - 3].value == {"id": rows - 2, "j": [1.0]} and got[0].value == {"id": 1, "j": {"k": [1, 1.5]}}
