@@ -46,6 +46,7 @@ from resources.exactly_once import (
     SliceOutOfOrder,
     TableChannel,
     progress_missing,
+    progress_recorded_refusal,
     read_back_slice,
     read_committed_progress,
     refuse_watermark_change,
@@ -226,7 +227,8 @@ def raise_if_progress_missing(kafka_conf: dict[str, Any], channel: TableChannel,
 
 def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: ProgressRecord | None,
                 start_after: int = 0, first_run_at: datetime | None = None,
-                published: tuple[dict[str, Any], TableChannel] | None = None) -> TableLag:
+                published: tuple[dict[str, Any], TableChannel] | None = None,
+                recorded: SliceRange | None = None) -> TableLag:
     """Rows above the committed progress and how long they have waited: the age of the oldest of them when the
     table has `lag_timestamp_column`, else the time since the last commit (an upper bound only while rows wait);
     with nothing ever committed, the time since the table's first run (`first_run_at`, a lower bound: its rows
@@ -236,7 +238,10 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     baseline to record), ask whether the table's rows were published all the same (its progress topic deleted, or
     its transactional_id_prefix changed) and raise that `ProgressMissing`: every run refuses until a human resolves
     it, so "nothing committed yet, rows wait" would hide why nothing moves. Not asked of a table with nothing to
-    send (an empty table is never refused, and the lag sensor asks every minute: ~a Kafka consumer per ask)."""
+    send (an empty table is never refused, and the lag sensor asks every minute: ~a Kafka consumer per ask).
+    `recorded`: the highest slice Dagster recorded as committed (`last_recorded_slice`, asked by callers that have
+    the instance where progress is empty): over rows to send it is the run's own refusal (the progress topic lost
+    after the data topic's messages expired), raised here too."""
     shape = table_shape(source, table)
     refuse_watermark_change(progress, shape.watermark_id)  # a lag in another column's sense would be wrong
     hi = progress.hi if progress else start_after
@@ -247,6 +252,9 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
             if top is not None and top > hi and not awaiting_baseline else 0)
     if progress is None and published is not None and (rows or awaiting_baseline):
         raise_if_progress_missing(published[0], published[1], shape.timestamps)
+        # As the run: asked where it has slices to publish (a `latest` baseline is not refused by Dagster's record).
+        if rows and (missing := progress_recorded_refusal(published[1], recorded)) is not None:
+            raise missing
     last = progress.committed_at if progress and progress.committed_at else None
     seconds: float | None
     if awaiting_baseline:
@@ -380,6 +388,35 @@ def last_recorded_slice(instance: DagsterInstance, key: AssetKey) -> SliceRange 
         with contextlib.suppress(ValueError):  # not a slice key
             ranges.append(SliceRange.from_key(partition or ""))
     return max(ranges, key=lambda r: r.hi, default=None)
+
+
+RECORDED_KEYS_PER_QUERY = 500  # partition keys per materializations query (an SQL IN list)
+
+
+def recorded_published(instance: DagsterInstance, key: AssetKey, partition_keys: list[str]) -> dict[str, int]:
+    """Of `partition_keys`, those Dagster holds a materialization of, each with the watermark its rows are
+    recorded as published up to, by its latest materialization: its end for a committed slice (a run's, a roll-up's,
+    one recorded for a run that failed or died later), else what a reset recorded (`rowrelay/published_up_to`).
+    For `rowrelay reset` over empty progress (a changed transactional_id_prefix, a lost progress topic), where Kafka
+    cannot say which partitions were published: a partition missing here was never materialized."""
+    out: dict[str, int] = {}
+    for i in range(0, len(partition_keys), RECORDED_KEYS_PER_QUERY):
+        wanted = set(partition_keys[i:i + RECORDED_KEYS_PER_QUERY])
+        cursor = None
+        while wanted:
+            page = instance.fetch_materializations(AssetRecordsFilter(asset_key=key, asset_partitions=list(wanted)),
+                                                   limit=RECORDED_LOOKBACK, cursor=cursor)
+            for record in page.records:  # newest first: a key's first record is its latest
+                m = record.asset_materialization
+                if m is None or m.partition not in wanted:
+                    continue
+                wanted.discard(m.partition)
+                upto = m.metadata.get("rowrelay/published_up_to")
+                out[m.partition] = int(upto.value) if upto is not None else SliceRange.from_key(m.partition).hi
+            if not page.has_more:
+                break
+            cursor = page.cursor
+    return out
 
 
 def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: str, kind: str, value: str
@@ -661,8 +698,10 @@ def build_table_checks(table: TableConfig, transactional_id_prefix: str = "rowre
         try:
             conf = context.resources.kafka_io_manager.kafka_conf()
             progress = read_committed_progress(conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
+            # Empty progress over slices Dagster recorded as committed: the run refuses, so the check says why.
+            recorded = last_recorded_slice(context.instance, key) if progress is None else None
             return lag_result(table, measure_lag(getattr(context.resources, source_key), table, progress,
-                                                 channel.start_after, published=(conf, channel)))
+                                                 channel.start_after, published=(conf, channel), recorded=recorded))
         except ProgressMissing as exc:
             return unmeasured_lag(table, exc)
         except Exception as exc:  # noqa: BLE001 - reported as the check's outcome

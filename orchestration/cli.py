@@ -635,12 +635,12 @@ def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:
 
 
 def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
-    from assets.relay import channel_for, measure_lag
+    from assets.relay import asset_key, channel_for, last_recorded_slice, measure_lag
     from resources.source_database import SourceDatabaseResource
 
     channel = channel_for(table, config.kafka.transactional_id_prefix)
     progress = read_committed_progress(kafka_conf(config), channel)
-    first_run = None
+    first_run = recorded = None
     if progress is None and os.environ.get("DAGSTER_HOME"):  # as the lag check measures a table never committed
         from dagster import DagsterInstance
 
@@ -648,11 +648,13 @@ def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
 
         with DagsterInstance.get() as instance:
             first_run = first_run_at(instance, table)
+            # Slices Dagster recorded as committed over empty progress: the run refuses, so status says why.
+            recorded = last_recorded_slice(instance, asset_key(table))
     source = SourceDatabaseResource.for_source(config.sources[table.source])
     try:
         # Progress missing over rows already published is raised, as `verify` does: the next run refuses too.
         return measure_lag(source, table, progress, channel.start_after, first_run,
-                           published=(kafka_conf(config), channel))
+                           published=(kafka_conf(config), channel), recorded=recorded)
     finally:
         source.dispose()
 
@@ -883,7 +885,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from dagster import DagsterInstance, RunsFilter
     from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-    from assets.relay import channel_for, partitions_for, pool_name
+    from assets.relay import asset_key, channel_for, last_recorded_slice, partitions_for, pool_name
     from orchestration.factory import build_definitions, job_name
     from orchestration.history import open_keys
     from orchestration.sensors import ACTIVE, SensorState, cached_table_shape, ensure_pool, plan_cut
@@ -922,8 +924,12 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                 # Only the uncommitted keys matter to a cut: read from the newest end, not all of history.
                 keys = open_keys(instance, partitions.name, progress.hi if progress else
                                  channel_for(table, io_manager.transactional_id_prefix).start_after)
+                # Refused as the run's publisher would refuse, before a partition is added (and by the dry run):
+                # over empty progress, the slices Dagster recorded as committed count too, as in the run.
+                recorded = last_recorded_slice(instance, asset_key(table)) if progress is None else None
                 plan = plan_cut(table, source, io_manager, progress, keys, state, heal=not active,
-                                cut_while_pending=True, limit=100_000, write=not args.dry_run)
+                                cut_while_pending=True, limit=100_000, write=not args.dry_run, refuse=True,
+                                recorded=recorded)
                 if plan.add or not plan.state.pending or time.monotonic() > deadline:
                     break
                 state = plan.state
@@ -1177,19 +1183,28 @@ class ResetPartitions:
     dropped: list[str]  # deleted
     kept_below: dict[str, SliceRange]  # of those, a straddling one's part (lo, W], materialized without a run
     settled: list[str]  # uncommitted, wholly at or below W: materialized without a run
+    # Over empty progress: partitions wholly at or below W that Dagster records as materialized (`recorded`), left
+    # as they are (their rows count as published, as the run's refusal counted them).
+    recorded: list[str] = field(default_factory=list)
 
 
-def reset_partitions(ranges: dict[str, SliceRange], after: int, replaced_hi: int, moved: bool) -> ResetPartitions:
+def reset_partitions(ranges: dict[str, SliceRange], after: int, replaced_hi: int, moved: bool,
+                     recorded: Container[str] = ()) -> ResetPartitions:
     """The partitions above W are cut again from W, one straddling W keeps its part (lo, W], and uncommitted ones
     wholly at or below W (a reset forward) are settled: no run could ever commit them. `moved`: the reset also says
     where a changed watermark (another column or kind) stands, so the partitions are ranges of the old one: those
     above W or never committed are deleted (read as the new one's ranges they would be orphans, a settled part a
-    false statement), the committed ones below stay as the old watermark's history."""
+    false statement), the committed ones below stay as the old watermark's history. `recorded`: where the reset
+    replaced empty progress (a changed transactional_id_prefix, a lost progress topic), Kafka cannot tell which
+    partitions committed: those Dagster holds a materialization of are not settled (they were, or were recorded as,
+    published: "never sent" would be false; found by review)."""
     if moved:
         return ResetPartitions([k for k, r in ranges.items() if r.hi > after or r.hi > replaced_hi], {}, [])
     dropped = [k for k, r in ranges.items() if r.hi > after]
     kept = {k: ranges[k].span(ranges[k].lo, after) for k in dropped if ranges[k].lo < after}
-    return ResetPartitions(dropped, kept, [k for k, r in ranges.items() if replaced_hi < r.hi <= after])
+    below = [k for k, r in ranges.items() if replaced_hi < r.hi <= after]
+    return ResetPartitions(dropped, kept, [k for k in below if k not in recorded],
+                           [k for k in below if k in recorded])
 
 
 def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
@@ -1203,7 +1218,7 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     at or below W are left as they are."""
     from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue
 
-    from assets.relay import asset_key, channel_for, partitions_for
+    from assets.relay import asset_key, channel_for, partitions_for, recorded_published
     from orchestration.factory import job_name
     from orchestration.history import table_active_runs
     from resources.exactly_once import SlicePublisher
@@ -1256,17 +1271,23 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         replaced_hi = before.hi if before else channel.start_after
         was = "empty" if before is None else watermark_text(before.hi, (recorded_watermark_kind(before) or (
             "timestamp" if timestamps else "integer")) != "integer")
+        ranges = {key: SliceRange.from_key(key) for key in keys}
+        # Empty progress says nothing of what was published (a new prefix, a lost progress topic): Dagster's own
+        # record of each partition at or below W does (the run's refusal went by it too), not "never sent".
+        published = {} if before is not None else recorded_published(
+            instance, asset_key(table), [k for k, r in ranges.items() if r.hi > replaced_hi and r.lo < args.after])
 
         def settle(key: str, part: SliceRange) -> None:
             """Materialize `part` (of partition `key`) without a run, saying what became of its rows."""
-            sent_to, what = reset_outcome(part, replaced_hi, text(args.after), text)
+            sent_to, what = reset_outcome(part, max(replaced_hi, published.get(key, replaced_hi)), text(args.after),
+                                          text)
             of = f" of {key}" if part.key != key else ""
             instance.report_runless_asset_event(AssetMaterialization(
                 asset_key=asset_key(table), partition=part.key, description=f"rows {part}{of}, {what}",
                 metadata={"rowrelay/before_reset_of": key, "rowrelay/published_up_to": sent_to,
                           "reason": args.reason}))
 
-        plan = reset_partitions({key: SliceRange.from_key(key) for key in keys}, args.after, replaced_hi, moved)
+        plan = reset_partitions(ranges, args.after, replaced_hi, moved, published)
         dropped, settled = plan.dropped, plan.settled
         for key in dropped:
             instance.delete_dynamic_partition(partitions.name, key)
@@ -1280,9 +1301,16 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
             metadata={"rowrelay/reset_after": args.after, "reason": args.reason,
                       "previous_progress": before.hi if before else MetadataValue.null(),
                       "partitions_deleted": len(dropped), "partitions_settled": len(settled),
-                      "committed_at": record.committed_at}))
-    below_text = (f"; {len(settled)} uncommitted partition(s) at or below it materialized as settled by the reset "
-                  f"(rows above {text(replaced_hi)} in them never sent)" if settled else "")
+                      "partitions_recorded_committed": len(plan.recorded), "committed_at": record.committed_at}))
+    if before is None:  # Kafka knew nothing: what is said comes from Dagster's materializations
+        below_text = ((f"; {len(plan.recorded)} partition(s) at or below it that Dagster records as committed left "
+                       "as they are (progress was empty: their rows count as published)" if plan.recorded else "")
+                      + (f"; {len(settled)} partition(s) at or below it that Dagster records no materialization of "
+                         f"materialized as settled by the reset (rows above {text(replaced_hi)} in them never sent "
+                         "by a run of theirs)" if settled else ""))
+    else:
+        below_text = (f"; {len(settled)} uncommitted partition(s) at or below it materialized as settled by the "
+                      f"reset (rows above {text(replaced_hi)} in them never sent)" if settled else "")
     deleted = (f"{len(dropped)} partition(s) of the previous watermark deleted (above it or never committed), its "
                "committed ones below it kept as its history" if moved else
                f"{len(dropped)} partition(s) above it deleted{below_text}")

@@ -46,6 +46,8 @@ from resources.exactly_once import (
     SlicePublisher,
     TableChannel,
     progress_missing,
+    progress_recorded_refusal,
+    progress_shared,
     read_progress_tail,
     refuse_watermark_change,
     transaction_timeout_ms,
@@ -309,7 +311,8 @@ def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: 
 
 def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: KafkaIOManager,
              progress: ProgressRecord | None, keys: list[str], state: SensorState, *, heal: bool,
-             cut_while_pending: bool, limit: int = 500, resplit: bool = False, write: bool = True) -> CutPlan:
+             cut_while_pending: bool, limit: int = 500, resplit: bool = False, write: bool = True,
+             refuse: bool = False, recorded: SliceRange | None = None) -> CutPlan:
     """The one way slices are cut, for the sensor and `rowrelay backfill` alike.
 
     Kafka's progress decides where the table stands, not the partitions: partitions off the chain that continues
@@ -321,14 +324,23 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     `progress`: the table's committed progress, just read from Kafka.
     `write`: False for a dry run: a `start_after: latest` table's baseline is not recorded in Kafka (the plan says
     where it would be). Partitions are never touched here: the caller applies `delete` and `add`.
+    `refuse`: refuse as the publisher would, before anything is cut (always so for a dry run): `rowrelay backfill`,
+    so that it adds no partition its run would refuse to publish. `recorded`: the highest slice Dagster recorded
+    as committed, asked by a caller with the instance where progress is empty (the run's own `recorded` check).
     """
     channel = channel_for(table, io_manager.transactional_id_prefix)
     conf = io_manager.kafka_conf()
     recent = [progress] if progress is not None else []
     shape = cached_table_shape(source, table)
     slices = [SliceRange.from_key(k) for k in keys]
-    if not write and progress is None and (missing := progress_missing(conf, channel, shape.timestamps)) is not None:
-        raise missing  # a dry run refuses as the backfill's baseline or first publish would
+    refuse = refuse or not write  # a dry run refuses as the backfill's baseline or first publish would
+    if refuse and progress is None and (missing := progress_missing(conf, channel, shape.timestamps)) is not None:
+        raise missing
+    # Slices Dagster recorded as committed over empty progress (its topic lost after the data topic's messages
+    # expired): the run refuses them (`recorded`); a `latest` table's baseline is recorded over them instead.
+    if progress is None and table.start_after != "latest" and (
+            missing := progress_recorded_refusal(channel, recorded)) is not None:
+        raise missing
     if progress is None and table.start_after == "latest" and not slices:
         if not write:
             # The new state keeps a pending candidate, so the dry run waits for open transactions as the backfill's
@@ -348,6 +360,9 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
     refuse_watermark_change(progress, shape.watermark_id)  # before any cut: "nothing new" would skip rows too
+    # `topic:` moved back to a topic it had left: the publisher refuses (two deployments sharing the progress).
+    if refuse and progress is not None and (shared := progress_shared(conf, channel, progress)) is not None:
+        raise shared
     if progress is None:
         refuse_start_after_kind(shape, table)
     committed_hi = progress.hi if progress else channel.start_after

@@ -1300,6 +1300,56 @@ def progress_missing(kafka_conf: dict[str, Any], channel: TableChannel, timestam
     return None
 
 
+def progress_recorded_refusal(channel: TableChannel, recorded: SliceRange | None) -> ProgressMissing | None:
+    """For a table whose committed progress is empty: the refusal if the orchestrator recorded slices of it as
+    committed above `start_after` (`recorded`: the highest, e.g. Dagster's materializations), since publishing would
+    send them again (the progress topic deleted after the data topic's messages expired: Kafka shows nothing);
+    None otherwise. No Kafka call: the publisher, a dry run, `status` and the lag check all ask this, so they refuse
+    alike."""
+    ch = channel
+    if recorded is None or recorded.hi <= ch.start_after:
+        return None
+    at = watermark_text(recorded.hi, recorded.timestamps)
+    return ProgressMissing(
+        f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}), but the slices of "
+        f"this table recorded as committed reach watermark {at} (Dagster's materializations): the progress "
+        "topic was deleted or its records expired, and the data topic no longer shows those rows, so "
+        f"publishing would send them again. Run `rowrelay reset --table {ch.table} --after {at}` to continue "
+        "after them (a lower value, `--after 0` included, sends rows again deliberately: a new cluster or "
+        "topic meant to get the whole table); nothing was sent", table=ch.table, topic_watermark=recorded.hi)
+
+
+def topic_taken_back(channel: TableChannel, committed: ProgressRecord, history: Sequence[ProgressRecord]
+                     ) -> ProgressShared | None:
+    """The refusal if the table's progress was last written for another topic after earlier records of this
+    channel's topic (`history`: the progress records, oldest first, `committed` the newest). A `topic:` change moves
+    a table once (the new topic gets the rows after it); progress going back and forth is two deployments (staging
+    and production on one cluster) sharing one transactional_id prefix with their own topics: each continued from
+    the other's progress and skipped the rows the other had sent, with every backfill exiting 0 (found by review)."""
+    ch = channel
+    if not committed.topic or committed.topic == ch.topic or not any(r.topic == ch.topic for r in history[:-1]):
+        return None
+    at = committed.hi_text
+    return ProgressShared(
+        f"{ch.table}: its committed progress was last written for topic {committed.topic} (slice "
+        f"{committed.slice}, committed {committed.committed_at}), after earlier slices of this run's topic "
+        f"{ch.topic}: two deployments relaying this table under one transactional id ({ch.transactional_id}) "
+        "take turns, each skipping the rows the other sent. Give each deployment its own "
+        "kafka.transactional_id_prefix. If `topic:` was moved back on purpose, run `rowrelay reset --table "
+        f"{ch.table} --after {at}` to continue in {ch.topic} from there; nothing was sent")
+
+
+def progress_shared(kafka_conf: dict[str, Any], channel: TableChannel, committed: ProgressRecord,
+                    timeout: float = 30.0) -> ProgressShared | None:
+    """`topic_taken_back` of the table's committed progress, for the publisher and a cut (`plan_cut`: a dry run
+    refuses where the backfill would, and a backfill before it adds partitions). Reads the progress history only
+    when the committed progress names another topic than the channel's (between a `topic:` change and the first
+    commit after it)."""
+    if not committed.topic or committed.topic == channel.topic:
+        return None
+    return topic_taken_back(channel, committed, read_progress_history(kafka_conf, channel, timeout))
+
+
 class SlicePublisher:
     """Publishes one table's slices through one transactional producer (one epoch)."""
 
@@ -1561,25 +1611,14 @@ class SlicePublisher:
     # -- internals ----------------------------------------------------------------------------------
 
     def _refuse_topic_taken_back(self, committed: ProgressRecord) -> None:
-        """Refuse when the table's progress was last written for another topic after earlier records of this
-        run's topic. A `topic:` change moves a table once (the new topic gets the rows after it); progress going
-        back and forth is two deployments (staging and production on one cluster) sharing one transactional_id
-        prefix with their own topics: each continued from the other's progress and skipped the rows the other had
-        sent, with every backfill exiting 0 (found by review). Reads the history only when the topics differ."""
-        ch = self.channel
-        if not committed.topic or committed.topic == ch.topic or self._topic_checked_back:
+        """Refuse when the table's progress moved to another topic and back (`topic_taken_back`): two deployments
+        sharing one transactional_id prefix. Reads the history only when the topics differ, once per publisher."""
+        if self._topic_checked_back:
             return
-        history = read_progress_history(self.kafka_conf, ch)
-        if any(r.topic == ch.topic for r in history[:-1]):
-            at = committed.hi_text
-            raise ProgressShared(
-                f"{ch.table}: its committed progress was last written for topic {committed.topic} (slice "
-                f"{committed.slice}, committed {committed.committed_at}), after earlier slices of this run's topic "
-                f"{ch.topic}: two deployments relaying this table under one transactional id ({ch.transactional_id}) "
-                "take turns, each skipping the rows the other sent. Give each deployment its own "
-                "kafka.transactional_id_prefix. If `topic:` was moved back on purpose, run `rowrelay reset --table "
-                f"{ch.table} --after {at}` to continue in {ch.topic} from there; nothing was sent")
-        self._topic_checked_back = True
+        if (shared := progress_shared(self.kafka_conf, self.channel, committed)) is not None:
+            raise shared
+        if committed.topic and committed.topic != self.channel.topic:
+            self._topic_checked_back = True
 
     def _refuse_if_progress_missing(self, timestamps: bool) -> None:
         """Empty progress but the table's messages already in its data topic (e.g. a new transactional_id_prefix
@@ -1590,17 +1629,8 @@ class SlicePublisher:
             return
         if (missing := progress_missing(self.kafka_conf, self.channel, timestamps)) is not None:
             raise missing
-        ch = self.channel
-        if self.recorded is not None and self.recorded.hi > ch.start_after:
-            at = watermark_text(self.recorded.hi, self.recorded.timestamps)
-            raise ProgressMissing(
-                f"{ch.table}: committed progress is empty (progress topic {ch.progress_topic}), but the slices of "
-                f"this table recorded as committed reach watermark {at} (Dagster's materializations): the progress "
-                "topic was deleted or its records expired, and the data topic no longer shows those rows, so "
-                f"publishing would send them again. Run `rowrelay reset --table {ch.table} --after {at}` to continue "
-                "after them (a lower value, `--after 0` included, sends rows again deliberately: a new cluster or "
-                "topic meant to get the whole table); nothing was sent", table=ch.table,
-                topic_watermark=self.recorded.hi)
+        if (missing := progress_recorded_refusal(self.channel, self.recorded)) is not None:
+            raise missing
         self._topic_checked = True
 
     def _raise_if_timed_out(self, slice_range: SliceRange, exc: BaseException) -> None:

@@ -1,0 +1,232 @@
+"""The CLI refuses (and reports) where the publisher would, and a reset over empty progress tells the truth about
+the partitions Dagster recorded as committed (found by review, /tmp/review-ops)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
+from sqlalchemy import text
+
+from orchestration.cli import main
+from resources.config import RelayConfig
+from resources.exactly_once import read_committed_progress
+from resources.slices import SliceRange
+from tests.conftest import partition_ends
+from tests.pipeline import Harness, read_topic, relay_config
+
+pytestmark = pytest.mark.integration
+
+
+def _serial_table(engine, name: str, rows: int, start: int = 1) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE IF NOT EXISTS {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series({start}, "
+                          f"{start + rows - 1}) g"))
+
+
+def _config_file(cfg: RelayConfig | dict[str, Any], path: Path) -> str:
+    import yaml
+
+    data = cfg if isinstance(cfg, dict) else cfg.model_dump(mode="json", exclude_none=True)
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _ten_row_slices(services, pg_database, name: str, **spec: Any) -> RelayConfig:
+    return relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                          "watermark": "id", "slice_max_rows": 10,
+                                                          "start_after": 0, **spec}])
+
+
+def _latest_materializations(instance, table) -> dict[str, Any]:
+    """Each partition's latest materialization."""
+    from assets.relay import asset_key
+
+    latest: dict[str, Any] = {}
+    for r in instance.fetch_materializations(asset_key(table), limit=1000).records:  # newest first
+        m = r.asset_materialization
+        if m is not None and m.partition not in latest:
+            latest[m.partition] = m
+    return latest
+
+
+def test_a_reset_after_a_prefix_change_leaves_the_slices_dagster_recorded_as_committed(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """30 rows backfilled in 3 slices, a 4th slice cut but never run; then `transactional_id_prefix` changed: the
+    backfill refuses and the runbook's `rowrelay reset --after W` under the new prefix follows. Its progress was
+    empty, so the reset took every partition at or below W for uncommitted and materialized the 3 published
+    slices as "never sent: skipped by rowrelay reset" (`published_up_to: 0`): false, their rows are in the topic.
+    It now goes by Dagster's materializations: the committed slices stay as they are, only the one never run is
+    settled, and the output says which is which."""
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 30)
+    cfg = _ten_row_slices(services, pg_database, name)
+    table = cfg.tables[0]
+    assert main(["--config", _config_file(cfg, tmp_path / "p1.yaml"), "backfill", "--table", table.table_id]) == 0
+    _serial_table(pg_engine, name, 5, start=31)
+    h = Harness(cfg, dagster_instance)
+    assert h.cut(table) == [SliceRange(30, 35).key]  # cut, never run
+    committed = [SliceRange(0, 10).key, SliceRange(10, 20).key, SliceRange(20, 30).key]
+    before = _latest_materializations(dagster_instance, table)
+    assert set(committed) <= set(before) and SliceRange(30, 35).key not in before
+
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    data["kafka"]["transactional_id_prefix"] = "p2"
+    moved = _config_file(data, tmp_path / "p2.yaml")
+    capsys.readouterr()
+    assert main(["--config", moved, "backfill", "--table", table.table_id]) == 1
+    assert f"rowrelay reset --table {table.table_id} --after 30" in capsys.readouterr().err
+    # Past the remedy's 30, on purpose: the slice cut and never run is skipped.
+    assert main(["--config", moved, "reset", "--table", table.table_id, "--after", "35", "--reason",
+                 "prefix renamed"]) == 0
+    out = capsys.readouterr().out
+    assert "progress reset to 35 (was empty); 0 partition(s) above it deleted" in out, out
+    assert "3 partition(s) at or below it that Dagster records as committed left as they are" in out, out
+    assert "1 partition(s) at or below it that Dagster records no materialization of materialized as settled" \
+        in out, out
+    assert "uncommitted partition(s)" not in out, out
+
+    after = _latest_materializations(dagster_instance, table)
+    for key in committed:  # still the run's own record, not a reset's "never sent"
+        assert after[key].description == before[key].description, after[key].description
+        assert "rowrelay/published_up_to" not in after[key].metadata, key
+    settled = after[SliceRange(30, 35).key]
+    assert "never sent: skipped by rowrelay reset after 35" in (settled.description or ""), settled.description
+    assert settled.metadata["rowrelay/published_up_to"].value == 30
+
+    # Under the new prefix, only the rows after the reset are sent.
+    _serial_table(pg_engine, name, 5, start=36)
+    assert main(["--config", moved, "backfill", "--table", table.table_id]) == 0
+    assert sorted(m.value["id"] for m in read_topic(services.kafka_bootstrap, table.topic_name)) == [
+        *range(1, 31), *range(36, 41)]
+
+
+def test_progress_lost_with_committed_slices_recorded_is_refused_by_the_dry_run_status_and_lag_check(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """The progress topic deleted after the data topic's messages expired: Kafka shows nothing of the table, but
+    Dagster records its committed slices up to 30, and the real backfill refuses on that record. The dry run
+    answered "3 slice(s) would be published" (rc 0), `status` a lag "since_first_run" and the lag check a mere
+    lag: they went by Kafka alone. They now refuse with the run's message and remedy."""
+    from dagster import AssetCheckSeverity, build_asset_check_context
+
+    from assets.relay import LAG_CHECK, build_table_checks, channel_for, source_resource_key
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 30)
+    cfg = _ten_row_slices(services, pg_database, name)
+    table = cfg.tables[0]
+    config_file = _config_file(cfg, tmp_path / "c.yaml")
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    channel = channel_for(table)
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
+    end = partition_ends(services.kafka_bootstrap, table.topic_name)[1]
+    for fut in admin.delete_records([TopicPartition(table.topic_name, 0, end)]).values():  # as retention does
+        fut.result(timeout=30)
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    deadline = time.monotonic() + 30
+    while read_committed_progress(conf, channel) is not None:
+        assert time.monotonic() < deadline, "the progress topic never went"
+        time.sleep(0.5)
+    partitions = f"{table.dagster_name}__slices"
+    keys = dagster_instance.get_dynamic_partitions(partitions)
+    refusal = ("slices of this table recorded as committed reach watermark 30 (Dagster's materializations)",
+               f"rowrelay reset --table {table.table_id} --after 30")
+    capsys.readouterr()
+
+    for dry in (["--dry-run"], []):  # the dry run refuses where the backfill does, and neither adds a partition
+        assert main(["--config", config_file, "backfill", "--table", table.table_id, *dry]) == 1, dry
+        out, err = capsys.readouterr()
+        assert all(part in err for part in refusal), (dry, out, err)
+        assert "would be published" not in out, out
+        assert dagster_instance.get_dynamic_partitions(partitions) == keys
+
+    assert main(["--config", config_file, "status", "--table", table.table_id, "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert f"rowrelay: {table.table_id} no status: " in err and all(part in err for part in refusal), (out, err)
+    assert "since_first_run" not in out, out
+
+    h = Harness(cfg, dagster_instance)
+    lag = next(c for c in build_table_checks(table) if LAG_CHECK in {k.name for k in c.check_keys})
+    context = build_asset_check_context(
+        resources={source_resource_key(table.source): h.defs.resources[source_resource_key(table.source)],
+                   "kafka_io_manager": h.defs.resources["kafka_io_manager"]}, instance=dagster_instance)
+    with context.op_execution_context:  # its resources are context managers: opened (and closed) here
+        result = lag(context)
+    assert not result.passed and result.severity == AssetCheckSeverity.ERROR, result.description
+    assert all(part in (result.description or "") for part in refusal), result.description
+    assert result.metadata["lag_measured_as"].value == "progress_missing", json.dumps(
+        {k: str(v) for k, v in result.metadata.items()})
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=2) == []
+
+    # The remedy: the reset over empty progress leaves the slices Dagster recorded as committed as they are.
+    before = _latest_materializations(dagster_instance, table)
+    assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", "30", "--reason",
+                 "progress topic lost"]) == 0
+    out = capsys.readouterr().out
+    assert "progress reset to 30 (was empty); 0 partition(s) above it deleted; 3 partition(s) at or below it that " \
+           "Dagster records as committed left as they are" in out and "never sent" not in out, out
+    assert _latest_materializations(dagster_instance, table) == before
+    assert main(["--config", config_file, "status", "--table", table.table_id, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["lag_rows"] == 0
+
+
+def test_a_dry_run_refuses_a_topic_moved_back_and_the_backfill_adds_no_partition_first(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """`topic:` A -> B -> back to A under one prefix: the publisher refuses the move back (two deployments sharing
+    the progress: ProgressShared). Its dry run said "1 new slice would be cut" (rc 0), and the backfill added the
+    new partition before its run refused. Both now refuse before anything is cut."""
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 20)
+    a = _ten_row_slices(services, pg_database, name, topic=f"{name}_a")
+    b = _ten_row_slices(services, pg_database, name, topic=f"{name}_b")
+    table = a.tables[0]
+    in_a, in_b = _config_file(a, tmp_path / "a.yaml"), _config_file(b, tmp_path / "b.yaml")
+    assert main(["--config", in_a, "backfill", "--table", table.table_id]) == 0
+    _serial_table(pg_engine, name, 10, start=21)
+    assert main(["--config", in_b, "backfill", "--table", table.table_id]) == 0
+    _serial_table(pg_engine, name, 5, start=31)
+    partitions = f"{table.dagster_name}__slices"
+    keys = dagster_instance.get_dynamic_partitions(partitions)
+    capsys.readouterr()
+
+    for dry in (["--dry-run"], []):
+        assert main(["--config", in_a, "backfill", "--table", table.table_id, *dry]) == 1, dry
+        out, err = capsys.readouterr()
+        assert f"its committed progress was last written for topic {name}_b" in err \
+            and f"after earlier slices of this run's topic {name}_a" in err \
+            and f"rowrelay reset --table {table.table_id} --after 30" in err, (dry, out, err)
+        assert "would be cut" not in out, out
+        assert dagster_instance.get_dynamic_partitions(partitions) == keys, dry
+    assert sorted(m.value["id"] for m in read_topic(services.kafka_bootstrap, f"{name}_a")) == list(range(1, 21))
+    # The move back meant: the remedy, then the backfill continues in A.
+    assert main(["--config", in_a, "reset", "--table", table.table_id, "--after", "30", "--reason",
+                 "back to A"]) == 0
+    assert main(["--config", in_a, "backfill", "--table", table.table_id]) == 0
+    assert sorted(m.value["id"] for m in read_topic(services.kafka_bootstrap, f"{name}_a")) == [
+        *range(1, 21), *range(31, 36)]
+
+
+def test_reset_partitions_over_empty_progress_settle_only_what_dagster_never_recorded() -> None:
+    """`reset_partitions` with `recorded` (the partitions Dagster holds a materialization of, asked where the reset
+    replaced empty progress): those at or below W are left as they are, the others settled as before."""
+    from orchestration.cli import reset_partitions
+
+    ranges = {r.key: r for r in (SliceRange(0, 10), SliceRange(10, 20), SliceRange(20, 30), SliceRange(30, 35))}
+    committed = {SliceRange(0, 10).key: 10, SliceRange(10, 20).key: 20, SliceRange(20, 30).key: 30}
+    plan = reset_partitions(ranges, 35, 0, moved=False, recorded=committed)
+    assert (plan.dropped, plan.settled, plan.recorded) == ([], [SliceRange(30, 35).key], list(committed))
+    # Without a record (or with progress that says where the table stands), every one below W above it is settled.
+    assert reset_partitions(ranges, 35, 0, moved=False).settled == list(ranges)
+    straddling = reset_partitions(ranges, 25, 0, moved=False, recorded=committed)
+    assert straddling.kept_below == {SliceRange(20, 30).key: SliceRange(20, 25)}
+    assert straddling.settled == [] and straddling.recorded == [SliceRange(0, 10).key, SliceRange(10, 20).key]
