@@ -16,22 +16,11 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL
 
 from resources.slices import WatermarkCandidate
-from resources.source_database import SourceDatabaseResource, SourceError, TableShape
+from resources.source_database import SourceDatabaseResource, SourceError
 from tests.pipeline import source_url
+from tests.test_edge_watermarks import observe_when_fresh
 
 pytestmark = pytest.mark.integration
-
-
-def observe_fresh(source: SourceDatabaseResource, shape: TableShape) -> WatermarkCandidate | None:
-    """`observe`, asked again while the shared server's innodb_trx cache stays stale (other sessions' ticks)."""
-    from resources.source_database import InnodbTrxStale
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return source.observe(shape)
-        except InnodbTrxStale:
-            assert time.monotonic() < deadline, "innodb_trx stayed stale for 30 s"
 
 
 def final_within(source: SourceDatabaseResource, candidate: WatermarkCandidate, seconds: float) -> bool:
@@ -74,7 +63,7 @@ def test_mariadb_prepared_xa_transaction_whose_client_disconnected_still_holds_t
         with admin.cursor() as cur:
             cur.execute(f"INSERT INTO {name} (v) VALUES (3)")  # id 3, committed
         time.sleep(0.15)  # innodb_trx's cache
-        seen = observe_fresh(source, source.table_shape(None, name, "id"))
+        seen = observe_when_fresh(source, source.table_shape(None, name, "id"))
         assert seen is not None and seen.watermark == 3 and seen.waits
         assert not final_within(source, seen, 0.5), "final while the XA transaction was attached"
         xa.close()  # the client goes away; the prepared transaction stays
@@ -132,7 +121,7 @@ def test_mariadb_running_insert_holds_a_datetime_cut_in_the_servers_time_zone(
             time.sleep(0.5)
             with writers.connect() as conn:
                 conn.execute(text(f"INSERT INTO {name} (n) VALUES (3)"))  # committed while row 2's INSERT runs
-            seen = observe_fresh(source, shape)
+            seen = observe_when_fresh(source, shape)
             writer.join()
             assert not slow_error, slow_error
             with writers.connect() as conn:
@@ -209,7 +198,7 @@ def test_mariadb_zero_datetime_watermark_is_a_clear_error(services, mariadb_data
     source = SourceDatabaseResource(url=source_url(mariadb_database))
     try:  # the remedy it names passes the table check and the cut's look
         shape = source.table_shape(None, name, "at", where=ok.tables[0].where)
-        seen = observe_fresh(source, shape)
+        seen = observe_when_fresh(source, shape)
         assert seen is not None and shape.watermark_text(seen.watermark).startswith("2024-05-02T10:00:00")
         assert source.count_rows(shape, shape.watermark_value(datetime(2024, 1, 1)), seen.watermark) == 2
         if zero.startswith("0000"):  # below every time: a `start_after` alone skips it, as before
