@@ -487,6 +487,7 @@ MAX_RECHECKED_VALUES = 100_000  # shared values whose fingerprints differ, compa
 def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     """Compare the topic with the source rows up to the table's committed progress."""
     from assets.relay import channel_for
+    from resources.exactly_once import progress_recorded_refusal
 
     conf = kafka_conf(config)
     channel = channel_for(table, config.kafka.transactional_id_prefix)
@@ -496,6 +497,18 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
         refuse_watermark_change(progress, reflect_table(config, table).watermark_id)
     elif (missing := progress_missing(conf, channel, reflect_table(config, table).timestamps)) is not None:
         raise missing  # its rows were published under progress this table no longer reads: nothing to compare
+    elif os.environ.get("DAGSTER_HOME"):  # verify needs no Dagster instance otherwise: then Kafka alone
+        # Empty progress and an empty topic, but Dagster may record committed slices: the progress topic lost after
+        # the data topic's messages expired. Comparing from start_after to start_after found nothing and said OK
+        # while every run refuses; the run's refusal, with its remedy, says what happened.
+        from dagster import DagsterInstance
+
+        from assets.relay import asset_key, last_recorded_slice
+
+        with DagsterInstance.get() as instance:
+            recorded = last_recorded_slice(instance, asset_key(table))
+        if (refused := progress_recorded_refusal(channel, recorded)) is not None:
+            raise refused
     # The newest baseline or reset in progress, if any, is where the table starts; else its first slice (where the
     # publisher started: `start_after` as it was then, whatever the file says now), else `start_after`.
     start_at = next((r for r in reversed(history) if r.slice.startswith(("baseline-", "reset-"))), None)

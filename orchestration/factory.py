@@ -30,6 +30,7 @@ from assets.relay import (
     build_table_checks,
     channel_for,
     lag_result,
+    last_recorded_slice,
     measure_lag,
     partitions_for,
     source_resource_key,
@@ -66,9 +67,13 @@ def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChanne
     try:
         # The process's long-lived progress reader (a new consumer per table and minute is ~60 ms each).
         progress = read_progress_tail(kafka_conf, channel, timeout=CHECK_KAFKA_TIMEOUT_S)
+        # Empty progress over slices Dagster recorded as committed (the progress topic lost after the data topic's
+        # messages expired): every run refuses, so the check between runs says why, as the in-run check does, not
+        # a lag "since_first_run". Asked only where progress is empty: one storage query per tick then.
+        recorded = last_recorded_slice(instance, asset_key(table)) if progress is None else None
         result = lag_result(table, measure_lag(source, table, progress, channel.start_after,
                                                None if progress else first_run_at(instance, table),
-                                               published=(kafka_conf, channel)))
+                                               published=(kafka_conf, channel), recorded=recorded))
     except Exception as exc:  # noqa: BLE001 - a lag that cannot be measured is a WARN, not a green check
         result, measured = unmeasured_lag(table, exc), " unmeasured"
     # Its own outcome: a WARN "not measured" after a measured WARN (or back) is a change to record.

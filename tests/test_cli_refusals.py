@@ -44,6 +44,35 @@ def _ten_row_slices(services, pg_database, name: str, **spec: Any) -> RelayConfi
                                                           "start_after": 0, **spec}])
 
 
+def _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_home: Path, name: str,
+                                     tmp_path: Path, monkeypatch) -> tuple[RelayConfig, str, tuple[str, str]]:
+    """30 rows backfilled in 3 slices (Dagster records them as committed), then the progress topic deleted and the
+    data topic's messages deleted (as retention does): Kafka shows nothing of the table. Returns the config, its
+    file and the parts of the refusal (the run's message and its remedy) every command must show."""
+    from assets.relay import channel_for
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _serial_table(pg_engine, name, 30)
+    cfg = _ten_row_slices(services, pg_database, name)
+    table = cfg.tables[0]
+    config_file = _config_file(cfg, tmp_path / "c.yaml")
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    channel = channel_for(table)
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
+    end = partition_ends(services.kafka_bootstrap, table.topic_name)[1]
+    for fut in admin.delete_records([TopicPartition(table.topic_name, 0, end)]).values():  # as retention does
+        fut.result(timeout=30)
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    deadline = time.monotonic() + 30
+    while read_committed_progress(conf, channel) is not None:
+        assert time.monotonic() < deadline, "the progress topic never went"
+        time.sleep(0.5)
+    refusal = ("slices of this table recorded as committed reach watermark 30 (Dagster's materializations)",
+               f"rowrelay reset --table {table.table_id} --after 30")
+    return cfg, config_file, refusal
+
+
 def _latest_materializations(instance, table) -> dict[str, Any]:
     """Each partition's latest materialization."""
     from assets.relay import asset_key
@@ -117,29 +146,13 @@ def test_progress_lost_with_committed_slices_recorded_is_refused_by_the_dry_run_
     lag: they went by Kafka alone. They now refuse with the run's message and remedy."""
     from dagster import AssetCheckSeverity, build_asset_check_context
 
-    from assets.relay import LAG_CHECK, build_table_checks, channel_for, source_resource_key
+    from assets.relay import LAG_CHECK, build_table_checks, source_resource_key
 
-    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    _serial_table(pg_engine, name, 30)
-    cfg = _ten_row_slices(services, pg_database, name)
+    cfg, config_file, refusal = _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_home,
+                                                                 name, tmp_path, monkeypatch)
     table = cfg.tables[0]
-    config_file = _config_file(cfg, tmp_path / "c.yaml")
-    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
-    channel = channel_for(table)
-    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
-    admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
-    end = partition_ends(services.kafka_bootstrap, table.topic_name)[1]
-    for fut in admin.delete_records([TopicPartition(table.topic_name, 0, end)]).values():  # as retention does
-        fut.result(timeout=30)
-    conf = {"bootstrap.servers": services.kafka_bootstrap}
-    deadline = time.monotonic() + 30
-    while read_committed_progress(conf, channel) is not None:
-        assert time.monotonic() < deadline, "the progress topic never went"
-        time.sleep(0.5)
     partitions = f"{table.dagster_name}__slices"
     keys = dagster_instance.get_dynamic_partitions(partitions)
-    refusal = ("slices of this table recorded as committed reach watermark 30 (Dagster's materializations)",
-               f"rowrelay reset --table {table.table_id} --after 30")
     capsys.readouterr()
 
     for dry in (["--dry-run"], []):  # the dry run refuses where the backfill does, and neither adds a partition
@@ -230,3 +243,53 @@ def test_reset_partitions_over_empty_progress_settle_only_what_dagster_never_rec
     straddling = reset_partitions(ranges, 25, 0, moved=False, recorded=committed)
     assert straddling.kept_below == {SliceRange(20, 30).key: SliceRange(20, 25)}
     assert straddling.settled == [] and straddling.recorded == [SliceRange(0, 10).key, SliceRange(10, 20).key]
+
+
+def test_progress_lost_with_committed_slices_recorded_is_refused_by_the_lag_sensor(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, monkeypatch) -> None:
+    """The lag sensor between runs went by Kafka alone: over a lost progress topic whose data topic's messages
+    expired it recorded a passing lag ("30 row(s) waiting ... since_first_run") while every run refuses. It now
+    records the run's refusal, an ERROR with its remedy."""
+    from dagster import AssetCheckKey, AssetCheckSeverity, build_sensor_context
+
+    from assets.relay import LAG_CHECK, asset_key
+    from orchestration.factory import lag_sensor_name
+
+    cfg, _, refusal = _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_home, name,
+                                                       tmp_path, monkeypatch)
+    table = cfg.tables[0]
+    h = Harness(cfg, dagster_instance)
+    sensor = h.defs.resolve_sensor_def(lag_sensor_name(table))
+    cursor: str | None = None
+    # Two ticks, as the daemon's: the process's long-lived progress reader (read by the backfill here) saw the
+    # topic before it went, and its first read after fails (a WARN "could not be evaluated", not this test's
+    # subject); the next reads afresh and finds the progress empty.
+    for _ in range(2):
+        with build_sensor_context(cursor=cursor, resources=h.defs.resources, definitions=h.defs,
+                                  sensor_name=sensor.name, instance=dagster_instance) as ctx:
+            data = sensor.evaluate_tick(ctx)
+        cursor, note = data.cursor, data.skip_message or ""
+    assert note.startswith("lag recorded") and all(part in note for part in refusal), note
+    record = dagster_instance.get_latest_asset_check_evaluation_record(AssetCheckKey(asset_key(table), LAG_CHECK))
+    assert record is not None
+    red = record.evaluation
+    assert not red.passed and red.severity == AssetCheckSeverity.ERROR, red.description
+    assert all(part in (red.description or "") for part in refusal), red.description
+    assert red.metadata["lag_measured_as"].value == "progress_missing", red.metadata
+
+
+def test_progress_lost_with_committed_slices_recorded_is_refused_by_verify(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """`verify` over a lost progress topic whose data topic's messages expired compared nothing (progress empty:
+    from start_after to start_after) and said "0 source rows, 0 messages ... [OK]", rc 0, while every run refuses.
+    It now refuses with the run's message and remedy, rc 1."""
+    cfg, config_file, refusal = _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_home,
+                                                                 name, tmp_path, monkeypatch)
+    table = cfg.tables[0]
+    capsys.readouterr()
+    for json_out in ([], ["--json"]):
+        assert main(["--config", config_file, "verify", "--table", table.table_id, *json_out]) == 1, json_out
+        out, err = capsys.readouterr()
+        assert f"rowrelay: {table.table_id} not verified: " in err and all(part in err for part in refusal), (out, err)
+        assert "[OK]" not in out and '"ok": true' not in out, out
