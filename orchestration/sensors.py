@@ -70,6 +70,9 @@ class SensorState:
     chain: list[SliceRange] | None = None  # None: not known (a first tick, an old cursor): read from storage
     waiting_since: float | None = None
     table: str | None = None  # the table's incarnation the pending candidates were seen in (WatermarkCandidate)
+    # Not in the cursor: what holds the lowest pending candidate as of this tick (`not_final_because`), for the
+    # tick's skip message; read afresh by the next tick.
+    held: str | None = field(default=None, compare=False)
 
     def to_cursor(self) -> str:
         data: dict[str, Any] = {"pending": [[c.watermark, c.marker, list(c.waits),
@@ -154,8 +157,13 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
             seen.watermark > c.watermark for c in candidates):
         candidates.append(seen)
 
+    held: dict[WatermarkCandidate, str] = {}  # why each candidate is not final (the latest check's answer)
+
     def final(c: WatermarkCandidate) -> bool:
-        return source.is_final(c, table.settle_seconds)
+        because = source.not_final_because(c, table.settle_seconds)
+        if because is not None:
+            held[c] = because
+        return because is None
 
     safe_hi, pending = settle(candidates, final)
     if source.dialect == "postgresql":
@@ -167,7 +175,9 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
             safe_hi, pending = settle(candidates, final)
     if above is not None:
         pending = [c for c in pending if c.watermark > above]
-    return safe_hi, SensorState(pending, table=incarnation)
+    # The lowest pending candidate is the one the next cut waits for: its reason is the one to show.
+    lowest = min(pending, key=lambda c: c.watermark, default=None)
+    return safe_hi, SensorState(pending, table=incarnation, held=held.get(lowest) if lowest is not None else None)
 
 
 _NULLS_OK: dict[tuple[str, str], float] = {}
@@ -213,7 +223,8 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
                                         lambda: source.count_rows(shape, cut_after, slices[-1].hi))
         if not slices and safe_hi is not None:  # keep the settled value: it is final, only held back
             pending.insert(0, WatermarkCandidate.settled(safe_hi))
-    return TickPlan(slices=slices, state=SensorState(pending, waiting_since=waiting_since, table=state.table),
+    return TickPlan(slices=slices, state=SensorState(pending, waiting_since=waiting_since, table=state.table,
+                                                     held=state.held),
                     safe_hi=safe_hi,
                     cut_after=cut_after)
 
@@ -244,6 +255,20 @@ class CutPlan:
 
     def text(self, value: int) -> str:
         return watermark_text(value, self.timestamps)
+
+    def held_text(self) -> str | None:
+        """Why rows above the cut wait for open transactions (as `rowrelay backfill` words it), naming what holds
+        them, or None when none are held back as not final. The tick said only "Sensor function returned an empty
+        result" while a prepared XA transaction held a table for good (found by review)."""
+        if self.state.held is None or not self.state.pending:
+            return None
+        # Rows up to a settled candidate are final (held by trickle batching or the cut's limit), not waiting.
+        final_to = max([self.chain[-1].hi if self.chain else self.committed_hi]
+                       + [c.watermark for c in self.state.pending if c.is_settled])
+        newest = max(c.watermark for c in self.state.pending)
+        what = self.waiting or (f"rows above {self.text(final_to)} (up to {self.text(newest)}) are not final yet, "
+                                "so they are not cut")
+        return f"{what}: {self.state.held}. See the README runbook, \"New rows are not cut\""
 
 
 def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transaction_timeout_ms: int) -> int:
@@ -732,7 +757,9 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
     if plan.add:
         partition_requests.append(partitions.build_add_request([s.key for s in plan.add]))
     after = SensorState(plan.state.pending, plan.chain, plan.state.waiting_since, plan.state.table).to_cursor()
-    waiting = f"{table.table_id}: {plan.waiting}" if not requests and plan.waiting else None
+    waiting = (plan.held_text() or plan.waiting) if not requests else None
+    if waiting is not None:
+        waiting = f"{table.table_id}: {waiting}"
     return TableTick(requests, partition_requests, after, waiting)
 
 

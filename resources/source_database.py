@@ -1146,21 +1146,36 @@ class SourceDatabaseResource(ConfigurableResource):
 
         A check that fails (connection lost, server away) answers False: not final, never final by default.
         """
+        return self.not_final_because(candidate, settle_seconds) is None
+
+    def not_final_because(self, candidate: WatermarkCandidate, settle_seconds: float) -> str | None:
+        """`is_final`, saying why not: None when final, else what still holds the candidate (the transaction that
+        is still open, the settle delay, the log flush), for the sensor's skip message. Named from what the check
+        reads anyway: the idle path (nothing pending) never gets here, and a pending one costs no query more."""
         if candidate.is_settled:
             # It was final, and durable, when it settled. Asked again, its durability target would be the WAL
             # position now, which can include an open transaction's WAL that the WAL writer leaves in a partly
             # filled page until a later commit: a re-cut after a timed-out slice then waited for unrelated writers.
-            return True
+            return None
         try:
             with self.engine.connect() as conn:
                 if self.dialect == "postgresql":
+                    # The waited-for transactions still open, with their backend's pid: the same lookup as an
+                    # EXISTS, and the skip message can name them.
                     xmin, still_open, flushed, inserted, started = conn.execute(sa.text(
-                        "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, EXISTS (SELECT 1 FROM pg_locks "
-                        "WHERE locktype = 'virtualxid' AND granted AND virtualxid = ANY(CAST(:waits AS text[]))), "
+                        "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, ARRAY(SELECT virtualxid || ' (pid ' "
+                        "|| COALESCE(pid::text, '?') || ')' FROM pg_locks WHERE locktype = 'virtualxid' AND granted "
+                        "AND virtualxid = ANY(CAST(:waits AS text[]))), "
                         "pg_current_wal_flush_lsn()::text, pg_current_wal_insert_lsn()::text, "
                         "pg_postmaster_start_time()"), {"waits": list(candidate.waits)}).one()
-                    if int(xmin) < candidate.marker or still_open:
-                        return False
+                    if int(xmin) < candidate.marker:
+                        # xid8 -> the 32-bit xid that pg_stat_activity.backend_xid and pg_prepared_xacts show.
+                        return (f"transaction id {int(xmin) & 0xFFFFFFFF}, begun before the max was seen, is still "
+                                "open (the oldest on the server, in any database: pg_stat_activity.backend_xid, or "
+                                "pg_prepared_xacts if it is a prepared transaction)")
+                    if still_open:
+                        return (f"transaction {_first_few(list(still_open), sep=', ')}, open in the table's "
+                                "database when the max was seen, is still open (pg_stat_activity by that pid)")
                     # The first position seen once the waits ended is the target, kept: a later one would move
                     # with every write (a WAL writer slower than the check's wait would never be caught up with).
                     # Per server start: after a crash the same candidate can come back (its xids given out again)
@@ -1171,31 +1186,36 @@ class SourceDatabaseResource(ConfigurableResource):
                     if wal_flushed_to(pg_lsn(flushed), target) or _flushed_within(lambda: wal_flushed_to(pg_lsn(
                             conn.execute(sa.text("SELECT pg_current_wal_flush_lsn()::text")).scalar()), target)):
                         DURABLE_TARGETS.forget(key)
-                        return True
-                    return False
+                        return None
+                    return _NOT_DURABLE
                 if self.dialect == "mysql":
                     now = float(conn.execute(sa.text("SELECT UNIX_TIMESTAMP(NOW(6))")).scalar())
                     if now - candidate.marker < settle_seconds:
-                        return False
+                        return _settling(settle_seconds)
                     # A stale cache can only list a transaction that has ended since: never calls one ended too soon.
                     open_now = self._innodb_trx(conn) if candidate.waits else []
-                    if any(_same_innodb_trx(wait, open_now) for wait in candidate.waits):
-                        return False
+                    holding = [row for row in open_now
+                               if any(_same_innodb_trx(wait, [row]) for wait in candidate.waits)]
+                    if holding:
+                        # A detached XA transaction first: it is the one that will not end by itself.
+                        holding.sort(key=lambda row: row.trx_mysql_thread_id != 0)
+                        return _first_few([_innodb_trx_text(row) for row in holding])
                     lsns = _innodb_lsns(conn)
                     if "innodb_lsn_flushed" not in lsns:  # MySQL: not readable (docstring)
-                        return True
+                        return None
                     # InnoDB flushes a lazy log within a second (innodb_flush_log_at_timeout), inside the check's
                     # wait: the position at the check is a target reached in time.
                     target = (candidate.durable_at if candidate.durable_at is not None and not candidate.waits
                               else lsns["innodb_lsn_current"])
-                    return lsns["innodb_lsn_flushed"] >= target or _flushed_within(
+                    flushed_in_time = lsns["innodb_lsn_flushed"] >= target or _flushed_within(
                         lambda: _innodb_lsns(conn)["innodb_lsn_flushed"] >= target)
+                    return None if flushed_in_time else _NOT_DURABLE
         except sa.exc.DBAPIError as exc:
             # Logged: a check that keeps failing stalls the table, and this says why.
             _log.warning("watermark %s not known final yet: the check failed: %s", candidate.watermark,
                          exc.orig or exc)
-            return False
-        return time.time() - candidate.marker >= settle_seconds
+            return f"the finality check failed: {exc.orig or exc}"
+        return None if time.time() - candidate.marker >= settle_seconds else _settling(settle_seconds)
 
     def _innodb_trx_open_since(self, conn: sa.Connection, connection_id: int) -> tuple[str, ...]:
         """The other InnoDB transactions open now, from a read of innodb_trx made after this connection's
@@ -1433,6 +1453,31 @@ def _innodb_trx_key(row: sa.Row) -> str:
     disconnected from a prepared XA transaction, which MariaDB keeps detached under thread id 0."""
     trx_id = int(row.trx_id) if str(row.trx_id).isdigit() else 0
     return f"{row.trx_mysql_thread_id}|{row.trx_started}|{trx_id if trx_id < _INNODB_WRITE_TRX_IDS else 0}"
+
+
+def _innodb_trx_text(row: sa.Row) -> str:
+    """An open InnoDB transaction, as the skip message names it. Thread id 0 is a prepared XA transaction whose
+    client disconnected (`_innodb_trx_key`): unlike any other it never ends by itself, so the text says who must
+    end it."""
+    if row.trx_mysql_thread_id == 0:
+        return (f"a prepared XA transaction (InnoDB trx_id {row.trx_id}, started {row.trx_started}) whose client "
+                "disconnected is still open: it will not end on its own; its transaction manager, or an operator, "
+                "must XA COMMIT or XA ROLLBACK it (XA RECOVER lists its xid)")
+    return (f"InnoDB transaction {row.trx_id} of connection {row.trx_mysql_thread_id} (started {row.trx_started}), "
+            "open when the max was seen, is still open")
+
+
+def _first_few(texts: list[str], few: int = 2, sep: str = "; ") -> str:
+    """The first `few` of what holds a candidate, and how many more: a skip message stays readable."""
+    more = f" (and {len(texts) - few} more)" if len(texts) > few else ""
+    return sep.join(texts[:few]) + more
+
+
+def _settling(settle_seconds: float) -> str:
+    return f"settle_seconds ({settle_seconds:g} s) have not passed since the max was seen"
+
+
+_NOT_DURABLE = "their commits are not on disk yet (the server's log is not flushed past them)"
 
 
 def _same_innodb_trx(key: str, open_now: list[sa.Row]) -> bool:

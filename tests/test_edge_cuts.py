@@ -166,6 +166,32 @@ def test_latest_baseline_waits_for_open_transactions(services, pg_database, pg_e
     assert _ids(services, table) == [4]
 
 
+def test_a_tick_holding_rows_for_an_open_transaction_says_which(services, pg_database, pg_engine, dagster_instance,
+                                                                name) -> None:
+    """A session left idle in transaction holds new rows back (correctly), but the tick said only "Sensor function
+    returned an empty result" in the UI: nothing about rows waiting, or on what (found by review). Its skip message
+    now names the rows held, the transaction (its backend's pid) and the runbook entry."""
+    _pg_table(pg_engine, name, 3)
+    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
+    table = h.table()
+    with pg_engine.connect() as holder:
+        holder.begin()
+        pid = holder.execute(text("SELECT pg_backend_pid()")).scalar()  # open, no xid: only its vxid holds the cut
+        # Another pytest worker's transaction, older than the max, may hold the cluster's xmin for a tick or two
+        # (the message then names that one): tick until the message names the holder, as it must while it is open.
+        deadline = time.monotonic() + 30
+        while True:
+            assert h.tick(table) == [], "cut while a transaction open when the max was seen was still open"
+            message = h.skip_messages[table.table_id] or ""
+            if f"(pid {pid})" in message or time.monotonic() > deadline:
+                break
+        assert f"{table.table_id}: rows above 0 (up to 3) are not final yet, so they are not cut" in message, message
+        assert f"(pid {pid}), open in the table's database when the max was seen, is still open" in message, message
+        assert 'README runbook, "New rows are not cut"' in message, message
+        holder.rollback()
+    assert h.cut(table) == [SliceRange(0, 3).key], h.skip_messages[table.table_id]
+
+
 def test_a_baseline_never_overwrites_progress_committed_meanwhile(services, pg_database, pg_engine, dagster_instance,
                                                                  spark, name) -> None:
     """`start_after: latest`, two cutters (the sensor and a `rowrelay backfill`) that both read empty progress: one

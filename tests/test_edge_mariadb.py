@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL
 
-from resources.slices import WatermarkCandidate
+from resources.slices import SliceRange, WatermarkCandidate
 from resources.source_database import SourceDatabaseResource, SourceError
-from tests.pipeline import source_url
+from tests.pipeline import Harness, relay_config, source_url
 from tests.test_edge_watermarks import observe_when_fresh
 
 pytestmark = pytest.mark.integration
@@ -82,6 +82,56 @@ def test_mariadb_prepared_xa_transaction_whose_client_disconnected_still_holds_t
             cur.execute(f"XA ROLLBACK '{xid}'")
         admin.close()
         source.dispose()
+
+
+def test_mariadb_sensor_tick_names_the_transaction_that_holds_its_rows(services, mariadb_database, mariadb_engine,
+                                                                     dagster_instance, name) -> None:
+    """While a transaction held new rows back, the tick said only "Sensor function returned an empty result" in the
+    UI, even for a prepared XA transaction whose client disconnected, which never ends by itself (found by review).
+    The skip message now names the rows held, what holds them (the connection; for a detached XA transaction: that
+    it needs XA COMMIT or XA ROLLBACK), and the runbook entry."""
+    xid = f"rr_{uuid.uuid4().hex[:12]}"
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int) ENGINE=InnoDB"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
+    h = Harness(relay_config(services, {"src": mariadb_database},
+                             [{"source": "src", "table": name, "watermark": "id", "settle_seconds": 0}]),
+                dagster_instance)
+    table = h.table()
+    xa = raw_connection(mariadb_database)
+    admin = raw_connection(mariadb_database)
+    try:
+        with xa.cursor() as cur:
+            cur.execute(f"XA START '{xid}'")
+            cur.execute(f"INSERT INTO {name} (v) VALUES (2)")  # id 2, uncommitted
+            cur.execute(f"XA END '{xid}'")
+            cur.execute(f"XA PREPARE '{xid}'")
+        with admin.cursor() as cur:
+            cur.execute(f"INSERT INTO {name} (v) VALUES (3)")  # id 3, committed
+        time.sleep(0.15)  # innodb_trx's cache
+        assert h.tick(table) == [], "cut while id 2 was uncommitted"
+        attached = h.skip_messages[table.table_id] or ""
+        assert f"{table.table_id}: rows above 0 (up to 3) are not final yet" in attached, attached
+        assert f"of connection {xa.thread_id()}" in attached, attached  # the XA client, still connected
+        xa.close()  # the client goes away; the prepared transaction stays, detached
+        time.sleep(0.3)  # innodb_trx's cache refreshed
+        assert h.tick(table) == [], "cut while the detached XA transaction held id 2"
+        detached = h.skip_messages[table.table_id] or ""
+        assert "rows above 0 (up to 3) are not final yet" in detached, detached
+        assert "a prepared XA transaction" in detached and "will not end on its own" in detached, detached
+        assert "XA COMMIT or XA ROLLBACK" in detached and "XA RECOVER" in detached, detached
+        assert 'README runbook, "New rows are not cut"' in detached, detached
+        with admin.cursor() as cur:
+            cur.execute(f"XA COMMIT '{xid}'")  # the transaction manager's recovery
+        assert h.cut(table, timeout=30) == [SliceRange(0, 3).key], h.skip_messages[table.table_id]
+    finally:
+        # Never left prepared: it would hold every cut on the server. Detached first: another connection's XA
+        # ROLLBACK reaches only a detached transaction (a failure above, with the client attached, left one).
+        if xa.open:
+            xa.close()
+        with admin.cursor() as cur, contextlib.suppress(pymysql.MySQLError):
+            cur.execute(f"XA ROLLBACK '{xid}'")
+        admin.close()
 
 
 # --------------------------------------------------------------------------- 2. running statements, server zone
