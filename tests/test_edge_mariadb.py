@@ -8,12 +8,13 @@ import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import datetime
 
 import pymysql
 import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, Engine
 
 from resources.slices import SliceRange, WatermarkCandidate
 from resources.source_database import SourceDatabaseResource, SourceError
@@ -38,6 +39,37 @@ def raw_connection(url: URL) -> pymysql.connections.Connection:
                            database=url.database, autocommit=True)
 
 
+@contextlib.contextmanager
+def prepared_xa_holding_id_2(mariadb_database: URL, mariadb_engine: Engine, name: str
+                             ) -> Iterator[tuple[str, pymysql.connections.Connection, pymysql.connections.Connection]]:
+    """Table `name` with id 1 committed, id 2 inserted by an XA transaction now prepared (its client, `xa`, still
+    connected) and id 3 committed by `admin`. Yields (xid, xa, admin). Never left prepared: it would hold every cut
+    on the server. The client is closed first: another connection's XA ROLLBACK reaches only a detached
+    transaction (a failure with the client attached left one)."""
+    xid = f"rr_{uuid.uuid4().hex[:12]}"
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int) ENGINE=InnoDB"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
+    xa = raw_connection(mariadb_database)
+    admin = raw_connection(mariadb_database)
+    try:
+        with xa.cursor() as cur:
+            cur.execute(f"XA START '{xid}'")
+            cur.execute(f"INSERT INTO {name} (v) VALUES (2)")  # id 2, uncommitted
+            cur.execute(f"XA END '{xid}'")
+            cur.execute(f"XA PREPARE '{xid}'")
+        with admin.cursor() as cur:
+            cur.execute(f"INSERT INTO {name} (v) VALUES (3)")  # id 3, committed
+        time.sleep(0.15)  # innodb_trx's cache
+        yield xid, xa, admin
+    finally:
+        if xa.open:
+            xa.close()
+        with admin.cursor() as cur, contextlib.suppress(pymysql.MySQLError):
+            cur.execute(f"XA ROLLBACK '{xid}'")
+        admin.close()
+
+
 # --------------------------------------------------------------------------- 1. XA transaction, client gone
 
 
@@ -47,41 +79,24 @@ def test_mariadb_prepared_xa_transaction_whose_client_disconnected_still_holds_t
     lost or recycled): MariaDB keeps the prepared transaction, detached (innodb_trx: thread id 0, same trx_id and
     start), until XA COMMIT or ROLLBACK. It was taken as ended and the cut passed id 2, which a transaction
     manager's recovery then committed below progress: never sent (found by review)."""
-    xid = f"rr_{uuid.uuid4().hex[:12]}"
-    with mariadb_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int) ENGINE=InnoDB"))
-        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
     source = SourceDatabaseResource(url=source_url(mariadb_database))
-    xa = raw_connection(mariadb_database)
-    admin = raw_connection(mariadb_database)
-    try:
-        with xa.cursor() as cur:
-            cur.execute(f"XA START '{xid}'")
-            cur.execute(f"INSERT INTO {name} (v) VALUES (2)")  # id 2, uncommitted
-            cur.execute(f"XA END '{xid}'")
-            cur.execute(f"XA PREPARE '{xid}'")
-        with admin.cursor() as cur:
-            cur.execute(f"INSERT INTO {name} (v) VALUES (3)")  # id 3, committed
-        time.sleep(0.15)  # innodb_trx's cache
-        seen = observe_when_fresh(source, source.table_shape(None, name, "id"))
-        assert seen is not None and seen.watermark == 3 and seen.waits
-        assert not final_within(source, seen, 0.5), "final while the XA transaction was attached"
-        xa.close()  # the client goes away; the prepared transaction stays
-        with admin.cursor() as cur:
-            cur.execute("XA RECOVER")
-            assert any(row[3] == xid.encode() for row in cur.fetchall()), "no detached XA transaction to test"
-        time.sleep(0.3)  # innodb_trx's cache refreshed
-        assert not final_within(source, seen, 2.0), (
-            f"{seen} called final while XA transaction {xid!r}, holding id 2, was prepared and detached")
-        with admin.cursor() as cur:
-            cur.execute(f"XA COMMIT '{xid}'")  # the transaction manager's recovery
-        assert final_within(source, seen, 10.0), f"{seen} held after the XA transaction committed"
-    finally:
-        # Never left prepared: it would hold every cut on the server.
-        with admin.cursor() as cur, contextlib.suppress(pymysql.MySQLError):
-            cur.execute(f"XA ROLLBACK '{xid}'")
-        admin.close()
-        source.dispose()
+    with prepared_xa_holding_id_2(mariadb_database, mariadb_engine, name) as (xid, xa, admin):
+        try:
+            seen = observe_when_fresh(source, source.table_shape(None, name, "id"))
+            assert seen is not None and seen.watermark == 3 and seen.waits
+            assert not final_within(source, seen, 0.5), "final while the XA transaction was attached"
+            xa.close()  # the client goes away; the prepared transaction stays
+            with admin.cursor() as cur:
+                cur.execute("XA RECOVER")
+                assert any(row[3] == xid.encode() for row in cur.fetchall()), "no detached XA transaction to test"
+            time.sleep(0.3)  # innodb_trx's cache refreshed
+            assert not final_within(source, seen, 2.0), (
+                f"{seen} called final while XA transaction {xid!r}, holding id 2, was prepared and detached")
+            with admin.cursor() as cur:
+                cur.execute(f"XA COMMIT '{xid}'")  # the transaction manager's recovery
+            assert final_within(source, seen, 10.0), f"{seen} held after the XA transaction committed"
+        finally:
+            source.dispose()
 
 
 def test_mariadb_sensor_tick_names_the_transaction_that_holds_its_rows(services, mariadb_database, mariadb_engine,
@@ -90,25 +105,11 @@ def test_mariadb_sensor_tick_names_the_transaction_that_holds_its_rows(services,
     UI, even for a prepared XA transaction whose client disconnected, which never ends by itself (found by review).
     The skip message now names the rows held, what holds them (the connection; for a detached XA transaction: that
     it needs XA COMMIT or XA ROLLBACK), and the runbook entry."""
-    xid = f"rr_{uuid.uuid4().hex[:12]}"
-    with mariadb_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int) ENGINE=InnoDB"))
-        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
-    h = Harness(relay_config(services, {"src": mariadb_database},
-                             [{"source": "src", "table": name, "watermark": "id", "settle_seconds": 0}]),
-                dagster_instance)
-    table = h.table()
-    xa = raw_connection(mariadb_database)
-    admin = raw_connection(mariadb_database)
-    try:
-        with xa.cursor() as cur:
-            cur.execute(f"XA START '{xid}'")
-            cur.execute(f"INSERT INTO {name} (v) VALUES (2)")  # id 2, uncommitted
-            cur.execute(f"XA END '{xid}'")
-            cur.execute(f"XA PREPARE '{xid}'")
-        with admin.cursor() as cur:
-            cur.execute(f"INSERT INTO {name} (v) VALUES (3)")  # id 3, committed
-        time.sleep(0.15)  # innodb_trx's cache
+    with prepared_xa_holding_id_2(mariadb_database, mariadb_engine, name) as (xid, xa, admin):
+        h = Harness(relay_config(services, {"src": mariadb_database},
+                                 [{"source": "src", "table": name, "watermark": "id", "settle_seconds": 0}]),
+                    dagster_instance)
+        table = h.table()
         assert h.tick(table) == [], "cut while id 2 was uncommitted"
         attached = h.skip_messages[table.table_id] or ""
         assert f"{table.table_id}: rows above 0 (up to 3) are not final yet" in attached, attached
@@ -124,14 +125,6 @@ def test_mariadb_sensor_tick_names_the_transaction_that_holds_its_rows(services,
         with admin.cursor() as cur:
             cur.execute(f"XA COMMIT '{xid}'")  # the transaction manager's recovery
         assert h.cut(table, timeout=30) == [SliceRange(0, 3).key], h.skip_messages[table.table_id]
-    finally:
-        # Never left prepared: it would hold every cut on the server. Detached first: another connection's XA
-        # ROLLBACK reaches only a detached transaction (a failure above, with the client attached, left one).
-        if xa.open:
-            xa.close()
-        with admin.cursor() as cur, contextlib.suppress(pymysql.MySQLError):
-            cur.execute(f"XA ROLLBACK '{xid}'")
-        admin.close()
 
 
 # --------------------------------------------------------------------------- 2. running statements, server zone
