@@ -148,8 +148,10 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
     # The max of an append-only table never falls: a pending candidate above it (or any, once the table is empty)
     # is from a table since re-created or emptied (`rowrelay reset` after it), and its waits from that table. Kept,
     # it would turn final at once and be cut up to, over the new table's open transactions. So is one seen in
-    # another incarnation of the table (PostgreSQL: re-created or truncated), even below the new max: the new
-    # table's ids restarted, and a lower one may still be uncommitted (found by review).
+    # another incarnation of the table (PostgreSQL: re-created or truncated; MariaDB/MySQL: re-created, by
+    # CREATE_TIME), even below the new max: the new table's ids restarted, and a lower one may still be uncommitted
+    # (found by review). Dropping one needlessly (MariaDB: an ALTER that rebuilt the same table) loses nothing: the
+    # cut then waits for `seen`, final once the transactions open now have ended, a delay only.
     incarnation = seen.table if seen is not None else None
     candidates = [c for c in state.pending
                   if seen is not None and c.watermark <= seen.watermark and state.table == incarnation]

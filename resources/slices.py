@@ -147,7 +147,8 @@ class WatermarkCandidate:
     `durable_at`: MariaDB, the redo log position when the max was seen; with no `waits`, every row at or below the
     max is durable once the log is flushed that far (None: not known; the position at the check is used).
     `table`: which incarnation of the table it was seen in (PostgreSQL: its oid and relfilenode, which a re-creation
-    or a TRUNCATE changes; None: not known). A candidate is about that table's ids only.
+    or a TRUNCATE changes; MariaDB/MySQL: its CREATE_TIME, which a re-creation changes; None: not known, a view on
+    MariaDB). A candidate is about that table's ids only.
     """
 
     watermark: int

@@ -958,8 +958,9 @@ class SourceDatabaseResource(ConfigurableResource):
                 # which is what writers in that zone store with CURRENT_TIMESTAMP: a DATETIME's own frame. The
                 # epoch time only times the settle delay.
                 row = conn.execute(sa.select(sa.func.max(wm), sa.text("UNIX_TIMESTAMP(NOW(6))"),
-                                             sa.text("CONNECTION_ID()"), sa.text("NOW(6)")).select_from(t)).one()
-                clock, table_token = row[3], None
+                                             sa.text("CONNECTION_ID()"), sa.text("NOW(6)"),
+                                             _mysql_incarnation(shape)).select_from(t)).one()
+                clock, table_token = row[3], row[4]
                 # Running statements first, then open transactions: a statement that ends between the two reads
                 # has touched a row by then, so its transaction, if still open, is in the second (the other order
                 # missed one that ended in between with its transaction open).
@@ -1444,6 +1445,22 @@ def _innodb_lsns(conn: sa.Connection) -> dict[str, int]:
 # innodb_trx's trx_id of a transaction that has written: MySQL prints one that has not (read-only so far) as its
 # memory address with bit 48 set, an id the next transaction on that connection may show again.
 _INNODB_WRITE_TRX_IDS = 2**48
+
+
+def _mysql_incarnation(shape: TableShape) -> sa.TextClause:
+    """MariaDB/MySQL: the table's incarnation, as a scalar subquery to read in the statement that reads its max (the
+    statement's metadata lock keeps the table from being dropped in between): its CREATE_TIME in
+    information_schema.TABLES, which any user who may read the table may read, as epoch seconds (UNIX_TIMESTAMP:
+    the same text in any session time zone; whole seconds, all either server keeps). A DROP and CREATE
+    changes it, unless both fall in the old table's creation second; so does an ALTER that rebuilds the table, which
+    only drops a pending candidate needlessly (sensors.settled_watermark). TRUNCATE keeps it. MariaDB takes it from
+    the .frm file, MySQL 8 from the data dictionary (mysql.tables.created, not the statistics that
+    information_schema_stats_expiry caches). NULL (no token, as before) for a view."""
+    schema = ":rowrelay_schema" if shape.schema else "DATABASE()"
+    clause = sa.text("(SELECT CAST(UNIX_TIMESTAMP(CREATE_TIME) AS CHAR) FROM information_schema.TABLES "
+                     f"WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = :rowrelay_name)")
+    # Literal names in the lookup (not COALESCE of a parameter): MariaDB then opens that one table, not every one.
+    return clause.bindparams(rowrelay_name=shape.name, **({"rowrelay_schema": shape.schema} if shape.schema else {}))
 
 
 def _innodb_trx_key(row: sa.Row) -> str:

@@ -1,6 +1,7 @@
 """MariaDB edges of the safe high watermark and of table checks found by review (XA transactions whose client went
-away, running statements in another time zone, ON UPDATE and zero-date watermarks), and two PostgreSQL type and name
-edges. Real MariaDB, PostgreSQL (and Kafka and Spark where a run is needed)."""
+away, running statements in another time zone, ON UPDATE and zero-date watermarks, a table re-created past the old
+table's pending max), and two PostgreSQL type and name edges. Real MariaDB, PostgreSQL (and Kafka and Spark where a
+run is needed)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
 
+from orchestration.sensors import SensorState
 from resources.slices import SliceRange, WatermarkCandidate
 from resources.source_database import SourceDatabaseResource, SourceError
-from tests.pipeline import Harness, relay_config, source_url
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, source_url
 from tests.test_edge_watermarks import observe_when_fresh
 
 pytestmark = pytest.mark.integration
@@ -303,3 +305,55 @@ def test_postgres_column_named_like_rowrelays_own_is_refused(pg_database, pg_eng
         assert source.table_shape("public", name, "id", columns=["id", "ts"]).column_names == ["id", "ts"]
     finally:
         source.dispose()
+
+
+# --------------------------------------------------------------------------- 7. a table re-created
+
+
+def test_mariadb_recreated_table_past_the_old_pending_max_is_not_cut_on_it(
+        services, mariadb_database, mariadb_engine, dagster_instance, spark, name) -> None:
+    """tests/test_edge_cuts.py's PostgreSQL case on MariaDB: the sensor's cursor kept the old table's max (10)
+    pending; the table was dropped and re-created and its new ids passed 10 while its id 4 was still uncommitted.
+    The old candidate's waits had ended, so it turned final at once and (0, 10] was cut without id 4, never to be
+    sent. A candidate now belongs to the table's CREATE_TIME (one second apart here: its resolution)."""
+    create = f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int) ENGINE=InnoDB"
+
+    def insert(ids: range) -> None:
+        with mariadb_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (v) VALUES {', '.join(f'({i})' for i in ids)}"))
+
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(create))
+    insert(range(1, 11))  # ids 1..10
+    h = Harness(relay_config(services, {"src": mariadb_database},
+                             [{"source": "src", "table": name, "watermark": "id", "settle_seconds": 0}]),
+                dagster_instance)
+    table = h.table()
+    holder = raw_connection(mariadb_database)
+    writer = raw_connection(mariadb_database)
+    try:
+        with holder.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute(f"INSERT INTO {name} (v) VALUES (0)")  # id 11, open: the max 10 stays pending
+        assert h.tick(table) == [], "cut while id 11 was uncommitted"
+        assert [c.watermark for c in SensorState.from_cursor(h.cursors[table.table_id]).pending] == [10]
+        holder.rollback()
+        with mariadb_engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {name}"))
+        time.sleep(1.1)  # the new table's CREATE_TIME another second than the old one's
+        with mariadb_engine.begin() as conn:
+            conn.execute(text(create))
+        insert(range(1, 4))  # ids 1..3
+        with writer.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute(f"INSERT INTO {name} (v) VALUES (4)")  # id 4, open
+        insert(range(5, 13))  # ids 5..12, committed
+        assert h.tick(table) == [], "cut on the old table's max while id 4 was still uncommitted"
+        writer.commit()
+        keys = h.cut(table)
+        assert keys == [SliceRange(0, 12).key], h.skip_messages[table.table_id]
+    finally:  # closing a client rolls back its open transaction
+        holder.close()
+        writer.close()
+    h.run(table, keys[0])
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 13)))
