@@ -28,9 +28,16 @@ def datetime_to_micros(value: datetime) -> int:
     return (aware - EPOCH) // _MICRO
 
 
+def micros_sql_text(micros: int, separator: str = " ") -> str:
+    """2026-11-23 07:29:56.123456: a timestamp watermark as SQL and Spark parse it, the year always four digits
+    (glibc's strftime("%Y") writes year 500 as "500", which neither the key pattern nor the databases read)."""
+    d = micros_to_datetime(micros)
+    return f"{d.year:04d}-{d.month:02d}-{d.day:02d}{separator}{d:%H:%M:%S.%f}"
+
+
 def micros_text(micros: int) -> str:
-    """2026-11-23T07:29:56.123456Z: a timestamp watermark as a key part (fixed width for years 1000-9999)."""
-    return micros_to_datetime(micros).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """2026-11-23T07:29:56.123456Z: a timestamp watermark as a key part (fixed width for years 1-9999)."""
+    return micros_sql_text(micros, "T") + "Z"
 
 
 def watermark_text(value: int, timestamps: bool) -> str:

@@ -13,7 +13,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from resources.config import ConfigError, resolve_env
-from resources.slices import SliceRange, micros_to_datetime
+from resources.slices import SliceRange, micros_sql_text
 from resources.source_database import MAX_MICROS, MAX_WATERMARK, read_as_text, sqlite_affinity
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ SQLITE_READ_TYPES = {"integer": "BIGINT", "text": "STRING", "real": "DOUBLE", "d
 
 def _spark_time_text(micros: int) -> str:
     """A partition stride bound for a timestamp column, as Spark parses it."""
-    return micros_to_datetime(micros).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return micros_sql_text(micros)
 
 
 class SparkResource(ConfigurableResource):

@@ -6,6 +6,7 @@ import bisect
 import dataclasses
 import hashlib
 import json
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pytest
@@ -33,6 +34,22 @@ def test_slice_key_round_trip_and_sorts_like_ranges() -> None:
         SliceRange(5, 5)
     with pytest.raises(ValueError, match="not a slice partition key"):
         SliceRange.from_key("2024-01-01")
+
+
+def test_timestamp_keys_before_the_year_1000_are_fixed_width_and_read_back() -> None:
+    """glibc's strftime("%Y") writes year 500 as "500": such a key was refused as "not a slice partition key" by
+    every run and tick, and the times messages suggested for `start_after` did not parse."""
+    from resources.slices import datetime_to_micros, micros_text, parse_watermark
+
+    first = datetime_to_micros(datetime(1, 1, 1, tzinfo=UTC))
+    year_500 = datetime_to_micros(datetime(500, 3, 14, 1, 2, 3, 4, tzinfo=UTC))
+    now = datetime_to_micros(datetime(2026, 11, 29, tzinfo=UTC))
+    assert micros_text(first) == "0001-01-01T00:00:00.000000Z"
+    assert micros_text(year_500) == "0500-03-14T01:02:03.000004Z"
+    slices = [SliceRange(first, year_500, timestamps=True), SliceRange(year_500, now, timestamps=True)]
+    assert [SliceRange.from_key(s.key) for s in slices] == slices
+    assert sorted(s.key for s in slices) == [s.key for s in slices]
+    assert parse_watermark(micros_text(year_500)) == year_500
 
 
 def _table(ids: list[int]):
