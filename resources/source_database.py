@@ -119,13 +119,14 @@ _MYSQL_ENGINES_KNOWN = frozenset({"innodb", "myisam", "aria"})
 # from (itself, its partitions and inheritance children, what a view's rule reads, recursively), each with its depth
 # (0: the table itself). A view's rule is its SELECT rule (ev_type '1'); a rule that writes elsewhere on INSERT
 # reads nothing into this table. Then: the recovery flag; a subscription filling any of them; the first foreign table,
-# materialized view or UNLOGGED relation among them; the most caching of the watermark's sequences (its serial or
-# identity sequence, any its DEFAULT calls) in any of them, with the relation it feeds: a child's or a partition's own
-# DEFAULT serves inserts made into it directly, and a view's rows take their ids from its base table. A reached
-# relation's watermark is its column of the same name, and only along relations whose ids the table's can be
-# (`ids`): partitions, children, and the base of a view over one relation. A join's other tables have columns of
-# that name too (`customers.id` beside `orders.id`): they are not followed (a review found such views refused), nor
-# is a view that renames the column (README).
+# materialized view or UNLOGGED relation among them; among the watermark's sequences (its serial or identity
+# sequence, any its DEFAULT calls) in any of them, an UNLOGGED one first (PostgreSQL 15+: `ALTER SEQUENCE ... SET
+# UNLOGGED` behind a logged table), else the most caching, with its persistence and the relation it feeds: a child's
+# or a partition's own DEFAULT serves inserts made into it directly, and a view's rows take their ids from its base
+# table. A reached relation's watermark is its column of the same name, and only along relations whose ids the
+# table's can be (`ids`): partitions, children, and the base of a view over one relation. A join's other tables have
+# columns of that name too (`customers.id` beside `orders.id`): they are not followed (a review found such views
+# refused), nor is a view that renames the column (README).
 _PG_FINALITY_CATALOG = """
 WITH RECURSIVE reached(oid, depth, ids) AS (
     SELECT CAST(CAST(:rel AS regclass) AS oid), 0, true
@@ -151,9 +152,9 @@ SELECT pg_is_in_recovery(),
                   CAST(rel.depth AS text)]
         FROM rel WHERE rel.relkind IN ('f', 'm') OR rel.relpersistence = 'u'
         ORDER BY rel.relkind IN ('f', 'm') DESC, rel.depth, rel.name LIMIT 1),
-    q.seqcache, CAST(CAST(q.seqrelid AS regclass) AS text), q.name, CAST(q.depth AS text)
+    q.seqcache, CAST(CAST(q.seqrelid AS regclass) AS text), q.name, CAST(q.depth AS text), q.unlogged
 FROM (SELECT 1) one LEFT JOIN LATERAL (
-    SELECT s.seqcache, s.seqrelid, rel.name, rel.depth FROM rel
+    SELECT s.seqcache, s.seqrelid, rel.name, rel.depth, sc.relpersistence = 'u' AS unlogged FROM rel
     JOIN pg_attribute a ON a.attrelid = rel.oid AND a.attname = :column AND a.attnum > 0 AND NOT a.attisdropped
     CROSS JOIN LATERAL (
         -- its serial or identity sequence (what pg_get_serial_sequence finds)
@@ -166,9 +167,9 @@ FROM (SELECT 1) one LEFT JOIN LATERAL (
         JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = ad.oid
             AND dep.refclassid = 'pg_class'::regclass
         WHERE ad.adrelid = rel.oid AND ad.adnum = a.attnum) q
-    JOIN pg_sequence s ON s.seqrelid = q.seq
+    JOIN pg_sequence s ON s.seqrelid = q.seq JOIN pg_class sc ON sc.oid = q.seq
     WHERE :integer AND rel.ids
-    ORDER BY s.seqcache DESC, rel.depth, rel.name LIMIT 1) q ON true
+    ORDER BY sc.relpersistence = 'u' DESC, s.seqcache DESC, rel.depth, rel.name LIMIT 1) q ON true
 """
 # PostgreSQL: the WAL position each finality candidate waits to see flushed, from the first check that found its
 # transactions ended, per server start (see `is_final`).
@@ -995,7 +996,8 @@ class SourceDatabaseResource(ConfigurableResource):
           waits for — are invisible: on a standby the check saw id 3 final while the primary still held id 2 drawn
           and uncommitted;
         - a PostgreSQL UNLOGGED table: a crash empties it and restarts its sequence (not in the WAL, so no flush
-          makes its rows durable);
+          makes its rows durable); and an UNLOGGED sequence the watermark takes its ids from (PostgreSQL 15+, behind
+          a logged table too): a crash resets it to its start, and new rows take ids at or below those sent;
         - a PostgreSQL foreign table (its writers' transactions are on another server) or materialized view (its
           rows appear at a refresh, below rows already sent). These and the two above are looked for in every
           relation a read of the table takes rows from: partitions, inheritance children, a view's base relations;
@@ -1015,7 +1017,8 @@ class SourceDatabaseResource(ConfigurableResource):
         remedy = "point the source's url at the primary and run again; nothing was cut or sent"
         if self.dialect == "postgresql":
             # Any relation a read of the table takes rows from counts: a partition, a child, a view's base table.
-            standby, subscription, odd, cache, sequence, fed, fed_depth = conn.execute(sa.text(_PG_FINALITY_CATALOG), {
+            standby, subscription, odd, cache, sequence, fed, fed_depth, unlogged_sequence = conn.execute(
+                sa.text(_PG_FINALITY_CATALOG), {
                 "rel": self.engine.dialect.identifier_preparer.format_table(self._table(shape)),
                 "column": shape.watermark, "integer": shape.watermark_kind == "integer"}).one()
             if standby:
@@ -1055,8 +1058,14 @@ class SourceDatabaseResource(ConfigurableResource):
                     "restart (an UNLOGGED table's own sequence), new rows take them and are never sent. Run "
                     f"`ALTER TABLE {relation} SET LOGGED` (or relay a logged copy) and run again; nothing was cut or "
                     "sent")
+            of = "" if fed_depth == "0" else f" of {fed}, which a read of the table takes rows from,"
+            if unlogged_sequence:
+                raise SourceError(
+                    f"{label}: watermark column {shape.watermark!r}{of} takes its ids from sequence {sequence}, which "
+                    "is UNLOGGED: it is not in the write-ahead log, so a crash of the server resets it to its start "
+                    "while the table keeps its rows, and new rows take ids at or below those already sent and are "
+                    f"never sent. Run `ALTER SEQUENCE {sequence} SET LOGGED` and run again; nothing was cut or sent")
             if cache is not None and int(cache) > 1:
-                of = "" if fed_depth == "0" else f" of {fed}, which a read of the table takes rows from,"
                 raise SourceError(
                     f"{label}: watermark column {shape.watermark!r}{of} takes its ids from sequence {sequence}, which "
                     f"caches {cache} per session (CACHE {cache}): a session can insert an id from its cache long "
@@ -1124,6 +1133,8 @@ class SourceDatabaseResource(ConfigurableResource):
           xid (before BEFORE-ROW triggers run; only 1 in 32 nextval calls writes WAL and takes an xid early).
           pg_locks and the pid/datid of pg_stat_activity are readable by any role. It also waits for unrelated
           transactions open in that database then (a long report query, an idle-in-transaction session).
+          PREPARE TRANSACTION releases a vxid, so a prepared transaction of that database whose xid was taken after
+          the max was seen also holds it, until COMMIT PREPARED or ROLLBACK PREPARED (pg_prepared_xacts: any role).
           Not covered: client-supplied ids (a watermark sequence with CACHE > 1 is refused:
           `refuse_unknowable_finality`).
         - MariaDB/MySQL: `settle_seconds` have passed on the database clock AND none of the InnoDB transactions
@@ -1163,10 +1174,14 @@ class SourceDatabaseResource(ConfigurableResource):
                 if self.dialect == "postgresql":
                     # The waited-for transactions still open, with their backend's pid: the same lookup as an
                     # EXISTS, and the skip message can name them.
-                    xmin, still_open, flushed, inserted, started = conn.execute(sa.text(
+                    # And the prepared transactions of the table's database (pg_prepared_xacts, readable by any
+                    # role), read after the vxids: one that prepared before pg_locks was read is listed here.
+                    xmin, still_open, prepared, flushed, inserted, started = conn.execute(sa.text(
                         "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, ARRAY(SELECT virtualxid || ' (pid ' "
                         "|| COALESCE(pid::text, '?') || ')' FROM pg_locks WHERE locktype = 'virtualxid' AND granted "
                         "AND virtualxid = ANY(CAST(:waits AS text[]))), "
+                        "ARRAY(SELECT ARRAY[gid, transaction::text, prepared::text, owner::text] "
+                        "FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared), "
                         "pg_current_wal_flush_lsn()::text, pg_current_wal_insert_lsn()::text, "
                         "pg_postmaster_start_time()"), {"waits": list(candidate.waits)}).one()
                     if int(xmin) < candidate.marker:
@@ -1174,6 +1189,14 @@ class SourceDatabaseResource(ConfigurableResource):
                         return (f"transaction id {int(xmin) & 0xFFFFFFFF}, begun before the max was seen, is still "
                                 "open (the oldest on the server, in any database: pg_stat_activity.backend_xid, or "
                                 "pg_prepared_xacts if it is a prepared transaction)")
+                    # PREPARE TRANSACTION releases the vxid lock ("not meaningful after restart"), so a transaction
+                    # waited for by its vxid, that took its xid after the max was seen (at or above the marker: the
+                    # xmin above passes it) and prepared, is no longer among `still_open`, though COMMIT PREPARED
+                    # may still make rows below the max visible. Those prepared with a lower xid hold the xmin.
+                    holding = [_pg_prepared_text(*row) for row in prepared or []
+                               if _pg_full_xid(int(row[1]), int(xmin)) >= candidate.marker]
+                    if holding:
+                        return _first_few(holding)
                     if still_open:
                         return (f"transaction {_first_few(list(still_open), sep=', ')}, open in the table's "
                                 "database when the max was seen, is still open (pg_stat_activity by that pid)")
@@ -1482,6 +1505,21 @@ def _innodb_trx_text(row: sa.Row) -> str:
                 "must XA COMMIT or XA ROLLBACK it (XA RECOVER lists its xid)")
     return (f"InnoDB transaction {row.trx_id} of connection {row.trx_mysql_thread_id} (started {row.trx_started}), "
             "open when the max was seen, is still open")
+
+
+def _pg_full_xid(xid: int, xmin: int) -> int:
+    """A 32-bit xid still running (pg_prepared_xacts.transaction) as the 64-bit xid8 it is: at or above `xmin`, the
+    xid8 of a snapshot taken while it runs (the oldest running xid, less than 2^31 below any running one)."""
+    return xmin + ((xid - xmin) & 0xFFFFFFFF)
+
+
+def _pg_prepared_text(gid: str, xid: str, prepared: str, owner: str) -> str:
+    """A PostgreSQL prepared transaction that holds a candidate, as the skip message names it: like MariaDB's
+    detached XA transaction (`_innodb_trx_text`), it never ends by itself, so the text says who must end it."""
+    return (f"prepared transaction {gid!r} (transaction id {xid}, prepared {prepared} by {owner}), which took its "
+            "transaction id after the max was seen, may still commit rows below it: it will not end on its own; its "
+            "transaction manager, or an operator, must COMMIT PREPARED or ROLLBACK PREPARED it (pg_prepared_xacts "
+            "lists its gid)")
 
 
 def _first_few(texts: list[str], few: int = 2, sep: str = "; ") -> str:

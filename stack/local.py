@@ -510,11 +510,46 @@ def pg_ready(port: int) -> bool:
         return False
 
 
+# Settings a running server takes only at a restart, as the stack starts it. max_prepared_transactions: the tests
+# of prepared (two-phase) transactions holding a cut (tests/test_edge_cuts.py) need some; PostgreSQL's default is 0.
+PG_RESTART_SETTINGS = {"max_prepared_transactions": "20"}
+
+
+def _pg_options(ports: Ports) -> str:
+    restart_only = " ".join(f"-c {name}={value}" for name, value in PG_RESTART_SETTINGS.items())
+    return (f"-p {ports.postgres} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
+            f"-c max_connections=300 -c synchronous_commit=off -c shared_buffers=256MB {restart_only}")
+
+
+def postgres_restart_for_settings(ports: Ports, data: Path, logfile: Path) -> None:
+    """Restart a running stack server started without one of PG_RESTART_SETTINGS (an older stack, reused by a
+    new checkout: its tests need them). Sessions open on it are cut off (`-m fast`), once."""
+    import psycopg
+
+    with psycopg.connect(host="127.0.0.1", port=ports.postgres, user=USER, password=PASSWORD, dbname="postgres",
+                         autocommit=True, sslmode="disable") as conn:
+        differ = [f"{name}={row[0] if row else '?'}" for name, value in PG_RESTART_SETTINGS.items()
+                  if (row := conn.execute("SELECT setting FROM pg_settings WHERE name = %s", (name,)).fetchone())
+                  is None or row[0] != value]
+    if not differ:
+        return
+    wanted = ", ".join(f"{name}={value}" for name, value in PG_RESTART_SETTINGS.items())
+    log(f"postgresql: restarting (pg_ctl restart -m fast) for {wanted}; it runs with {', '.join(differ)}")
+    try:
+        subprocess.run([*_pg_user_prefix(), pg_bin("pg_ctl"), "-D", str(data), "-l", str(logfile), "-o",
+                        _pg_options(ports), "-m", "fast", "-w", "-t", "60", "restart"], check=True,
+                       capture_output=True, text=True, start_new_session=True)
+    except subprocess.CalledProcessError as exc:
+        raise StackError(f"postgresql did not restart; read {logfile}\n{exc.stdout}{exc.stderr}") from exc
+    wait_until(lambda: pg_ready(ports.postgres), 60, "postgresql", logfile)
+
+
 def postgres_up(ports: Ports) -> None:
     base = home() / "postgres"
     data, logfile = base / "data", base / "postgres.log"
     if reuse_or_claim("postgresql", read_pid(data / "postmaster.pid"), lambda: pg_ready(ports.postgres),
                       ports.postgres, "ROWRELAY_PG_PORT", logfile, 60):
+        postgres_restart_for_settings(ports, data, logfile)
         postgres_tls_up(ports.postgres, data, logfile)  # a running server gets TLS by a reload, no restart
         return
     base.mkdir(parents=True, exist_ok=True)
@@ -539,12 +574,10 @@ def postgres_up(ports: Ports) -> None:
         logfile.touch()
     if is_root():
         os.chown(logfile, pw.pw_uid, pw.pw_gid)
-    opts = (f"-p {ports.postgres} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
-            "-c max_connections=300 -c synchronous_commit=off -c shared_buffers=256MB")
     log(f"postgresql: starting on 127.0.0.1:{ports.postgres} (log {logfile})")
     try:
-        subprocess.run([*_pg_user_prefix(), pg_bin("pg_ctl"), "-D", str(data), "-l", str(logfile), "-o", opts,
-                        "-w", "-t", "60", "start"], check=True, capture_output=True, text=True,
+        subprocess.run([*_pg_user_prefix(), pg_bin("pg_ctl"), "-D", str(data), "-l", str(logfile), "-o",
+                        _pg_options(ports), "-w", "-t", "60", "start"], check=True, capture_output=True, text=True,
                        start_new_session=True)
     except subprocess.CalledProcessError as exc:
         raise StackError(f"postgresql did not start; read {logfile}\n{exc.stdout}{exc.stderr}") from exc
