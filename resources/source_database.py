@@ -24,7 +24,7 @@ from sqlalchemy.exc import NoSuchTableError
 
 from resources.config import ConfigError, SourceConfig, env_names, resolve_url_env
 from resources.jdbc import UrlParameterError, jdbc_options
-from resources.slices import WatermarkCandidate, datetime_to_micros, micros_to_datetime, watermark_text
+from resources.slices import WatermarkCandidate, datetime_to_micros, micros_sql_text, micros_to_datetime, watermark_text
 
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
 SUPPORTED_TYPES: tuple[type, ...] = (
@@ -367,7 +367,7 @@ class TableShape:
         zone."""
         if self.watermark_kind == "integer":
             return str(int(value))
-        text = micros_to_datetime(value).strftime("%Y-%m-%d %H:%M:%S.%f")
+        text = micros_sql_text(value)
         if self.watermark_kind == "timestamptz":
             return f"TIMESTAMPTZ '{text}+00:00'"
         return f"TIMESTAMP '{text}'"

@@ -561,3 +561,25 @@ def test_a_time_as_start_after_of_an_integer_watermark_is_refused(services, pg_d
     h = Harness(relay_config(services, {"src": pg_database}, [{**table_cfg, "start_after": 2}]), dagster_instance)
     h.drain(h.table(), until_hi=5)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [3, 4, 5])
+
+
+@pytest.mark.integration
+def test_postgres_times_before_the_year_1000_are_relayed(services, pg_database, pg_engine, dagster_instance, spark,
+                                                        name) -> None:
+    """Keys, the read's bounds and the SQL literals write the year in four digits: year 500 was keyed "500-…", and
+    every tick and run refused it as "not a slice partition key"."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at timestamp NOT NULL)"))
+        conn.execute(text(f"INSERT INTO {name} VALUES (1, '0500-03-14 01:02:03.000004'), "
+                          "(2, '0999-12-31 23:59:59.999999'), (3, '2026-11-29 00:00:00')"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "created_at", "key": ["n"],
+         "start_after": "0001-01-01T00:00:00Z", "slice_max_rows": 1}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    keys = h.drain(table)
+    assert keys[0] == "0001-01-01T00:00:00.000000Z_0500-03-14T01:02:03.000004Z", keys
+    assert all(TIME_KEY.match(k) for k in keys) and len(keys) == 3, keys
+    messages = read_topic(services.kafka_bootstrap, table.topic_name)
+    assert_exactly_once(messages, [1, 2, 3], id_field="n")
+    assert sorted(m.value["created_at"] for m in messages)[0].startswith("0500-03-14")
