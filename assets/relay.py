@@ -60,7 +60,13 @@ from resources.kafka_io_manager import (
 )
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange, watermark_text
-from resources.source_database import SourceDatabaseResource, SourceError, TableShape, schema_change
+from resources.source_database import (
+    SourceDatabaseResource,
+    SourceError,
+    TableShape,
+    null_watermark_error,
+    schema_change,
+)
 from resources.spark import SparkResource
 
 if TYPE_CHECKING:
@@ -335,8 +341,7 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
     # A slice cut on the primary and read from a lagging replica would miss rows its count misses too.
     source.refuse_unknowable_finality(shape)
     if source.has_null_watermarks(shape):
-        raise SourceError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
-                          "sent; make the column NOT NULL or fill it")
+        raise null_watermark_error(table.table_id, table.watermark, shape.watermark_text(committed_hi))
     changed = check_schema(table, shape, committed_columns or [])
     # Every chunk's read has the same Spark schema (the same columns, read once per run like the shape): asked of
     # Spark once, not per chunk (a round trip and a JDBC schema query each).

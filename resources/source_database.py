@@ -180,6 +180,15 @@ class SourceError(ValueError):
     """A configured table cannot be read as configured; the message says what to change."""
 
 
+def null_watermark_error(table_id: str, watermark: str, committed: str | None) -> SourceError:
+    """Rows with a NULL watermark are never in any slice. Filling them is only a fix above the committed watermark:
+    a value at or below it falls in a slice already published, and the row would still never be sent."""
+    fill = ("fill them with values above the table's committed watermark " + committed + " (a row filled at or "
+            "below it falls in a slice already published and is never sent either)") if committed else "fill them"
+    return SourceError(f"{table_id}: rows with NULL in watermark column {watermark!r} would never be sent; make the "
+                       f"column NOT NULL and {fill}")
+
+
 class InnodbTrxStale(RuntimeError):
     """MariaDB's innodb_trx cache stayed stale past observe's wait, so which transactions are open is unknown
     right now: observe refuses rather than answers wrong, and asking again later (the next tick) is the remedy."""

@@ -431,6 +431,8 @@ def test_null_timestamp_is_a_clear_error_and_nothing_moves(services, pg_database
     dagster_instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [later.key])
     result = h.run(table, later.key, raise_on_error=False)
     assert not result.success and "NULL in watermark column 'created_at'" in failure_text(result)
+    # Filling them is a fix only above the committed watermark: the message names it (it said "or fill it").
+    assert f"values above the table's committed watermark {micros_text(before.hi)}" in failure_text(result)
     assert h.progress(table) == before
     assert sorted(m.value["n"] for m in read_topic(services.kafka_bootstrap, table.topic_name)) == [1, 2]
 
