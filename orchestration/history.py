@@ -2,7 +2,9 @@
 keys recorded as materializations, the small keys deleted, insertion order kept in watermark order.
 
 Run by one global sensor at a slow cadence (a few tables per tick, within a time budget) and by
-`rowrelay history compact [--table]`.
+`rowrelay history compact [--table]`. A table's first compaction reads its whole progress topic; later ones read
+what the policy's horizons crossed since the previous one (resources/history.py `incremental_windows`), which is
+noted on the instance.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from confluent_kafka import TopicPartition
 from dagster import (
     AssetMaterialization,
     DagsterInstance,
@@ -28,14 +31,32 @@ from dagster import (
 
 from assets.relay import asset_key, channel_for, partitions_for
 from resources.config import TableConfig
-from resources.exactly_once import read_progress_tail, read_records
-from resources.history import HistoryPolicy, Rollup, plan_rollups, summarize
+from resources.exactly_once import (
+    ProgressRecord,
+    TableChannel,
+    _consumer,
+    _read_range,
+    _scan,
+    partition_watermarks,
+    read_progress_tail,
+    read_records,
+)
+from resources.history import (
+    HistoryPolicy,
+    Rollup,
+    Window,
+    crossed,
+    incremental_windows,
+    merge_spans,
+    plan_rollups,
+    summarize,
+)
 from resources.slices import SliceRange
 
 BATCH = 10_000  # keys per storage statement
 
 
-# -- the instance's dynamic partitions: the two private Dagster calls, wrapped here only -----------------------
+# -- the instance's dynamic partitions and a key-value note: the private Dagster calls, wrapped here only -------
 
 
 def page_keys(instance: DagsterInstance, partitions_name: str, limit: int, ascending: bool,
@@ -67,6 +88,26 @@ def delete_keys(instance: DagsterInstance, partitions_name: str, keys: list[str]
                                               & table.c.partition.in_(keys[i:i + BATCH])))
 
 
+def note_key(partitions_name: str) -> str:
+    return f"rowrelay/history/{partitions_name}"
+
+
+def read_note(instance: DagsterInstance, partitions_name: str) -> dict[str, Any] | None:
+    """The note the table's last complete compaction left (`write_note`); None if none. Kept in the run storage's
+    key-value table (`get_cursor_values`, what Dagster's daemons keep their cursors in; not marked public): the
+    sensor and `rowrelay history compact` both read it, and a sensor cursor reset leaves it."""
+    raw = instance.run_storage.get_cursor_values({note_key(partitions_name)}).get(note_key(partitions_name))
+    try:
+        note = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return note if isinstance(note, dict) else None
+
+
+def write_note(instance: DagsterInstance, partitions_name: str, note: dict[str, Any]) -> None:
+    instance.run_storage.set_cursor_values({note_key(partitions_name): json.dumps(note, sort_keys=True)})
+
+
 def all_keys(instance: DagsterInstance, partitions_name: str) -> list[str]:
     return list(instance.get_dynamic_partitions(partitions_name))
 
@@ -93,9 +134,6 @@ def _hi(key: str) -> int:
         return -(2**63)  # not a slice key: never part of the chain
 
 
-# -- compaction ------------------------------------------------------------------------------------------------
-
-
 def policy_for(table: TableConfig) -> HistoryPolicy:
     return HistoryPolicy(rollup_after_s=table.rollup_after_seconds, daily_after_s=table.rollup_daily_after_seconds,
                          monthly_after_s=table.rollup_monthly_after_seconds)
@@ -110,6 +148,8 @@ class CompactResult:
     slices_rolled: int = 0
     skipped: str = ""
     seconds: float = 0.0
+    full: bool = False  # read the whole progress topic (asked, or no complete compaction noted for this policy)
+    records_read: int = 0  # progress records parsed
     details: list[dict[str, Any]] = field(default_factory=list)
 
     def line(self) -> str:
@@ -155,12 +195,100 @@ def redundant(keys: list[SliceRange]) -> list[SliceRange]:
     return out
 
 
+# -- reading what an incremental compaction needs -----------------------------------------------------------------
+
+# Kafka timestamps of progress records (the publisher's clock, as it produced) against their committed_at (the same
+# clock, just before): windows are widened by this on each side; records outside a window's times are harmless.
+WINDOW_MARGIN = timedelta(hours=1)
+
+
+def _note_scope(channel: TableChannel, policy: HistoryPolicy) -> dict[str, Any]:
+    return {"progress_topic": channel.progress_topic,
+            "policy": [policy.rollup_after_s, policy.daily_after_s, policy.monthly_after_s]}
+
+
+def compaction_note(channel: TableChannel, policy: HistoryPolicy, now: datetime) -> dict[str, Any]:
+    """What a complete compaction notes: when it planned, for which progress topic and policy (another topic or
+    policy: the keys were not compacted for it, and the next compaction reads the whole topic)."""
+    return {"planned_at": now.isoformat(), **_note_scope(channel, policy)}
+
+
+def previous_compaction(note: dict[str, Any] | None, channel: TableChannel, policy: HistoryPolicy
+                        ) -> datetime | None:
+    """When the table's last complete compaction planned, from its note; None if there is none for this topic and
+    policy."""
+    if note is None or any(note.get(k) != v for k, v in _note_scope(channel, policy).items()):
+        return None
+    try:
+        at = datetime.fromisoformat(str(note.get("planned_at")))
+    except ValueError:
+        return None
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _amendments(consumer: Any, tp: TopicPartition, start: int, end: int, timeout: float) -> list[ProgressRecord]:
+    """The records at offsets [start, end) that change what earlier ones mean (`live_records`, `plan_rollups`):
+    resets and baselines (told by their keys) and ranges recorded again (`schema accept`: a reset_reason), parsed;
+    the others are only fetched."""
+    out = []
+    for msg in _read_range(consumer, tp, start, end, timeout):
+        value = msg.value() or b""
+        if ((msg.key() or b"").startswith((b"reset-", b"baseline-"))
+                or (b'"reset_reason": "' in value and b'"reset_reason": ""' not in value)):
+            out.append(ProgressRecord.from_json(value))
+    return out
+
+
+def read_windows(kafka_conf: dict[str, Any], channel: TableChannel, windows: list[Window], key_his: set[int],
+                 timeout: float = 30.0) -> tuple[list[ProgressRecord], int]:
+    """The progress records an incremental compaction needs, in the topic's order, and how many were parsed. Per
+    window, the records committed in its (after, until] are read (Kafka's time index: `offsets_for_times`); if a
+    key's newest commit is among them (`crossed`), those from the window's start on too. After each span read, the
+    records up to the next one (or the end) are looked through for resets and ranges recorded again, so the records
+    returned are those `plan_rollups` would take as standing from the whole topic."""
+    consumer = _consumer(kafka_conf)
+    try:
+        tp = TopicPartition(channel.progress_topic, 0)
+        low, high = partition_watermarks(consumer, tp, timeout, kafka_conf)
+
+        def offset(t: datetime) -> int:
+            found = consumer.offsets_for_times([TopicPartition(tp.topic, 0, int(t.timestamp() * 1000))],
+                                               timeout=timeout)[0].offset
+            return high if found < 0 else max(low, found)  # -1: nothing that recent
+
+        parsed, spans = 0, []
+        for w in windows:
+            end = offset(w.until + WINDOW_MARGIN)
+            probe = [r for _, r in _scan(consumer, tp, offset(w.after - WINDOW_MARGIN), end, timeout)]
+            parsed += len(probe)
+            if crossed(probe, key_his, w):
+                # A start found by time is exact (every record before it is older); an end holds while Kafka
+                # timestamps go back by less than the margin. Hourly and daily windows, a day or two of records,
+                # are read to the end; only a month's, 90 days back, stops at its end.
+                spans.append((offset(w.start - WINDOW_MARGIN), end if w.tier == "m" else high))
+        spans = merge_spans(spans)
+        records: list[ProgressRecord] = []
+        for i, (a, b) in enumerate(spans):
+            read = [r for _, r in _scan(consumer, tp, a, b, timeout)]
+            parsed += len(read)
+            records.extend(read)
+            records.extend(_amendments(consumer, tp, b, spans[i + 1][0] if i + 1 < len(spans) else high, timeout))
+        return records, parsed
+    finally:
+        consumer.close()
+
+
+# -- compaction ------------------------------------------------------------------------------------------------
+
+
 def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dict[str, Any],
                   transactional_id_prefix: str = "rowrelay", *, now: datetime | None = None, full: bool = False,
                   job_name: str | None = None) -> CompactResult:
     """Roll up the table's committed slices per the policy. Only committed keys are touched, and only while no key
     is uncommitted and no run of the table is active (so keys keep watermark order and no run loses its
-    partition). `full`: read the whole progress topic (a first compaction); otherwise the last few days."""
+    partition). `full`: read the whole progress topic (a first compaction); otherwise what the policy's horizons
+    crossed since the previous complete compaction (its note on the instance; none, or one for another progress topic
+    or policy: the whole topic)."""
     started = time.monotonic()
     now = now or datetime.now(UTC)
     result = CompactResult(table.table_id)
@@ -190,8 +318,13 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
         return result
     gone = {s.key for s in redundant(list(parsed.values()))} & set(parsed)
     keys = [s for k, s in parsed.items() if k not in gone]
-    since = None if full else int((now - timedelta(seconds=policy.daily_after_s + 2 * 86_400)).timestamp() * 1000)
-    records = read_records(kafka_conf, channel, since_ms=since)
+    prev = None if full else previous_compaction(read_note(instance, name), channel, policy)
+    if prev is None:
+        records = read_records(kafka_conf, channel)
+        result.full, result.records_read = True, len(records)
+    else:
+        records, result.records_read = read_windows(kafka_conf, channel, incremental_windows(policy, now, prev),
+                                                    {s.hi for s in keys})
     rollups = plan_rollups(keys, records, now, policy)
     key_of = {s: k for k, s in parsed.items()}
     # A cut (the slice sensor's, in another thread; a CLI backfill's) appends keys: one appended since `raw` was
@@ -217,6 +350,7 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
         instance.add_dynamic_partitions(name, desired[i:i + BATCH])
     result.rollups, result.slices_rolled = len(rollups), sum(len(r.keys) for r in rollups)
     result.keys_after = len(desired)
+    write_note(instance, name, compaction_note(channel, policy, now))  # complete: the next one starts from here
     result.seconds = time.monotonic() - started
     return result
 
@@ -262,12 +396,13 @@ def due_tables(tables: list[TableConfig], last: dict[str, float], now: float) ->
 
 def build_history_sensor(tables: list[TableConfig], transactional_id_prefix: str = "rowrelay") -> SensorDefinition:
     """One sensor for every table: compacts due tables within a time budget per tick. The first compaction of a
-    table reads its whole progress topic (an existing deployment's history), later ones the last few days."""
+    table reads its whole progress topic (an existing deployment's history), later ones what the policy's horizons
+    crossed since the previous one (`compact_table`)."""
     from orchestration.factory import job_name
 
     @sensor(name=HISTORY_SENSOR, minimum_interval_seconds=HISTORY_INTERVAL_S, required_resource_keys={
             "kafka_io_manager"}, default_status=DefaultSensorStatus.RUNNING,
-            description="Rolls up old committed slices of every table (hour, then day) so partitions stay few.")
+            description="Rolls up old committed slices of every table (hour, day, month) so partitions stay few.")
     def history_sensor(context: SensorEvaluationContext) -> SkipReason:
         conf = context.resources.kafka_io_manager.kafka_conf()
         state = json.loads(context.cursor) if context.cursor else {}

@@ -1,5 +1,6 @@
 """A table's slice history kept small: which committed slices roll up into one wider partition key, what that key
-carries. Pure planning (the progress topic is read by the protocol module, resources/exactly_once.py).
+carries, and which progress records an incremental compaction must read. Pure planning (the progress topic is read
+by the protocol module, resources/exactly_once.py, and orchestration/history.py).
 
 A roll-up key is an ordinary slice key `(lo, hi]` spanning consecutive committed slices, so `SliceRange.from_key`,
 re-runs (a committed range publishes nothing) and `reconcile` treat it like any slice. Kafka's progress topic stays
@@ -11,7 +12,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from resources.exactly_once import ProgressRecord, live_records, tiling
@@ -97,6 +98,82 @@ def plan_rollups(keys: list[SliceRange], records: list[ProgressRecord], now: dat
             current = (bucket, [key], list(covered))
             groups.append(current)
     return [Rollup(g[1][0].span(g[1][0].lo, g[1][-1].hi), g[1], g[2], g[0]) for g in groups if len(g[1]) > 1]
+
+
+# -- what an incremental compaction reads ------------------------------------------------------------------------
+#
+# A complete compaction at `prev` (one that applied every roll-up the records allowed) left no two adjacent
+# committed keys of one bucket. A key's bucket changes only when its newest commit crosses a tier's age (the ages
+# `tiers` lists): between `prev` and `now`, those whose newest commit lies in (prev - age, now - age]. So the next
+# compaction needs, per tier, the records of those keys and of the keys of their bucket before them: from the start
+# of the bucket (hour, day, month) of `prev - age` up to `now - age` (`incremental_windows`). Keys of that bucket
+# after them crossed too. A tier only needs its window once a key crossed (`crossed`): the monthly window reaches
+# back to the month's start, read once a day (a daily key's end crossing), not on every pass.
+
+
+@dataclass(frozen=True)
+class Window:
+    """The records an incremental compaction needs for one tier: those committed in [start, until] if a key's newest
+    commit lies in (after, until] (it crossed into `tier` since the previous compaction)."""
+
+    tier: str  # "h", "d", "m": the bucket a key enters at this age
+    start: datetime
+    after: datetime
+    until: datetime
+
+
+def tiers(policy: HistoryPolicy) -> list[tuple[float, str]]:
+    """The ages (seconds) at which a committed slice's bucket changes, youngest first, with the tier it enters
+    there ("h" hourly, "d" daily, "m" monthly). An age at or past a later one enters that later tier at once
+    (rollup_after_s of 3 days: straight to daily)."""
+    if policy.rollup_after_s is None:
+        return []
+    ages = {policy.rollup_after_s, max(policy.daily_after_s, policy.rollup_after_s)}
+    if policy.monthly_after_s is not None:
+        ages.add(max(policy.monthly_after_s, policy.daily_after_s, policy.rollup_after_s))
+    ref = datetime(2000, 1, 1, tzinfo=UTC)
+    return [(age, (policy.bucket(ref, ref + timedelta(seconds=age)) or "?")[0]) for age in sorted(ages)]
+
+
+def bucket_start(t: datetime, tier: str) -> datetime:
+    """The start of the hour, day or month (UTC) of `t`."""
+    t = t.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    if tier == "h":
+        return t
+    return t.replace(hour=0) if tier == "d" else t.replace(day=1, hour=0)
+
+
+def incremental_windows(policy: HistoryPolicy, now: datetime, prev: datetime) -> list[Window]:
+    """Per tier, what a compaction at `now` needs after a complete one at `prev` (see above)."""
+    prev = min(prev, now)
+    out = []
+    for age, tier in tiers(policy):
+        after, until = prev - timedelta(seconds=age), now - timedelta(seconds=age)
+        out.append(Window(tier, bucket_start(after, tier), after, until))
+    return out
+
+
+def crossed(records: list[ProgressRecord], key_his: set[int], window: Window) -> bool:
+    """Whether a key's newest commit lies in the window's (after, until]: a record ending a key committed then (a
+    key's last slice is its newest), or one that may change which records are a key's newest (a range recorded
+    again by `schema accept`, a reset)."""
+    for r in records:
+        t = parse_time(r.committed_at)
+        if t is not None and window.after < t <= window.until and (r.hi in key_his or r.hi <= r.lo
+                                                                        or r.reset_reason):
+            return True
+    return False
+
+
+def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Offset ranges [a, b) merged where they overlap or touch, in order."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(s for s in spans if s[0] < s[1]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def summarize(records: list[ProgressRecord]) -> dict[str, Any]:

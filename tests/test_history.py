@@ -106,6 +106,30 @@ def test_summary_is_the_same_however_the_range_was_rolled_up() -> None:
     assert summarize(records[3:] + records[:3]) == direct  # order of the records given does not matter
 
 
+def test_incremental_windows_reach_back_to_the_bucket_of_each_tier() -> None:
+    """What an incremental compaction reads: per tier, the records from the start of the bucket a key crossed into
+    since the previous compaction, and only once a key's end crossed (the monthly window reaches back to the
+    month's start: read once a day, when a daily key's end crosses 90 days)."""
+    from resources.history import crossed, incremental_windows, merge_spans, tiers
+
+    day = 86_400.0
+    assert tiers(HistoryPolicy()) == [(3600, "h"), (day, "d"), (90 * day, "m")]
+    assert tiers(HistoryPolicy(rollup_after_s=4 * day)) == [(4 * day, "d"), (90 * day, "m")]  # straight to daily
+    assert tiers(HistoryPolicy(rollup_after_s=100 * day)) == [(100 * day, "m")]
+    assert tiers(HistoryPolicy(monthly_after_s=None)) == [(3600, "h"), (day, "d")]
+    prev = NOW - timedelta(minutes=10)
+    h, d, m = incremental_windows(HistoryPolicy(), NOW, prev)
+    assert (h.tier, h.start, h.after, h.until) == ("h", datetime(2026, 11, 23, 10, tzinfo=UTC),
+                                                   prev - timedelta(hours=1), NOW - timedelta(hours=1))
+    assert (d.start, m.start) == (datetime(2026, 11, 22, tzinfo=UTC), datetime(2026, 8, 1, tzinfo=UTC))
+    assert (m.after, m.until) == (prev - timedelta(days=90), NOW - timedelta(days=90))
+    inside = [rec(4, 5, m.until - timedelta(minutes=5))]  # a slice inside the key (0, 9]: the key did not cross
+    assert not crossed(inside, {9, 20}, m)
+    assert crossed([rec(8, 9, m.until - timedelta(minutes=5))], {9, 20}, m)  # its last slice: it did
+    assert not crossed([rec(8, 9, m.after)], {9, 20}, m)  # crossed at the previous compaction
+    assert merge_spans([(5, 9), (0, 3), (3, 4), (8, 12), (20, 20)]) == [(0, 4), (5, 12)]
+
+
 def test_trickle_waits_for_min_rows_or_the_delay() -> None:
     from orchestration.sensors import trickle
 
@@ -479,3 +503,108 @@ def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_
         source.dispose()
     assert h.cut(h.table(0)) == [SliceRange(0, 3).key]  # once the delay is over: one slice of 3 rows
     assert time.monotonic() - started >= 5, "the 3 rows were cut before max_slice_delay_seconds had passed"
+
+
+# -- incremental compaction (the sensor's, and `history compact` without --full) -------------------------------
+
+T0 = datetime(2025, 1, 15, 12, 0, tzinfo=UTC)  # seeded histories end 10 minutes before (Kafka timestamps too)
+
+
+def _seed(services, pg_database, dagster_instance, slices: int, span_days: float, **table_extra):
+    """`slices` committed one-row slices over `span_days` up to T0 (bench/scale.py `seed_history`: committed_at and
+    the progress records' Kafka timestamps in that past), and the times they were committed at."""
+    from bench.scale import seed_history
+    from tests.conftest import unique
+    from tests.pipeline import relay_config, source_url
+
+    table = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{unique('inc')}",
+                                                           "watermark": "id", **table_extra}]).tables[0]
+    kafka = {"bootstrap.servers": services.kafka_bootstrap}
+    seed_history(dagster_instance, table, source_url(pg_database), kafka, slices, span_days=span_days, now=T0)
+    first, step = T0 - timedelta(days=span_days, seconds=600), timedelta(days=span_days) / (slices - 1)
+    return table, kafka, [first + step * i for i in range(slices)]  # slice (i, i + 1] at times[i]
+
+
+def _his(instance, table) -> list[int]:
+    """The table's partition keys' upper ends, checked to cover (0, last] once, in watermark order."""
+    from assets.relay import partitions_for
+
+    keys = [SliceRange.from_key(k) for k in instance.get_dynamic_partitions(partitions_for(table).name)]
+    assert keys[0].lo == 0 and all(a.hi == b.lo for a, b in zip(keys, keys[1:], strict=False)), keys
+    return [k.hi for k in keys]
+
+
+def _before(times: list[datetime], at: datetime) -> int:
+    return sum(1 for t in times if t < at)
+
+
+def _day(d: int) -> datetime:
+    return datetime(2025, 1, d, tzinfo=UTC)
+
+
+@pytest.mark.integration
+def test_incremental_compaction_rolls_daily_keys_into_their_month(services, pg_database, dagster_instance) -> None:
+    """Daily keys turning `rollup_monthly_after_seconds` old join their month's key on later, incremental passes.
+    Before, an incremental pass read only the last ~3 days of progress records, and a key ~90 days old was never
+    tiled by what it read: daily keys stayed daily for good (a partition a day, forever)."""
+    from assets.relay import asset_key, channel_for
+    from orchestration.history import compact_table
+    from resources.exactly_once import records_in_range
+
+    table, kafka, times = _seed(services, pg_database, dagster_instance, 200, 4)  # Jan 11 11:50 .. Jan 15 11:50
+    at = T0 + timedelta(days=88)  # the monthly horizon at Jan 13 12:00
+    compact_table(dagster_instance, table, kafka, full=True, now=at)
+    month, days = _before(times, _day(13) + timedelta(hours=12)), [_before(times, _day(d)) for d in (14, 15)]
+    assert _his(dagster_instance, table) == [month, *days, 200]  # January so far, days 13 (rest), 14, 15
+
+    at += timedelta(days=1)  # the key of Jan 13 turns 90 days old
+    result = compact_table(dagster_instance, table, kafka, now=at)
+    assert (result.rollups, [d["bucket"] for d in result.details]) == (1, ["m2025-01"]), result
+    assert _his(dagster_instance, table) == [*days, 200]
+
+    at += timedelta(days=3)  # all of it
+    result = compact_table(dagster_instance, table, kafka, now=at)
+    assert _his(dagster_instance, table) == [200] and not result.full, result
+    # The month's figures are those of all its slices (records read back from the month's start).
+    mat = dagster_instance.fetch_materializations(asset_key(table), limit=1).records[0].asset_materialization
+    meta = {k: v.value for k, v in mat.metadata.items()}
+    expected = summarize(records_in_range(kafka, channel_for(table), SliceRange(0, 200)))
+    assert (mat.partition, meta["slices"], meta["checksum"]) == (SliceRange(0, 200).key, 200, expected["checksum"])
+
+    idle = compact_table(dagster_instance, table, kafka, now=at + timedelta(minutes=10))  # no key crossed a horizon
+    assert (idle.rollups, idle.records_read, idle.full) == (0, 0, False), idle
+
+
+@pytest.mark.integration
+def test_incremental_compaction_rolls_with_rollup_after_of_days(services, pg_database, dagster_instance) -> None:
+    """rollup_after_seconds of 4 days: slices turning 4 days old roll up per day on incremental passes. Before,
+    those passes read only records of the last 3 days, so nothing rolled up after the first pass."""
+    from orchestration.history import compact_table
+
+    table, kafka, times = _seed(services, pg_database, dagster_instance, 200, 4, rollup_after_seconds=4 * 86_400)
+    at = T0 + timedelta(days=2)  # slices committed up to Jan 13 12:00 are 4 days old
+    compact_table(dagster_instance, table, kafka, full=True, now=at)
+    rolled = _before(times, _day(13) + timedelta(hours=12))
+    assert _his(dagster_instance, table) == [_before(times, _day(12)), _before(times, _day(13)), rolled,
+                                             *range(rolled + 1, 201)]
+
+    result = compact_table(dagster_instance, table, kafka, now=at + timedelta(days=4))  # all 4 days old
+    assert result.rollups == 3, result  # Jan 13 (its rest joins its key), 14, 15
+    assert _his(dagster_instance, table) == [*(_before(times, _day(d)) for d in (12, 13, 14, 15)), 200]
+    assert not result.full, result  # read: the records from Jan 13 on, not the whole topic
+
+
+@pytest.mark.integration
+def test_incremental_compaction_after_the_sensor_was_down_for_days(services, pg_database, dagster_instance) -> None:
+    """Hourly keys of a pass, and the next pass 5 days later (the history sensor stopped meanwhile): they roll up
+    per day. Before, that pass read only the last 3 days of records, and the hourly keys stayed hourly for good."""
+    from orchestration.history import compact_table
+
+    table, kafka, times = _seed(services, pg_database, dagster_instance, 100, 1)  # Jan 14 11:50 .. Jan 15 11:50
+    at = T0 + timedelta(hours=3)
+    compact_table(dagster_instance, table, kafka, full=True, now=at)
+    assert len(_his(dagster_instance, table)) > 10  # a daily key of Jan 14 up to 15:00, then hourly keys
+
+    result = compact_table(dagster_instance, table, kafka, now=at + timedelta(days=5))
+    assert _his(dagster_instance, table) == [_before(times, _day(15)), 100]
+    assert not result.full, result
