@@ -258,8 +258,9 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
             if top is not None and top > hi and not awaiting_baseline else 0)
     if progress is None and published is not None and (rows or awaiting_baseline):
         raise_if_progress_missing(published[0], published[1], shape.timestamps)
-        # As the run: asked where it has slices to publish (a `latest` baseline is not refused by Dagster's record).
-        if rows and (missing := progress_recorded_refusal(published[1], recorded)) is not None:
+        # As the run: asked where it has slices to publish, and before a `latest` table's baseline, which is refused
+        # over Dagster's record as well (`plan_cut`): the check said "awaiting_baseline" over the gap.
+        if (missing := progress_recorded_refusal(published[1], recorded)) is not None:
             raise missing
     last = progress.committed_at if progress and progress.committed_at else None
     seconds: float | None

@@ -649,6 +649,7 @@ def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:
 
 def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
     from assets.relay import asset_key, channel_for, last_recorded_slice, measure_lag
+    from resources.exactly_once import progress_recorded_refusal
     from resources.source_database import SourceDatabaseResource
 
     channel = channel_for(table, config.kafka.transactional_id_prefix)
@@ -663,6 +664,9 @@ def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
             first_run = first_run_at(instance, table)
             # Slices Dagster recorded as committed over empty progress: the run refuses, so status says why.
             recorded = last_recorded_slice(instance, asset_key(table))
+        if table.start_after == "latest" and (refused := progress_recorded_refusal(channel, recorded)) is not None:
+            # measure_lag counts no lag before a `latest` baseline; over those slices the cut refuses it (`plan_cut`).
+            raise refused
     source = SourceDatabaseResource.for_source(config.sources[table.source])
     try:
         # Progress missing over rows already published is raised, as `verify` does: the next run refuses too.
@@ -866,7 +870,8 @@ def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, s
         # As many slices as the early chunks may span (one, unless slices are smaller than chunks).
         depth = io_manager.prefetch_chunks + 1
         plan = plan_cut(table, source, io_manager, progress, [], SensorState(), heal=False, cut_while_pending=True,
-                        limit=max(1, min(depth, ceil(depth * io_manager.chunk_rows / table.slice_max_rows))))
+                        limit=max(1, min(depth, ceil(depth * io_manager.chunk_rows / table.slice_max_rows))),
+                        batch=False)
         slices = build_table_slices(source, io_manager.spark, table, channel, plan.add, plan.committed_hi,
                                     progress.columns if progress else [])
         if plan.add and slices.read is not None and slices.pending == plan.add:
@@ -940,10 +945,13 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                 # Refused as the run's publisher would refuse, before a partition is added (and by the dry run):
                 # over empty progress, the slices Dagster recorded as committed count too, as in the run.
                 recorded = last_recorded_slice(instance, asset_key(table)) if progress is None else None
+                # batch=False: a backfill publishes every final row now; holding a few back for `min_slice_rows`
+                # (trickle batching) is the sensor's cost control. It waited them out, then called them "not final".
                 plan = plan_cut(table, source, io_manager, progress, keys, state, heal=not active,
                                 cut_while_pending=True, limit=100_000, write=not args.dry_run, refuse=True,
-                                recorded=recorded)
-                if plan.add or not plan.state.pending or time.monotonic() > deadline:
+                                recorded=recorded, batch=False)
+                # Only rows not final yet are worth waiting for: a settled candidate is final, held by the cut's limit.
+                if plan.add or not not_final(plan.state) or time.monotonic() > deadline:
                     break
                 state = plan.state
                 time.sleep(0.5)
@@ -975,9 +983,9 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         if args.dry_run and plan.add:
             print(f"{table.table_id}: slices {plan.add[0].key} ... {plan.add[-1].key} (dry run: nothing cut, "
                   "added or sent)", flush=True)
-        if plan.state.pending:  # rows above what was cut are not final yet
-            frontier = plan.chain[-1].hi if plan.chain else plan.committed_hi
-            newest = max(c.watermark for c in plan.state.pending)
+        frontier = plan.chain[-1].hi if plan.chain else plan.committed_hi
+        if unsettled := not_final(plan.state):  # rows above what was cut are not final yet
+            newest = max(c.watermark for c in unsettled)
             if plan.add:  # cut what was final at once; the newer rows were still settling
                 print(f"{table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) were not "
                       "final yet (a transaction that may write below them was open): the sensor or the next backfill "
@@ -987,6 +995,10 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                       f"{plan.text(newest)}) are not final after {args.settle_timeout:g} s: a transaction that may "
                       "still write below them is open (or settle_seconds has not passed), so they were not cut. Run "
                       "backfill again once it ends, or raise --settle-timeout", file=sys.stderr, flush=True)
+        elif final := [c.watermark for c in plan.state.pending if c.watermark > frontier]:
+            # Final rows beyond the cut's limit of slices: not waiting for anything, only for the next cut.
+            print(f"{table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(max(final))}) are final "
+                  "but beyond this backfill's slices: the sensor or the next backfill sends them", flush=True)
         if args.dry_run or not todo:
             return 0
         job = defs.resolve_job_def(job_name(table))
@@ -1027,6 +1039,12 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
     print(f"{table.table_id}: backfill done in {time.monotonic() - started:.1f} s", flush=True)
     return 0
+
+
+def not_final(state: Any) -> list[Any]:
+    """The pending candidates of a cut (`SensorState.pending`) not known to be final: a settled one is final and
+    only held back (the cut's limit of slices), so nothing is waited for or warned of for it."""
+    return [c for c in state.pending if not c.is_settled]
 
 
 def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float = 1.0,
@@ -1389,6 +1407,8 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
     from resources.exactly_once import (
         REPLAY_HEADER,
         base_conf,
+        call_retrying,
+        outcome_unknown,
         read_progress_history,
         read_published_messages,
         transaction_timeout_ms,
@@ -1418,6 +1438,7 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
     marker = (REPLAY_HEADER, replay_id.encode())
     rows = 0
     began = time.monotonic()
+    committing = False
 
     def produce(msg: Any) -> None:
         # Same partition as the original: per partition, consumers see watermark order again.
@@ -1446,8 +1467,15 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
                 if read != piece.record.rows:
                     raise ReplayError(f"{table.table_id}: read {read} messages of slice {piece.record.slice}, but "
                                       f"its progress record says {piece.record.rows}; nothing was replayed")
-            producer.commit_transaction(60)
+            committing = True
+            # Called again on a retriable error (a timeout: the commit goes on in the background), as the publisher
+            # does. It was aborted at once instead, which librdkafka refuses then, and the replay said "nothing was
+            # replayed, run the replay again" while the commit could still complete (found by review).
+            call_retrying(producer.commit_transaction, REPLAY_COMMIT_TIMEOUT_S)
         except BaseException as exc:
+            if committing and isinstance(exc, KafkaException) and outcome_unknown(exc.args[0]):
+                raise ReplayError(replay_unknown_text(table.table_id, rows, exc.args[0].str(), target,
+                                                      replay_id)) from None
             with contextlib.suppress(KafkaException):
                 producer.abort_transaction(30)
             if isinstance(exc, KafkaException):
@@ -1465,6 +1493,17 @@ def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topi
     return {"table": table.table_id, "replay_id": replay_id, "from": int(lo), "to": int(hi), "rows": rows,
             "topic": target,
             "slices": [piece.key for piece in records]}
+
+
+REPLAY_COMMIT_TIMEOUT_S = 60  # one commit_transaction call of a replay; retried (call_retrying) while retriable
+
+
+def replay_unknown_text(table_id: str, rows: int, error: str, target: str, replay_id: str) -> str:
+    """A replay whose commit still failed with a retriable error after its retries: it may have committed."""
+    return (f"{table_id}: the replay's transaction ({rows} messages produced) did not confirm its commit ({error}): "
+            "outcome unknown, the commit may still complete in the background. Check topic "
+            f"{target} for messages with header rowrelay.replay={replay_id} before running the replay again (if "
+            "they are there, the range was replayed, and running it again sends it twice)")
 
 
 def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:

@@ -31,7 +31,9 @@ from dagster._core.storage.tags import (
 )
 
 from assets.relay import (
+    asset_key,
     channel_for,
+    last_recorded_slice,
     local_worker_pid,
     partitions_for,
     pool_name,
@@ -54,7 +56,13 @@ from resources.exactly_once import (
 )
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle, watermark_text
-from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, TableShape
+from resources.source_database import (
+    InnodbTrxStale,
+    SourceDatabaseResource,
+    SourceError,
+    TableShape,
+    null_watermark_error,
+)
 
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
           DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
@@ -185,7 +193,8 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
 _NULLS_OK: dict[tuple[str, str], float] = {}
 
 
-def check_null_watermarks(source: SourceDatabaseResource, shape: TableShape, table: TableConfig) -> None:
+def check_null_watermarks(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, cut_after: int
+                          ) -> None:
     """Refuse a table with NULL watermarks. A clean result is trusted for SHAPE_TTL_S per process (like the
     shape): one query less per idle tick, which counts with many tables per sensor; runs check afresh."""
     key = (source.url, table.table_id)
@@ -193,16 +202,16 @@ def check_null_watermarks(source: SourceDatabaseResource, shape: TableShape, tab
         return
     if source.has_null_watermarks(shape):
         _NULLS_OK.pop(key, None)
-        raise SourceError(f"{table.table_id}: rows with NULL in watermark column {table.watermark!r} would never be "
-                          "sent; make the column NOT NULL or fill it")
+        raise null_watermark_error(table.table_id, table.watermark, shape.watermark_text(cut_after))
     _NULLS_OK[key] = time.monotonic()
 
 
 def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int, state: SensorState,
-              limit: int = 500, max_rows: int | None = None) -> TickPlan:
-    """Observe the table, settle pending candidates, cut slices above `cut_after` up to the safe watermark."""
+              limit: int = 500, max_rows: int | None = None, batch: bool = True) -> TickPlan:
+    """Observe the table, settle pending candidates, cut slices above `cut_after` up to the safe watermark.
+    `batch`: trickle batching (`min_slice_rows`) applies; False cuts every final row now (`rowrelay backfill`)."""
     shape = cached_table_shape(source, table)
-    check_null_watermarks(source, shape, table)
+    check_null_watermarks(source, shape, table, cut_after)
     waiting_since = state.waiting_since  # settled_watermark returns a fresh state: keep the trickle clock
     safe_hi, state = settled_watermark(source, shape, table, cut_after, state)
     pending = list(state.pending)
@@ -218,7 +227,7 @@ def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int
         if slices and slices[-1].hi < safe_hi and len(slices) == limit:
             # More to cut next tick: keep the settled value as an already-final candidate.
             pending.insert(0, WatermarkCandidate.settled(safe_hi))
-    if table.min_slice_rows <= 1 or (not slices and not pending):
+    if not batch or table.min_slice_rows <= 1 or (not slices and not pending):
         waiting_since = None  # no trickle batching, or no rows wait: the clock starts with the next rows
     elif slices:
         waiting_since, slices = trickle(slices, table, waiting_since, time.time(),
@@ -285,16 +294,18 @@ def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transact
 
 
 def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, channel: TableChannel,
-                    kafka_conf: dict[str, Any], state: SensorState) -> tuple[ProgressRecord | None, SensorState]:
+                    kafka_conf: dict[str, Any], state: SensorState, recorded: SliceRange | None = None
+                    ) -> tuple[ProgressRecord | None, SensorState]:
     """`start_after: latest` on a table with no progress: record a baseline in Kafka at the table's *safe*
     watermark (every row at or below it committed), so a row committed after the baseline is never skipped.
     Returns the table's progress after it: the baseline, or what another cutter committed meanwhile. None while
-    transactions that may hold lower watermarks are still open (the candidate stays pending)."""
+    transactions that may hold lower watermarks are still open (the candidate stays pending). `recorded`: the
+    highest slice Dagster recorded as committed; the publisher refuses a baseline over it (`plan_cut` does first)."""
     safe_hi, state = settled_watermark(source, shape, table, None, state)
     if safe_hi is None and state.pending:
         return None, state
     hi = safe_hi if safe_hi is not None else 0  # an empty table: every row to come is new
-    publisher = SlicePublisher(channel, kafka_conf)
+    publisher = SlicePublisher(channel, kafka_conf, recorded=recorded)
     try:
         # Recorded in Kafka like any progress, so a lost orchestrator database cannot re-send old rows.
         return publisher.publish_baseline(hi, shape.watermark_id), SensorState()
@@ -339,7 +350,7 @@ def check_start_after(source: SourceDatabaseResource, shape: TableShape, table: 
 def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: KafkaIOManager,
              progress: ProgressRecord | None, keys: list[str], state: SensorState, *, heal: bool,
              cut_while_pending: bool, limit: int = 500, resplit: bool = False, write: bool = True,
-             refuse: bool = False, recorded: SliceRange | None = None) -> CutPlan:
+             refuse: bool = False, recorded: SliceRange | None = None, batch: bool = True) -> CutPlan:
     """The one way slices are cut, for the sensor and `rowrelay backfill` alike.
 
     Kafka's progress decides where the table stands, not the partitions: partitions off the chain that continues
@@ -353,7 +364,10 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     where it would be). Partitions are never touched here: the caller applies `delete` and `add`.
     `refuse`: refuse as the publisher would, before anything is cut (always so for a dry run): `rowrelay backfill`,
     so that it adds no partition its run would refuse to publish. `recorded`: the highest slice Dagster recorded
-    as committed, asked by a caller with the instance where progress is empty (the run's own `recorded` check).
+    as committed, asked by a caller with the instance where progress is empty (the run's own `recorded` check; a
+    `start_after: latest` table's baseline is refused over it too).
+    `batch`: hold back a cut of fewer than `min_slice_rows` rows (trickle batching, `plan_tick`): the sensor's cost
+    control; False for `rowrelay backfill`, an explicit "publish now" of every final row.
     """
     channel = channel_for(table, io_manager.transactional_id_prefix)
     conf = io_manager.kafka_conf()
@@ -364,9 +378,11 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     if refuse and progress is None and (missing := progress_missing(conf, channel, shape.timestamps)) is not None:
         raise missing
     # Slices Dagster recorded as committed over empty progress (its topic lost after the data topic's messages
-    # expired): the run refuses them (`recorded`); a `latest` table's baseline is recorded over them instead.
-    if progress is None and table.start_after != "latest" and (
-            missing := progress_recorded_refusal(channel, recorded)) is not None:
+    # expired): the run refuses them (`recorded`), and so does a `latest` table's baseline, before any partition is
+    # touched. A baseline recorded over them (at the newest row) skipped every row written since the last commit,
+    # silently (found by review); and with a fresh sensor cursor, the committed slices' partitions (from the old
+    # baseline up) did not continue a chain from 0 and were deleted as orphans.
+    if progress is None and (missing := progress_recorded_refusal(channel, recorded)) is not None:
         raise missing
     if progress is None and table.start_after == "latest" and not slices:
         if not write:
@@ -382,7 +398,7 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps, waiting=(
                 "start_after: latest: its baseline is not recorded yet; a backfill or the sensor would record it at "
                 f"{at}"))
-        progress, state = latest_baseline(source, shape, table, channel, conf, state)
+        progress, state = latest_baseline(source, shape, table, channel, conf, state, recorded)
         if progress is None:
             return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
@@ -419,7 +435,7 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
         delete, chain, frontier = delete + chain, [], committed_hi
     if chain and not cut_while_pending:
         return CutPlan(committed_hi, delete, [], chain, state, timestamps=shape.timestamps)
-    tick = plan_tick(source, table, frontier, state, limit=limit, max_rows=max_rows)
+    tick = plan_tick(source, table, frontier, state, limit=limit, max_rows=max_rows, batch=batch)
     return CutPlan(committed_hi, delete, tick.slices, chain + tick.slices, tick.state, timestamps=shape.timestamps)
 
 
@@ -729,16 +745,21 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
         return skip(f"{waiting}: run {slice_runs[0].dagster_run.run_id} stopped ({reason}); "
                     f"{NEXT_STEP.get(reason, 'see the run')}. Resumed with a backoff (up to a minute)")
     keys = stored if stored is not None else [s.key for s in chain]
+    # A `latest` table with empty progress is about to record its baseline: not over slices Dagster recorded as
+    # committed (its progress topic lost after the data topic's messages expired), which would skip every row since
+    # (`plan_cut` refuses). Asked only then: one storage query, not one per idle tick. Other tables' runs refuse.
+    recorded = (last_recorded_slice(instance, asset_key(table))
+                if progress is None and table.start_after == "latest" else None)
     try:
         plan = plan_cut(table, source, io_manager, progress, keys, state, heal=True, cut_while_pending=False,
-                        resplit=resplit)
+                        resplit=resplit, recorded=recorded)
         if plan.add and stored is None:
             # About to add partitions: another cutter (`rowrelay backfill`) may have cut slices this cursor does
             # not know. Check the newest keys (cheap: only uncommitted ones are read) and plan again if so.
             stored = open_keys(instance, partitions.name, committed_hi)
             if set(stored) - set(keys):
                 plan = plan_cut(table, source, io_manager, progress, stored, state, heal=True,
-                                cut_while_pending=False, resplit=resplit)
+                                cut_while_pending=False, resplit=resplit, recorded=recorded)
     except InnodbTrxStale as exc:
         # Not a failed tick: which transactions are open is unknown this tick (other clients of the server keep
         # MariaDB's cache stale); nothing is cut and the next tick asks again.

@@ -1350,6 +1350,33 @@ def progress_shared(kafka_conf: dict[str, Any], channel: TableChannel, committed
     return topic_taken_back(channel, committed, read_progress_history(kafka_conf, channel, timeout))
 
 
+RETRIABLE_CALL_S = 120.0  # how long a transactional call failing with retriable errors is called again
+
+
+def call_retrying(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, a transactional producer call, called again while it fails with a retriable error that needs no
+    abort, for up to RETRIABLE_CALL_S: librdkafka's way to retry one. A commit_transaction that timed out goes on in
+    the background, and calling it again awaits its outcome; an abort then would be refused. The last error is
+    raised (KafkaException): still retriable, the call's outcome is unknown."""
+    deadline = time.monotonic() + RETRIABLE_CALL_S
+    while True:
+        try:
+            return fn(*args)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.retriable() and not err.txn_requires_abort() and time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            raise
+
+
+def outcome_unknown(err: KafkaError) -> bool:
+    """Whether a commit_transaction that failed with `err` (after `call_retrying`) may still have committed: not when
+    the transaction must be aborted or the producer is fenced or failed (the coordinator aborts it); otherwise (a
+    timeout, the coordinator unreachable) the commit may complete in the background."""
+    return not (err.txn_requires_abort() or err.fatal() or _is_fenced(err))
+
+
 class SlicePublisher:
     """Publishes one table's slices through one transactional producer (one epoch)."""
 
@@ -1901,16 +1928,11 @@ class SlicePublisher:
             raise  # _raise_for always raises
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                return fn(*args)
-            except KafkaException as exc:
-                err = exc.args[0]
-                if err.retriable() and not err.txn_requires_abort() and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                    continue
-                self._raise_for(err)
+        try:
+            return call_retrying(fn, *args)
+        except KafkaException as exc:
+            self._raise_for(exc.args[0])
+            raise  # _raise_for always raises
 
     def _commit(self) -> None:
         self._call(self.producer.commit_transaction, 120)

@@ -424,8 +424,9 @@ def test_null_timestamp_is_a_clear_error_and_nothing_moves(services, pg_database
         conn.execute(text(f"INSERT INTO {name} (n) VALUES (4)"))
     # The sensor trusts a clean NULL check for a minute; forget it, as a minute later.
     monkeypatch.setattr(orchestration.sensors, "_NULLS_OK", {})
-    with pytest.raises(Exception, match=r"NULL in watermark column 'created_at' would never be sent"):
+    with pytest.raises(Exception, match=r"NULL in watermark column 'created_at' would never be sent") as ticked:
         h.tick(table)
+    assert f"values above the table's committed watermark {micros_text(before.hi)}" in str(ticked.value)
     # A run of a slice above progress refuses too, before anything is read or published.
     later = SliceRange(before.hi, before.hi + 10**9, timestamps=True)
     dagster_instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [later.key])

@@ -1,0 +1,258 @@
+"""Edges of the CLI found by review: a `start_after: latest` table whose progress topic was lost, a backfill of a
+trickle-batched table, and a replay whose commit timed out."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+from sqlalchemy import text
+
+from orchestration.cli import main
+from resources.config import RelayConfig
+from resources.exactly_once import read_committed_progress
+from resources.slices import SliceRange
+from tests.conftest import partition_ends
+from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+
+pytestmark = pytest.mark.integration
+
+
+def _rows(engine, name: str, rows: int, start: int = 1) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE IF NOT EXISTS {name} (id bigserial PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series({start}, "
+                          f"{start + rows - 1}) g"))
+
+
+def _config_file(cfg: RelayConfig, path: Path) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    return str(path)
+
+
+# --------------------------------------------------------------------------- a `latest` table's progress lost
+
+
+def test_a_latest_tables_progress_lost_after_its_messages_expired_is_refused_not_given_a_new_baseline(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """A `start_after: latest` table relayed up to 5, then its progress topic deleted once the data topic's messages
+    had aged out, and rows 6-7 written: the next tick (and `rowrelay backfill`) recorded a new baseline at 7, so
+    rows 6-7 were never sent and nothing said so (found by review). Dagster's record of the committed slices
+    refuses it now, as for any table, with the same remedy; a fresh sensor cursor no longer deletes the committed
+    slices' partitions as orphans either."""
+    from assets.relay import channel_for
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _rows(pg_engine, name, 3)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "start_after": "latest"}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    assert h.baseline(table).hi == 3
+    _rows(pg_engine, name, 2, start=4)
+    assert h.drain(table, until_hi=5) == [SliceRange(3, 5).key]
+    channel = channel_for(table)
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
+    end = partition_ends(services.kafka_bootstrap, table.topic_name)[1]
+    for fut in admin.delete_records([TopicPartition(table.topic_name, 0, end)]).values():  # as retention does
+        fut.result(timeout=30)
+    conf = {"bootstrap.servers": services.kafka_bootstrap}
+    deadline = time.monotonic() + 30
+    while read_committed_progress(conf, channel) is not None:
+        assert time.monotonic() < deadline, "the progress topic never went"
+        time.sleep(0.5)
+    _rows(pg_engine, name, 2, start=6)  # rows 6-7: a baseline at 7 would skip them
+    partitions = f"{table.dagster_name}__slices"
+    keys = dagster_instance.get_dynamic_partitions(partitions)
+    refusal = ("slices of this table recorded as committed reach watermark 5 (Dagster's materializations)",
+               f"rowrelay reset --table {table.table_id} --after 5")
+
+    def refused_tick() -> str:
+        with pytest.raises(Exception) as ticked:
+            h.tick(table)
+        return str(ticked.value)
+
+    said = refused_tick()  # the sensor, with its cursor
+    if "Unknown topic or partition" in said:  # the process's progress reader saw its topic go: read afresh next
+        said = refused_tick()
+    assert all(part in said for part in refusal), said
+    assert h.progress(table) is None
+    h.cursors.pop(table.table_id)  # a fresh cursor: the committed slices' partitions are not orphans to delete
+    said = refused_tick()
+    assert all(part in said for part in refusal), said
+    assert dagster_instance.get_dynamic_partitions(partitions) == keys
+
+    config_file = _config_file(cfg, tmp_path / "c.yaml")
+    capsys.readouterr()
+    for dry in (["--dry-run"], []):
+        assert main(["--config", config_file, "backfill", "--table", table.table_id, *dry]) == 1, dry
+        out, err = capsys.readouterr()
+        assert all(part in err for part in refusal), (dry, out, err)
+    assert main(["--config", config_file, "status", "--table", table.table_id]) == 1
+    err = capsys.readouterr().err
+    assert all(part in err for part in refusal), err
+    assert h.progress(table) is None
+    assert dagster_instance.get_dynamic_partitions(partitions) == keys
+    assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=2) == []
+    # The lag check refuses too (it passed as "awaiting_baseline" over the gap).
+    from dagster import AssetCheckSeverity, build_asset_check_context
+
+    from assets.relay import LAG_CHECK, build_table_checks, source_resource_key
+
+    lag = next(c for c in build_table_checks(table) if LAG_CHECK in {k.name for k in c.check_keys})
+    context = build_asset_check_context(
+        resources={source_resource_key(table.source): h.defs.resources[source_resource_key(table.source)],
+                   "kafka_io_manager": h.defs.resources["kafka_io_manager"]}, instance=dagster_instance)
+    with context.op_execution_context:
+        result = lag(context)
+    assert not result.passed and result.severity == AssetCheckSeverity.ERROR, result.description
+    assert all(part in (result.description or "") for part in refusal), result.description
+
+    # The remedy named: continue after 5, and rows 6-7 are sent.
+    assert main(["--config", config_file, "reset", "--table", table.table_id, "--after", "5", "--reason",
+                 "progress topic lost"]) == 0
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [6, 7])
+
+
+# --------------------------------------------------------------------------- a backfill of a trickle-batched table
+
+
+def test_a_backfill_cuts_final_rows_of_a_trickle_batched_table_at_once(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """`min_slice_rows: 1000` with 200 final rows: the sensor holds them back (trickle batching), and so did the
+    backfill, which shares its cut: it waited out --settle-timeout, warned that the rows were not final ("a
+    transaction ... is open", false) and exited 0 having published nothing (found by review). A backfill is an
+    explicit "publish now": it cuts every final row at once, and warns only of rows that are not final."""
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _rows(pg_engine, name, 200)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
+                                                         "watermark": "id", "min_slice_rows": 1000,
+                                                         "max_slice_delay_seconds": 3600}])
+    table = cfg.tables[0]
+    h = Harness(cfg, dagster_instance)
+    assert h.tick(table) == []  # the sensor still batches: 200 rows wait for 1000 (or an hour)
+    assert dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []
+    config_file = _config_file(cfg, tmp_path / "c.yaml")
+    capsys.readouterr()
+    started = time.monotonic()
+    assert main(["--config", config_file, "backfill", "--table", table.table_id, "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "1 new slice(s) would be cut; 1 slice(s) would be published" in out, (out, err)
+    assert "not final" not in out + err, (out, err)
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    out, err = capsys.readouterr()
+    elapsed = time.monotonic() - started
+    assert "not final" not in out + err, (out, err)
+    assert "1 new slice(s) cut; 1 slice(s) to publish" in out, (out, err)
+    assert elapsed < 45, f"{elapsed:.0f} s: the backfill waited for trickle batching"
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), list(range(1, 201)))
+    assert h.progress(table).hi == 200
+    assert h.tick(table) == []  # the sensor's next tick finds nothing more to cut
+
+
+# --------------------------------------------------------------------------- a replay whose commit timed out
+
+
+def _relayed_200(services, pg_database, pg_engine, dagster_instance, dagster_home, name: str, tmp_path: Path,
+                 monkeypatch) -> tuple[Any, str]:
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    _rows(pg_engine, name, 200)
+    cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
+                                                         "slice_max_rows": 100}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table, until_hi=200)
+    return table, _config_file(cfg, tmp_path / "c.yaml")
+
+
+class _QuickCommit(confluent_kafka.Producer):
+    """The real producer on the real broker, but its commit given 1 ms: librdkafka answers _TIMED_OUT (retriable)
+    and goes on committing in the background, as it does when a commit outlives its timeout in production."""
+
+    made: list[_QuickCommit] = []
+    answers: list[int | None] = []
+
+    def __init__(self, conf: dict[str, Any]) -> None:
+        super().__init__(conf)
+        _QuickCommit.made.append(self)
+
+    def commit_transaction(self, *args: Any) -> None:
+        try:
+            super().commit_transaction(0.001)
+        except KafkaException as exc:
+            _QuickCommit.answers.append(exc.args[0].code())
+            raise
+        _QuickCommit.answers.append(None)
+
+
+def _quick_commits(monkeypatch) -> type[_QuickCommit]:
+    """From now on, producers made through `confluent_kafka.Producer` (the replay imports it when it runs)."""
+    _QuickCommit.made, _QuickCommit.answers = [], []
+    monkeypatch.setattr(confluent_kafka, "Producer", _QuickCommit)
+    return _QuickCommit
+
+
+def _replayed(bootstrap: str, topic: str) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for m in read_topic(bootstrap, topic):
+        if "rowrelay.replay" in m.headers:
+            out.setdefault(m.headers["rowrelay.replay"].decode(), []).append(m.watermark)
+    return out
+
+
+def test_a_replay_whose_commit_times_out_calls_it_again_and_succeeds(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """commit_transaction timed out (retriable: the commit goes on in the background); the replay tried to abort,
+    which librdkafka refuses then, and said "nothing was replayed, run the replay again" (found by review): run
+    again, the range went out twice. The commit is now called again on a retriable error, as the publisher does."""
+    table, config_file = _relayed_200(services, pg_database, pg_engine, dagster_instance, dagster_home, name,
+                                      tmp_path, monkeypatch)
+    quick_commit = _quick_commits(monkeypatch)
+    capsys.readouterr()
+    code = main(["--config", config_file, "replay", "--table", table.table_id, "--from", "0", "--to", "200"])
+    out, err = capsys.readouterr()
+    assert KafkaError._TIMED_OUT in quick_commit.answers, quick_commit.answers  # the commit did time out
+    assert code == 0, (out, err)
+    assert "replayed (0, 200]" in out, out
+    replays = _replayed(services.kafka_bootstrap, table.topic_name)
+    assert len(replays) == 1 and next(iter(replays.values())) == list(range(1, 201)), replays
+
+
+def test_a_replay_whose_commit_outcome_is_unknown_says_so_not_nothing_was_replayed(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """The commit still timed out after its retries (here: no time for any): its outcome is unknown, as the commit
+    may complete in the background, and here it does. "nothing was replayed, run the replay again" was false; the
+    message now says the outcome is unknown and which replay id to look for before running it again."""
+    import resources.exactly_once as protocol
+
+    table, config_file = _relayed_200(services, pg_database, pg_engine, dagster_instance, dagster_home, name,
+                                      tmp_path, monkeypatch)
+    monkeypatch.setattr(protocol, "RETRIABLE_CALL_S", 0.0, raising=False)  # one call, no retry
+    quick_commit = _quick_commits(monkeypatch)
+    capsys.readouterr()
+    code = main(["--config", config_file, "replay", "--table", table.table_id, "--from", "0", "--to", "200"])
+    out, err = capsys.readouterr()
+    assert quick_commit.answers == [KafkaError._TIMED_OUT], quick_commit.answers
+    assert code == 1, (out, err)
+    assert "nothing was replayed" not in err, err
+    assert "outcome unknown" in err and "before running the replay again" in err, err
+    # Wait for the background commit (as the broker would finish it), then the id the message named is there.
+    confluent_kafka.cimpl.Producer.commit_transaction(quick_commit.made[0], 30)
+    replays = _replayed(services.kafka_bootstrap, table.topic_name)
+    assert len(replays) == 1, replays
+    replay_id, watermarks = next(iter(replays.items()))
+    assert f"rowrelay.replay={replay_id}" in err and f"topic {table.topic_name}" in err, err
+    assert watermarks == list(range(1, 201))
