@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from confluent_kafka import TopicPartition
 from dagster import (
     AssetMaterialization,
     DagsterInstance,
@@ -33,11 +32,8 @@ from assets.relay import asset_key, channel_for, partitions_for
 from resources.config import TableConfig
 from resources.exactly_once import (
     ProgressRecord,
+    ProgressTopicReader,
     TableChannel,
-    _consumer,
-    _read_range,
-    _scan,
-    partition_watermarks,
     read_progress_tail,
     read_records,
 )
@@ -226,12 +222,12 @@ def previous_compaction(note: dict[str, Any] | None, channel: TableChannel, poli
     return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
-def _amendments(consumer: Any, tp: TopicPartition, start: int, end: int, timeout: float) -> list[ProgressRecord]:
+def _amendments(reader: ProgressTopicReader, start: int, end: int) -> list[ProgressRecord]:
     """The records at offsets [start, end) that change what earlier ones mean (`live_records`, `plan_rollups`):
     resets and baselines (told by their keys) and ranges recorded again (`schema accept`: a reset_reason), parsed;
     the others are only fetched."""
     out = []
-    for msg in _read_range(consumer, tp, start, end, timeout):
+    for msg in reader.messages(start, end):
         value = msg.value() or b""
         if ((msg.key() or b"").startswith((b"reset-", b"baseline-"))
                 or (b'"reset_reason": "' in value and b'"reset_reason": ""' not in value)):
@@ -246,20 +242,17 @@ def read_windows(kafka_conf: dict[str, Any], channel: TableChannel, windows: lis
     key's newest commit is among them (`crossed`), those from the window's start on too. After each span read, the
     records up to the next one (or the end) are looked through for resets and ranges recorded again, so the records
     returned are those `plan_rollups` would take as standing from the whole topic."""
-    consumer = _consumer(kafka_conf)
-    try:
-        tp = TopicPartition(channel.progress_topic, 0)
-        low, high = partition_watermarks(consumer, tp, timeout, kafka_conf)
+    with ProgressTopicReader(kafka_conf, channel, timeout) as reader:
+        low, high = reader.bounds()
 
         def offset(t: datetime) -> int:
-            found = consumer.offsets_for_times([TopicPartition(tp.topic, 0, int(t.timestamp() * 1000))],
-                                               timeout=timeout)[0].offset
+            found = reader.offset_at(int(t.timestamp() * 1000))
             return high if found < 0 else max(low, found)  # -1: nothing that recent
 
         parsed, spans = 0, []
         for w in windows:
             end = offset(w.until + WINDOW_MARGIN)
-            probe = [r for _, r in _scan(consumer, tp, offset(w.after - WINDOW_MARGIN), end, timeout)]
+            probe = reader.records(offset(w.after - WINDOW_MARGIN), end)
             parsed += len(probe)
             if crossed(probe, key_his, w):
                 # A start found by time is exact (every record before it is older); an end holds while Kafka
@@ -269,13 +262,11 @@ def read_windows(kafka_conf: dict[str, Any], channel: TableChannel, windows: lis
         spans = merge_spans(spans)
         records: list[ProgressRecord] = []
         for i, (a, b) in enumerate(spans):
-            read = [r for _, r in _scan(consumer, tp, a, b, timeout)]
+            read = reader.records(a, b)
             parsed += len(read)
             records.extend(read)
-            records.extend(_amendments(consumer, tp, b, spans[i + 1][0] if i + 1 < len(spans) else high, timeout))
+            records.extend(_amendments(reader, b, spans[i + 1][0] if i + 1 < len(spans) else high))
         return records, parsed
-    finally:
-        consumer.close()
 
 
 # -- compaction ------------------------------------------------------------------------------------------------

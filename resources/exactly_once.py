@@ -951,6 +951,38 @@ def _scan(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout:
     return out
 
 
+class ProgressTopicReader:
+    """One table's progress topic read by offsets and by time: what an incremental roll-up reads of it
+    (orchestration/history.py `read_windows`). A context manager: its consumer is closed at the end."""
+
+    def __init__(self, kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> None:
+        self.kafka_conf, self.timeout = kafka_conf, timeout
+        self.tp = TopicPartition(channel.progress_topic, 0)
+        self.consumer = _consumer(kafka_conf)
+
+    def __enter__(self) -> ProgressTopicReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.consumer.close()
+
+    def bounds(self) -> tuple[int, int]:
+        """(low, high) offsets; (0, 0) if the topic does not exist yet."""
+        return partition_watermarks(self.consumer, self.tp, self.timeout, self.kafka_conf)
+
+    def offset_at(self, ms: int) -> int:
+        """The first offset produced at or after `ms` (Kafka's time index); -1 if none is that recent."""
+        return self.consumer.offsets_for_times([TopicPartition(self.tp.topic, 0, ms)], timeout=self.timeout)[0].offset
+
+    def records(self, start: int, end: int) -> list[ProgressRecord]:
+        """The committed progress records at offsets [start, end), parsed, oldest first."""
+        return [r for _, r in _scan(self.consumer, self.tp, start, end, self.timeout)]
+
+    def messages(self, start: int, end: int) -> Iterator[Any]:
+        """The committed messages at offsets [start, end), not parsed (for a look at keys and values only)."""
+        return _read_range(self.consumer, self.tp, start, end, self.timeout)
+
+
 def read_records(kafka_conf: dict[str, Any], channel: TableChannel, *, since_ms: int | None = None,
                  timeout: float = 30.0) -> list[ProgressRecord]:
     """The table's committed progress records, oldest first; with `since_ms` only those produced at or after that
