@@ -14,7 +14,7 @@ from confluent_kafka.admin import AdminClient
 from sqlalchemy import text
 
 from orchestration.cli import main
-from resources.config import RelayConfig
+from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import read_committed_progress
 from resources.slices import SliceRange
 from tests.conftest import partition_ends
@@ -23,14 +23,14 @@ from tests.pipeline import Harness, read_topic, relay_config
 pytestmark = pytest.mark.integration
 
 
-def _serial_table(engine, name: str, rows: int, start: int = 1) -> None:
+def serial_table(engine, name: str, rows: int, start: int = 1) -> None:
     with engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE IF NOT EXISTS {name} (id bigserial PRIMARY KEY, v text)"))
         conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series({start}, "
                           f"{start + rows - 1}) g"))
 
 
-def _config_file(cfg: RelayConfig | dict[str, Any], path: Path) -> str:
+def config_file_for(cfg: RelayConfig | dict[str, Any], path: Path) -> str:
     import yaml
 
     data = cfg if isinstance(cfg, dict) else cfg.model_dump(mode="json", exclude_none=True)
@@ -44,19 +44,11 @@ def _ten_row_slices(services, pg_database, name: str, **spec: Any) -> RelayConfi
                                                           "start_after": 0, **spec}])
 
 
-def _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_home: Path, name: str,
-                                     tmp_path: Path, monkeypatch) -> tuple[RelayConfig, str, tuple[str, str]]:
-    """30 rows backfilled in 3 slices (Dagster records them as committed), then the progress topic deleted and the
-    data topic's messages deleted (as retention does): Kafka shows nothing of the table. Returns the config, its
-    file and the parts of the refusal (the run's message and its remedy) every command must show."""
+def lose_progress_and_messages(services, table: TableConfig) -> None:
+    """The table's progress topic deleted and its data topic's messages deleted (as retention does): Kafka shows
+    nothing of the table."""
     from assets.relay import channel_for
 
-    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    _serial_table(pg_engine, name, 30)
-    cfg = _ten_row_slices(services, pg_database, name)
-    table = cfg.tables[0]
-    config_file = _config_file(cfg, tmp_path / "c.yaml")
-    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
     channel = channel_for(table)
     admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
     admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
@@ -68,6 +60,35 @@ def _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_h
     while read_committed_progress(conf, channel) is not None:
         assert time.monotonic() < deadline, "the progress topic never went"
         time.sleep(0.5)
+
+
+def lag_check_result(h: Harness, table: TableConfig, instance) -> Any:
+    """The table's lag asset check, evaluated once on its own."""
+    from dagster import build_asset_check_context
+
+    from assets.relay import LAG_CHECK, build_table_checks, source_resource_key
+
+    lag = next(c for c in build_table_checks(table) if LAG_CHECK in {k.name for k in c.check_keys})
+    context = build_asset_check_context(
+        resources={source_resource_key(table.source): h.defs.resources[source_resource_key(table.source)],
+                   "kafka_io_manager": h.defs.resources["kafka_io_manager"]}, instance=instance)
+    with context.op_execution_context:  # its resources are context managers: opened (and closed) here
+        return lag(context)
+
+
+def _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_home: Path, name: str,
+                                     tmp_path: Path, monkeypatch) -> tuple[RelayConfig, str, tuple[str, str]]:
+    """30 rows backfilled in 3 slices (Dagster records them as committed), then the progress topic deleted and the
+    data topic's messages deleted (as retention does): Kafka shows nothing of the table. Returns the config, its
+    file and the parts of the refusal (the run's message and its remedy) every command must show."""
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    serial_table(pg_engine, name, 30)
+    cfg = _ten_row_slices(services, pg_database, name)
+    table = cfg.tables[0]
+    config_file = config_file_for(cfg, tmp_path / "c.yaml")
+    assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
+    lose_progress_and_messages(services, table)
     refusal = ("slices of this table recorded as committed reach watermark 30 (Dagster's materializations)",
                f"rowrelay reset --table {table.table_id} --after 30")
     return cfg, config_file, refusal
@@ -95,11 +116,11 @@ def test_a_reset_after_a_prefix_change_leaves_the_slices_dagster_recorded_as_com
     It now goes by Dagster's materializations: the committed slices stay as they are, only the one never run is
     settled, and the output says which is which."""
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    _serial_table(pg_engine, name, 30)
+    serial_table(pg_engine, name, 30)
     cfg = _ten_row_slices(services, pg_database, name)
     table = cfg.tables[0]
-    assert main(["--config", _config_file(cfg, tmp_path / "p1.yaml"), "backfill", "--table", table.table_id]) == 0
-    _serial_table(pg_engine, name, 5, start=31)
+    assert main(["--config", config_file_for(cfg, tmp_path / "p1.yaml"), "backfill", "--table", table.table_id]) == 0
+    serial_table(pg_engine, name, 5, start=31)
     h = Harness(cfg, dagster_instance)
     assert h.cut(table) == [SliceRange(30, 35).key]  # cut, never run
     committed = [SliceRange(0, 10).key, SliceRange(10, 20).key, SliceRange(20, 30).key]
@@ -108,7 +129,7 @@ def test_a_reset_after_a_prefix_change_leaves_the_slices_dagster_recorded_as_com
 
     data = cfg.model_dump(mode="json", exclude_none=True)
     data["kafka"]["transactional_id_prefix"] = "p2"
-    moved = _config_file(data, tmp_path / "p2.yaml")
+    moved = config_file_for(data, tmp_path / "p2.yaml")
     capsys.readouterr()
     assert main(["--config", moved, "backfill", "--table", table.table_id]) == 1
     assert f"rowrelay reset --table {table.table_id} --after 30" in capsys.readouterr().err
@@ -131,7 +152,7 @@ def test_a_reset_after_a_prefix_change_leaves_the_slices_dagster_recorded_as_com
     assert settled.metadata["rowrelay/published_up_to"].value == 30
 
     # Under the new prefix, only the rows after the reset are sent.
-    _serial_table(pg_engine, name, 5, start=36)
+    serial_table(pg_engine, name, 5, start=36)
     assert main(["--config", moved, "backfill", "--table", table.table_id]) == 0
     assert sorted(m.value["id"] for m in read_topic(services.kafka_bootstrap, table.topic_name)) == [
         *range(1, 31), *range(36, 41)]
@@ -144,9 +165,8 @@ def test_progress_lost_with_committed_slices_recorded_is_refused_by_the_dry_run_
     Dagster records its committed slices up to 30, and the real backfill refuses on that record. The dry run
     answered "3 slice(s) would be published" (rc 0), `status` a lag "since_first_run" and the lag check a mere
     lag: they went by Kafka alone. They now refuse with the run's message and remedy."""
-    from dagster import AssetCheckSeverity, build_asset_check_context
+    from dagster import AssetCheckSeverity
 
-    from assets.relay import LAG_CHECK, build_table_checks, source_resource_key
 
     cfg, config_file, refusal = _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_home,
                                                                  name, tmp_path, monkeypatch)
@@ -168,12 +188,7 @@ def test_progress_lost_with_committed_slices_recorded_is_refused_by_the_dry_run_
     assert "since_first_run" not in out, out
 
     h = Harness(cfg, dagster_instance)
-    lag = next(c for c in build_table_checks(table) if LAG_CHECK in {k.name for k in c.check_keys})
-    context = build_asset_check_context(
-        resources={source_resource_key(table.source): h.defs.resources[source_resource_key(table.source)],
-                   "kafka_io_manager": h.defs.resources["kafka_io_manager"]}, instance=dagster_instance)
-    with context.op_execution_context:  # its resources are context managers: opened (and closed) here
-        result = lag(context)
+    result = lag_check_result(h, table, dagster_instance)
     assert not result.passed and result.severity == AssetCheckSeverity.ERROR, result.description
     assert all(part in (result.description or "") for part in refusal), result.description
     assert result.metadata["lag_measured_as"].value == "progress_missing", json.dumps(
@@ -199,15 +214,15 @@ def test_a_dry_run_refuses_a_topic_moved_back_and_the_backfill_adds_no_partition
     the progress: ProgressShared). Its dry run said "1 new slice would be cut" (rc 0), and the backfill added the
     new partition before its run refused. Both now refuse before anything is cut."""
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    _serial_table(pg_engine, name, 20)
+    serial_table(pg_engine, name, 20)
     a = _ten_row_slices(services, pg_database, name, topic=f"{name}_a")
     b = _ten_row_slices(services, pg_database, name, topic=f"{name}_b")
     table = a.tables[0]
-    in_a, in_b = _config_file(a, tmp_path / "a.yaml"), _config_file(b, tmp_path / "b.yaml")
+    in_a, in_b = config_file_for(a, tmp_path / "a.yaml"), config_file_for(b, tmp_path / "b.yaml")
     assert main(["--config", in_a, "backfill", "--table", table.table_id]) == 0
-    _serial_table(pg_engine, name, 10, start=21)
+    serial_table(pg_engine, name, 10, start=21)
     assert main(["--config", in_b, "backfill", "--table", table.table_id]) == 0
-    _serial_table(pg_engine, name, 5, start=31)
+    serial_table(pg_engine, name, 5, start=31)
     partitions = f"{table.dagster_name}__slices"
     keys = dagster_instance.get_dynamic_partitions(partitions)
     capsys.readouterr()

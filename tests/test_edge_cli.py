@@ -9,32 +9,14 @@ from typing import Any
 
 import confluent_kafka
 import pytest
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient
-from sqlalchemy import text
+from confluent_kafka import KafkaError, KafkaException
 
 from orchestration.cli import main
-from resources.config import RelayConfig
-from resources.exactly_once import read_committed_progress
 from resources.slices import SliceRange
-from tests.conftest import partition_ends
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.test_cli_refusals import config_file_for, lag_check_result, lose_progress_and_messages, serial_table
 
 pytestmark = pytest.mark.integration
-
-
-def _rows(engine, name: str, rows: int, start: int = 1) -> None:
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE IF NOT EXISTS {name} (id bigserial PRIMARY KEY, v text)"))
-        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series({start}, "
-                          f"{start + rows - 1}) g"))
-
-
-def _config_file(cfg: RelayConfig, path: Path) -> str:
-    import yaml
-
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
-    return str(path)
 
 
 # --------------------------------------------------------------------------- a `latest` table's progress lost
@@ -48,29 +30,18 @@ def test_a_latest_tables_progress_lost_after_its_messages_expired_is_refused_not
     rows 6-7 were never sent and nothing said so (found by review). Dagster's record of the committed slices
     refuses it now, as for any table, with the same remedy; a fresh sensor cursor no longer deletes the committed
     slices' partitions as orphans either."""
-    from assets.relay import channel_for
 
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    _rows(pg_engine, name, 3)
+    serial_table(pg_engine, name, 3)
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
                                                          "watermark": "id", "start_after": "latest"}])
     h = Harness(cfg, dagster_instance)
     table = h.table()
     assert h.baseline(table).hi == 3
-    _rows(pg_engine, name, 2, start=4)
+    serial_table(pg_engine, name, 2, start=4)
     assert h.drain(table, until_hi=5) == [SliceRange(3, 5).key]
-    channel = channel_for(table)
-    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
-    admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
-    end = partition_ends(services.kafka_bootstrap, table.topic_name)[1]
-    for fut in admin.delete_records([TopicPartition(table.topic_name, 0, end)]).values():  # as retention does
-        fut.result(timeout=30)
-    conf = {"bootstrap.servers": services.kafka_bootstrap}
-    deadline = time.monotonic() + 30
-    while read_committed_progress(conf, channel) is not None:
-        assert time.monotonic() < deadline, "the progress topic never went"
-        time.sleep(0.5)
-    _rows(pg_engine, name, 2, start=6)  # rows 6-7: a baseline at 7 would skip them
+    lose_progress_and_messages(services, table)
+    serial_table(pg_engine, name, 2, start=6)  # rows 6-7: a baseline at 7 would skip them
     partitions = f"{table.dagster_name}__slices"
     keys = dagster_instance.get_dynamic_partitions(partitions)
     refusal = ("slices of this table recorded as committed reach watermark 5 (Dagster's materializations)",
@@ -91,7 +62,7 @@ def test_a_latest_tables_progress_lost_after_its_messages_expired_is_refused_not
     assert all(part in said for part in refusal), said
     assert dagster_instance.get_dynamic_partitions(partitions) == keys
 
-    config_file = _config_file(cfg, tmp_path / "c.yaml")
+    config_file = config_file_for(cfg, tmp_path / "c.yaml")
     capsys.readouterr()
     for dry in (["--dry-run"], []):
         assert main(["--config", config_file, "backfill", "--table", table.table_id, *dry]) == 1, dry
@@ -104,16 +75,9 @@ def test_a_latest_tables_progress_lost_after_its_messages_expired_is_refused_not
     assert dagster_instance.get_dynamic_partitions(partitions) == keys
     assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=2) == []
     # The lag check refuses too (it passed as "awaiting_baseline" over the gap).
-    from dagster import AssetCheckSeverity, build_asset_check_context
+    from dagster import AssetCheckSeverity
 
-    from assets.relay import LAG_CHECK, build_table_checks, source_resource_key
-
-    lag = next(c for c in build_table_checks(table) if LAG_CHECK in {k.name for k in c.check_keys})
-    context = build_asset_check_context(
-        resources={source_resource_key(table.source): h.defs.resources[source_resource_key(table.source)],
-                   "kafka_io_manager": h.defs.resources["kafka_io_manager"]}, instance=dagster_instance)
-    with context.op_execution_context:
-        result = lag(context)
+    result = lag_check_result(h, table, dagster_instance)
     assert not result.passed and result.severity == AssetCheckSeverity.ERROR, result.description
     assert all(part in (result.description or "") for part in refusal), result.description
 
@@ -135,7 +99,7 @@ def test_a_backfill_cuts_final_rows_of_a_trickle_batched_table_at_once(
     transaction ... is open", false) and exited 0 having published nothing (found by review). A backfill is an
     explicit "publish now": it cuts every final row at once, and warns only of rows that are not final."""
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    _rows(pg_engine, name, 200)
+    serial_table(pg_engine, name, 200)
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
                                                          "watermark": "id", "min_slice_rows": 1000,
                                                          "max_slice_delay_seconds": 3600}])
@@ -143,7 +107,7 @@ def test_a_backfill_cuts_final_rows_of_a_trickle_batched_table_at_once(
     h = Harness(cfg, dagster_instance)
     assert h.tick(table) == []  # the sensor still batches: 200 rows wait for 1000 (or an hour)
     assert dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []
-    config_file = _config_file(cfg, tmp_path / "c.yaml")
+    config_file = config_file_for(cfg, tmp_path / "c.yaml")
     capsys.readouterr()
     started = time.monotonic()
     assert main(["--config", config_file, "backfill", "--table", table.table_id, "--dry-run"]) == 0
@@ -167,13 +131,13 @@ def test_a_backfill_cuts_final_rows_of_a_trickle_batched_table_at_once(
 def _relayed_200(services, pg_database, pg_engine, dagster_instance, dagster_home, name: str, tmp_path: Path,
                  monkeypatch) -> tuple[Any, str]:
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    _rows(pg_engine, name, 200)
+    serial_table(pg_engine, name, 200)
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",
                                                          "slice_max_rows": 100}])
     h = Harness(cfg, dagster_instance)
     table = h.table()
     h.drain(table, until_hi=200)
-    return table, _config_file(cfg, tmp_path / "c.yaml")
+    return table, config_file_for(cfg, tmp_path / "c.yaml")
 
 
 class _QuickCommit(confluent_kafka.Producer):
