@@ -951,7 +951,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                                 cut_while_pending=True, limit=100_000, write=not args.dry_run, refuse=True,
                                 recorded=recorded, batch=False)
                 # Only rows not final yet are worth waiting for: a settled candidate is final, held by the cut's limit.
-                if plan.add or not not_final(plan.state) or time.monotonic() > deadline:
+                if plan.add or not plan.state.unsettled or time.monotonic() > deadline:
                     break
                 state = plan.state
                 time.sleep(0.5)
@@ -984,7 +984,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             print(f"{table.table_id}: slices {plan.add[0].key} ... {plan.add[-1].key} (dry run: nothing cut, "
                   "added or sent)", flush=True)
         frontier = plan.chain[-1].hi if plan.chain else plan.committed_hi
-        if unsettled := not_final(plan.state):  # rows above what was cut are not final yet
+        if unsettled := plan.state.unsettled:  # rows above what was cut are not final yet
             newest = max(c.watermark for c in unsettled)
             if plan.add:  # cut what was final at once; the newer rows were still settling
                 print(f"{table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(newest)}) were not "
@@ -1039,12 +1039,6 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
     print(f"{table.table_id}: backfill done in {time.monotonic() - started:.1f} s", flush=True)
     return 0
-
-
-def not_final(state: Any) -> list[Any]:
-    """The pending candidates of a cut (`SensorState.pending`) not known to be final: a settled one is final and
-    only held back (the cut's limit of slices), so nothing is waited for or warned of for it."""
-    return [c for c in state.pending if not c.is_settled]
 
 
 def wait_for_running_runs(instance: Any, job: str, table_id: str, poll_s: float = 1.0,

@@ -82,6 +82,12 @@ class SensorState:
     # tick's skip message; read afresh by the next tick.
     held: str | None = field(default=None, compare=False)
 
+    @property
+    def unsettled(self) -> list[WatermarkCandidate]:
+        """The pending candidates not known to be final: a settled one is final and only held back (trickle
+        batching, the cut's limit of slices), so nothing waits or is warned of for it."""
+        return [c for c in self.pending if not c.is_settled]
+
     def to_cursor(self) -> str:
         data: dict[str, Any] = {"pending": [[c.watermark, c.marker, list(c.waits),
                                              *([c.durable_at] if c.durable_at is not None else [])]

@@ -983,21 +983,11 @@ class ProgressTopicReader:
         return _read_range(self.consumer, self.tp, start, end, self.timeout)
 
 
-def read_records(kafka_conf: dict[str, Any], channel: TableChannel, *, since_ms: int | None = None,
-                 timeout: float = 30.0) -> list[ProgressRecord]:
-    """The table's committed progress records, oldest first; with `since_ms` only those produced at or after that
-    time (Kafka's time index on the progress topic: a few days of history, not all of it)."""
-    consumer = _consumer(kafka_conf)
-    try:
-        tp = TopicPartition(channel.progress_topic, 0)
-        low, high = partition_watermarks(consumer, tp, timeout, kafka_conf)
-        start = low
-        if since_ms is not None and high > low:
-            found = consumer.offsets_for_times([TopicPartition(tp.topic, 0, since_ms)], timeout=timeout)[0].offset
-            start = high if found < 0 else max(low, found)  # -1: nothing that recent
-        return [r for _, r in _scan(consumer, tp, start, high, timeout)]
-    finally:
-        consumer.close()
+def read_records(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> list[ProgressRecord]:
+    """The table's committed progress records, oldest first (a full roll-up pass; incremental ones read by time
+    through `ProgressTopicReader`)."""
+    with ProgressTopicReader(kafka_conf, channel, timeout) as reader:
+        return reader.records(*reader.bounds())
 
 
 def _resets_after(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout: float
