@@ -1120,16 +1120,18 @@ class SourceDatabaseResource(ConfigurableResource):
         it runs. So a timestamp watermark is final only below every such statement's start. Statements that read
         (SELECT, WITH, SHOW: reports, Spark's own reads) are left out: a report query must not hold the table
         back for its whole length. Not covered: a SELECT whose stored function inserts into the table.
+        A statement of the event scheduler runs under COMMAND 'Connect' (a client still logging in has no INFO, and
+        is left out with a replica's I/O thread, which has none either).
         `now`: the database clock read before this look (NOW(6), in microseconds), so each start is estimated no
         later than it was; a second is taken off for MySQL, whose processlist counts whole seconds."""
+        running_statement = ("ID <> CONNECTION_ID() AND (COMMAND IN ('Query', 'Execute') "
+                             "OR (COMMAND = 'Connect' AND INFO IS NOT NULL))")
         try:
             rows = conn.execute(sa.text(
-                "SELECT TIME_MS / 1000, INFO FROM information_schema.PROCESSLIST "
-                "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute')")).all()
+                f"SELECT TIME_MS / 1000, INFO FROM information_schema.PROCESSLIST WHERE {running_statement}")).all()
         except sa.exc.OperationalError:  # MySQL: no TIME_MS
             rows = [(float(r[0]) + 1.0, r[1]) for r in conn.execute(sa.text(
-                "SELECT TIME, INFO FROM information_schema.PROCESSLIST "
-                "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute')")).all()]
+                f"SELECT TIME, INFO FROM information_schema.PROCESSLIST WHERE {running_statement}")).all()]
         running = [float(elapsed) for elapsed, info in rows if not _READ_STATEMENT.match(info or "")]
         return now - math.ceil((max(running) + _STATEMENT_START_MARGIN_S) * 1_000_000) if running else None
 

@@ -411,6 +411,56 @@ def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_
 
 
 @pytest.mark.integration
+def test_mariadb_event_scheduler_statement_holds_the_cut(services, mariadb_database, dagster_instance, spark,
+                                                         name) -> None:
+    """The same slow INSERT run by the event scheduler: its thread's COMMAND is 'Connect', not 'Query', so the
+    running-statement guard did not see it; the row committed meanwhile was cut once settled, and the event's row
+    (its time the statement's start, 4 s earlier) committed below progress and was never sent (found by review)."""
+    import time
+
+    engine = create_engine(mariadb_database, connect_args={"init_command": "SET time_zone = '+00:00'"},
+                           isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        scheduler_was = conn.execute(text("SELECT @@GLOBAL.event_scheduler")).scalar()
+        conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, created_at DATETIME(6) NOT NULL "
+                          "DEFAULT CURRENT_TIMESTAMP(6), INDEX (created_at))"))
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1)"))
+    cfg = relay_config(services, {"src": mariadb_database}, [
+        {"source": "src", "table": name, "watermark": "created_at", "settle_seconds": 0.5, "key": ["n"]}])
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    h.drain(table)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SET GLOBAL event_scheduler = ON"))
+            conn.execute(text(f"CREATE EVENT {name}_e ON SCHEDULE AT CURRENT_TIMESTAMP ON COMPLETION NOT PRESERVE "
+                              f"DO INSERT INTO {name} (n) VALUES (2 + SLEEP(4))"))
+            running = polled(lambda: conn.execute(text(
+                "SELECT COMMAND FROM information_schema.PROCESSLIST WHERE INFO LIKE '%SLEEP(4)%' "
+                "AND ID <> CONNECTION_ID()")).scalar(), bool, 10.0)
+            assert running == "Connect", running  # what the case is about: not a 'Query'
+            conn.execute(text(f"INSERT INTO {name} (n) VALUES (3)"))
+
+            def event_running() -> bool:
+                return bool(conn.execute(text(f"SELECT COUNT(*) FROM {name} WHERE n = 2")).scalar() == 0)
+
+            while event_running():  # the daemon's ticks meanwhile: whatever they cut is published at once
+                for key in h.tick(table):
+                    h.run(table, key)
+                time.sleep(0.3)
+    finally:
+        with engine.connect() as conn:
+            conn.execute(text(f"SET GLOBAL event_scheduler = {'ON' if scheduler_was == 'ON' else 'OFF'}"))
+    h.drain(table)
+    with engine.connect() as conn:
+        times = dict(conn.execute(text(f"SELECT n, created_at FROM {name}")).all())
+    engine.dispose()
+    assert times[2] < times[3], "the event's row's time is below the row committed while it ran"
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
+    assert verify_table(cfg, table).ok
+
+
+@pytest.mark.integration
 def test_null_timestamp_is_a_clear_error_and_nothing_moves(services, pg_database, pg_engine, dagster_instance,
                                                              spark, name, monkeypatch) -> None:
     import orchestration.sensors
