@@ -257,6 +257,19 @@ def trickle(slices: list[SliceRange], table: TableConfig, waiting_since: float |
     return since, []
 
 
+def trickle_text(plan: "CutPlan", table: TableConfig, now: float) -> str | None:
+    """Why final rows are not cut yet when trickle batching holds them, or None. The tick showed Dagster's "Sensor
+    function returned an empty result" for up to `max_slice_delay_seconds` (found by review)."""
+    since = plan.state.waiting_since
+    if since is None:
+        return None
+    above = plan.chain[-1].hi if plan.chain else plan.committed_hi
+    left = max(0.0, table.max_slice_delay_seconds - (now - since))
+    return (f"final rows above {plan.text(above)} are held by trickle batching: they are cut once "
+            f"min_slice_rows ({table.min_slice_rows}) wait, or max_slice_delay_seconds "
+            f"({table.max_slice_delay_seconds:g} s) after the first was seen (in {left:.0f} s)")
+
+
 @dataclass
 class CutPlan:
     """What one cut does to a table's partitions: orphans to delete, new slices to add (in order), and the
@@ -786,7 +799,7 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
     if plan.add:
         partition_requests.append(partitions.build_add_request([s.key for s in plan.add]))
     after = SensorState(plan.state.pending, plan.chain, plan.state.waiting_since, plan.state.table).to_cursor()
-    waiting = (plan.held_text() or plan.waiting) if not requests else None
+    waiting = (plan.held_text() or plan.waiting or trickle_text(plan, table, time.time())) if not requests else None
     if waiting is not None:
         waiting = f"{table.table_id}: {waiting}"
     return TableTick(requests, partition_requests, after, waiting)
