@@ -632,7 +632,8 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
 
 
 def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:
-    """Queued or running runs per table on the Dagster instance; None without DAGSTER_HOME."""
+    """Queued or running runs per table on the Dagster instance, of its job or the UI's Materialize (as `reset`
+    counts them; `status` counted only its job's); None without DAGSTER_HOME."""
     import os
 
     if not os.environ.get("DAGSTER_HOME"):
@@ -640,11 +641,12 @@ def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:
     from dagster import DagsterInstance, RunsFilter
 
     from orchestration.factory import job_name
+    from orchestration.history import runs_of_table
     from orchestration.sensors import ACTIVE
 
     with DagsterInstance.get() as instance:
-        return {t.table_id: instance.get_runs_count(RunsFilter(job_name=job_name(t), statuses=ACTIVE))
-                for t in tables}
+        active = instance.get_runs(RunsFilter(statuses=ACTIVE))
+        return {t.table_id: len(runs_of_table(active, t, job_name(t))) for t in tables}
 
 
 def table_status(config: RelayConfig, table: TableConfig) -> TableLag:

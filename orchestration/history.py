@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 from dagster import (
     AssetMaterialization,
     DagsterInstance,
+    DagsterRun,
     DefaultSensorStatus,
     MetadataValue,
     RunsFilter,
@@ -351,9 +352,13 @@ def table_active_runs(instance: DagsterInstance, table: TableConfig, job_name: s
     (the UI's Materialize launches `__ASSET_JOB`)."""
     from orchestration.sensors import ACTIVE
 
+    return len(runs_of_table(instance.get_runs(RunsFilter(statuses=ACTIVE)), table, job_name))
+
+
+def runs_of_table(runs: Iterable[DagsterRun], table: TableConfig, job_name: str) -> list[DagsterRun]:
+    """The runs among `runs` that materialize the table: of its job, or whose asset selection holds its asset."""
     key = asset_key(table)
-    return sum(1 for run in instance.get_runs(RunsFilter(statuses=ACTIVE))
-               if run.job_name == job_name or key in (run.asset_selection or ()))
+    return [run for run in runs if run.job_name == job_name or key in (run.asset_selection or ())]
 
 
 def table_runs_active(instance: DagsterInstance, table: TableConfig, job_name: str) -> bool:

@@ -42,6 +42,17 @@ def test_status_json_matches_the_real_lag(services, pg_database, pg_engine, dags
     (caught_up,) = json.loads(capsys.readouterr().out)
     assert (caught_up["committed_hi"], caught_up["source_max"], caught_up["lag_rows"]) == (200, 200, 0)
     assert caught_up["lag_basis"] == "caught_up" and caught_up["active_runs"] == 0
+    # A Materialize from the UI runs `__ASSET_JOB`: counted like a run of the table's own job (it was left out).
+    from dagster import DagsterRunStatus
+    from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
+
+    from assets.relay import asset_key
+
+    ui_run = create_run_for_test(dagster_instance, job_name="__ASSET_JOB", status=DagsterRunStatus.STARTED,
+                                 asset_selection=frozenset({asset_key(table)}))
+    assert main(["--config", config_file, "status", "--table", table.table_id, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["active_runs"] == 1
+    dagster_instance.report_run_canceled(ui_run)
 
     # 37 rows wait above committed progress, the oldest written 120 s ago (the database's own clock).
     with pg_engine.begin() as conn:
