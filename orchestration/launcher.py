@@ -49,7 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from dagster import DefaultRunLauncher, Field, MetadataValue, Noneable, deserialize_value, serialize_value
+from dagster import (
+    DagsterRunStatus,
+    DefaultRunLauncher,
+    Field,
+    MetadataValue,
+    Noneable,
+    deserialize_value,
+    serialize_value,
+)
 from dagster import _check as check
 
 # Private Dagster APIs, all in one place. Dagster exposes no public way to write a run launcher or to run a
@@ -77,6 +85,7 @@ from dagster._utils.interrupts import setup_interrupt_handlers  # SIGTERM -> int
 WORKER_TAG = "rowrelay/warm_worker"  # JSON {pid, host, start, server_pid}: what health checks and terminate use
 DEFAULT_PRELOAD = ("dagster", "pandas", "pyarrow", "confluent_kafka", "sqlalchemy", "pyspark.sql.connect.session")
 ROOT = Path(__file__).resolve().parents[1]
+RELEASE_WAIT_S = 2.0  # how long a worker whose go's answer was lost is watched (`WarmRunLauncher._released`)
 # The fork server's command: this module from this checkout, whatever the code location's sys.path
 # (`-c`, not `-m` or PYTHONPATH, so workers inherit the launching process's environment unchanged).
 BOOTSTRAP = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import orchestration.launcher as m; m.serve(sys.argv[1:])"
@@ -360,9 +369,10 @@ class WarmWorker:
 
     run_id: str | None = None  # the run it was forked for (None in tags of earlier releases)
 
-    def to_tag(self) -> str:
+    def to_tag(self, released: bool = True) -> str:
+        """`released=False`: forked but never released (the fork server died before its go): names no worker."""
         return json.dumps({"pid": self.pid, "host": self.host, "start": self.start, "server_pid": self.server_pid,
-                           "run": self.run_id})
+                           "run": self.run_id, **({} if released else {"released": False})})
 
     @classmethod
     def from_run(cls, run: DagsterRun) -> WarmWorker | None:
@@ -372,7 +382,7 @@ class WarmWorker:
         if raw is None:
             return None
         data = json.loads(raw)
-        if data.get("run") not in (None, run.run_id):
+        if data.get("run") not in (None, run.run_id) or data.get("released") is False:
             return None
         return cls(int(data["pid"]), str(data["host"]), data.get("start"), int(data.get("server_pid", 0)),
                    data.get("run"))
@@ -550,10 +560,37 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
                 with contextlib.suppress(ForkServerUnavailable):
                     server.request({"op": "abort", "run_id": run.run_id})
                 raise
-            go = server.request({"op": "go", "run_id": run.run_id})
+            try:
+                go = server.request({"op": "go", "run_id": run.run_id})
+            except ForkServerUnavailable:
+                # The fork server died (or stopped answering) between the fork and the go: the worker got its go
+                # or not. Falling back would execute a released worker's run a second time; not falling back
+                # would leave an unreleased run unlaunched, its tag naming a worker that exited (run monitoring
+                # then failed the run the code server executes).
+                if self._released(run.run_id, worker):
+                    return worker
+                self._instance.add_run_tags(run.run_id, {WORKER_TAG: worker.to_tag(released=False)})
+                raise
             if not go.get("ok"):
                 raise DagsterLaunchFailedError(f"run worker {worker.pid} did not start: {go.get('error')}")
             return worker
+
+    def _released(self, run_id: str, worker: WarmWorker, wait_s: float = RELEASE_WAIT_S) -> bool:
+        """Whether a worker whose go's answer was lost got the go: its run left STARTING (the worker reports
+        RUN_START first), or it is still alive after `wait_s` (without a go it reads EOF and exits at once; one that
+        is only slow to exit is judged gone by run monitoring, and the run retried, never executed twice)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = worker.status()[0] == WorkerStatus.FAILED
+            run = self._instance.get_run_by_id(run_id)
+            if run is not None and run.status not in (DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED,
+                                                      DagsterRunStatus.STARTING):
+                return True
+            if gone:
+                return False
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.05)
 
     def launch_run(self, context: LaunchRunContext) -> None:
         run = context.dagster_run

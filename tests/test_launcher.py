@@ -295,6 +295,56 @@ def test_fork_server_death_loses_no_run(warm: Client) -> None:
     warm.wait(in_flight, {"SUCCESS"})
 
 
+@pytest.mark.parametrize("released", [False, True], ids=["before_the_go", "after_the_go"])
+def test_a_fork_server_dying_between_fork_and_go_executes_the_run_once(
+        services: Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, released: bool) -> None:
+    """The fork server dies after the fork and the worker's tag, while the launcher waits for the go's answer.
+    Before the go, the worker reads EOF and exits: the launch fell back to the code server, but the run's tag still
+    named the exited worker, and run monitoring would fail the run the code server executes. After the go, the
+    worker runs: the fallback launched the run a second time (here Dagster ignored that worker, the run having
+    finished; beside a longer run it executes it again). Now: a worker that got its go is the run's worker,
+    and one that did not names none (found by review). Launched in this process (no queue), so the launcher's
+    request to the fork server can be cut here."""
+    from orchestration.launcher import ForkServer, ForkServerUnavailable, WarmWorker, close_fork_servers
+
+    original = ForkServer.request
+
+    def go_answer_lost(self: ForkServer, message: Any, timeout: float = 30.0) -> dict[str, Any]:
+        if message.get("op") != "go":
+            return original(self, message, timeout)
+        if released:
+            assert original(self, message, timeout).get("ok")  # the worker has its go
+        os.kill(self.pid, signal.SIGKILL)
+        wait_until(lambda: self.process.poll() is not None, 10, "fork server gone")
+        raise ForkServerUnavailable("fork server exited")
+
+    monkeypatch.setattr(ForkServer, "request", go_answer_lost)
+    with launcher_home(services, tmp_path, WARM_LAUNCHER, queued=False) as h:
+        client = Client(h)
+        try:
+            run_id = client.submit("quick")
+            run = client.wait(run_id, {"SUCCESS", "FAILURE"})
+            events = client.events(run_id)
+            assert run.status.value == "SUCCESS", "\n".join(events)
+            ran = json.loads(client.wait_for_file(h.out / f"{run_id}.json"))
+            tagged = json.loads(run.tags[WORKER_TAG])
+            starts = [e for e in events if e.startswith(("PIPELINE_START:", "RUN_START:"))]
+            assert len(starts) == 1, "\n".join(events)  # executed once
+            # The executing process's last event: nothing writes to the instance's database after this test.
+            wait_until(lambda: any("Process for run exited" in e for e in client.events(run_id)), 20,
+                       "the run's process ended")
+            if released:
+                assert ran["pid"] == tagged["pid"] and WarmWorker.from_run(run) is not None
+                assert not any("falls back" in e for e in events), "\n".join(events)
+            else:
+                assert ran["pid"] != tagged["pid"], "the worker that never got its go ran the op"
+                assert WarmWorker.from_run(run) is None, run.tags  # run monitoring judges no exited worker
+                assert any("falls back to the code server" in e for e in events), "\n".join(events)
+        finally:
+            client.close()
+            close_fork_servers()
+
+
 def test_terminate_stops_the_worker_and_cancels_the_run(warm: Client) -> None:
     run_id = warm.submit("slow")
     pid = int(warm.wait_for_file(warm.h.out / f"{run_id}.pid"))
