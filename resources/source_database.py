@@ -194,23 +194,29 @@ class InnodbTrxStale(RuntimeError):
     right now: observe refuses rather than answers wrong, and asking again later (the next tick) is the remedy."""
 
 
-# PostgreSQL renders a date or timestamp's JSON text itself (to_char): the same text Spark's date_format gives for
-# years 1-9999 (tests/test_types.py), at a fraction of the cost of the JDBC driver parsing each value and Spark
-# formatting it again (a 1M-row read: Spark CPU -0.5 s, PostgreSQL +0.3 s). Finite values outside that range (BC,
-# year 10000 and later) still reach Spark raw and are rendered as before; +-infinity, which Spark cannot hold (its
-# read failed with "long overflow"), become the strings "infinity" / "-infinity", as NaN and Infinity do for
-# floats. A BC `timestamp` is rendered here too, as an astronomical year like Spark's text of a BC timestamptz or
-# date (44 BC: "-0043", 1 BC: "0000"): Spark's text of it dropped the era (44 BC came as "0044-..."). {c}: the
-# quoted column.
-PG_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (in range, text)
-    "timestamp": ("isfinite({c}) AND {c} < TIMESTAMP '10000-01-01'",
-                  "CASE WHEN {c} >= TIMESTAMP '0001-01-01' THEN to_char({c}, 'YYYY-MM-DD\"T\"HH24:MI:SS.US') "
+# PostgreSQL renders a date or timestamp's JSON text itself (to_char): the same text Spark's date_format gives
+# (tests/test_types.py), at a fraction of the cost of the JDBC driver parsing each value and Spark formatting it
+# again (a 1M-row read: Spark CPU -0.5 s, PostgreSQL +0.3 s). Years 10000 and later get ISO 8601's expanded form
+# with its sign, as Spark gives them ("+12345-01-01"); past Spark's range (year 294247) its read failed with a bare
+# "long overflow", and PostgreSQL goes on to 294276 (timestamps) and 5874897 (dates). +-infinity, which Spark cannot
+# hold either, become the strings "infinity" / "-infinity", as NaN and Infinity do for floats. A BC `timestamp` is
+# rendered here too, as an astronomical year like Spark's text of a BC timestamptz or date (44 BC: "-0043", 1 BC:
+# "0000"): Spark's text of it dropped the era (44 BC came as "0044-..."). BC `timestamptz` and `date` values still
+# reach Spark raw and are rendered there. {c}: the quoted column.
+PG_TEXT_RENDERING: dict[str, tuple[str, str]] = {  # kind -> (rendered here, text)
+    "timestamp": ("isfinite({c})",
+                  "CASE WHEN {c} >= TIMESTAMP '10000-01-01' THEN '+' || to_char({c}, 'YYYY-MM-DD\"T\"HH24:MI:SS.US') "
+                  "WHEN {c} >= TIMESTAMP '0001-01-01' THEN to_char({c}, 'YYYY-MM-DD\"T\"HH24:MI:SS.US') "
                   "WHEN EXTRACT(YEAR FROM {c}) = -1 THEN to_char({c}, '\"0000\"-MM-DD\"T\"HH24:MI:SS.US') "
                   "ELSE '-' || lpad(CAST(-1 - CAST(EXTRACT(YEAR FROM {c}) AS int) AS text), 4, '0') "
                   "|| to_char({c}, '-MM-DD\"T\"HH24:MI:SS.US') END"),
-    "timestamptz": ("{c} >= TIMESTAMPTZ '0001-01-01 00:00:00+00' AND {c} < TIMESTAMPTZ '10000-01-01 00:00:00+00'",
-                    "to_char({c} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US') || '+00:00'"),
-    "date": ("{c} >= DATE '0001-01-01' AND {c} < DATE '10000-01-01'", "to_char({c}, 'YYYY-MM-DD')"),
+    "timestamptz": ("isfinite({c}) AND {c} >= TIMESTAMPTZ '0001-01-01 00:00:00+00'",
+                    "CASE WHEN {c} >= TIMESTAMPTZ '10000-01-01 00:00:00+00' THEN '+' ELSE '' END "
+                    "|| to_char({c} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US') || '+00:00'"),
+    "date": ("isfinite({c}) AND {c} >= DATE '0001-01-01'",
+             # to_char takes a timestamp, whose range ends in 294276: a later date is its own text (the read's
+             # DateStyle is ISO: the JDBC driver sets it and refuses any other).
+             "CASE WHEN {c} >= DATE '10000-01-01' THEN '+' || CAST({c} AS text) ELSE to_char({c}, 'YYYY-MM-DD') END"),
 }
 
 # MariaDB/MySQL render DATE and DATETIME text themselves (DATE_FORMAT), for exactness: through the JDBC driver and

@@ -108,9 +108,9 @@ def test_postgres_types_round_trip(services, pg_database, pg_engine, dagster_ins
 
 def test_postgres_dates_and_timestamps_rendered_by_the_source_at_the_edges(services, pg_database, pg_engine,
                                                                           dagster_instance, spark, name) -> None:
-    """PostgreSQL renders dates and timestamps of years 1-9999 (to_char, TableShape.rendered_select); values
-    beyond (a year 10000 or later, also one reached only in UTC) still come raw and Spark renders them, and NULL
-    stays null: no value is lost or changed at the range's edges."""
+    """PostgreSQL renders dates and timestamps (to_char, TableShape.rendered_select) as Spark renders them, a year
+    10000 or later (also one reached only in UTC) with its sign, up to PostgreSQL's last values, beyond Spark's
+    range (the read failed there, found by review); NULL stays null: no value is lost or changed at the edges."""
     from resources.slices import SliceRange
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
@@ -127,7 +127,9 @@ def test_postgres_dates_and_timestamps_rendered_by_the_source_at_the_edges(servi
             # Days the Julian calendar lacks: JDBC's java.sql types shifted them by ten days before.
             ("1582-10-10 12:00:00", "1582-10-10 12:00:00+00", "1582-10-14"),
             ("-infinity", "infinity", "infinity"),
-            (None, "0044-03-15 12:00:00+00 BC", "0044-03-15 BC")]
+            (None, "0044-03-15 12:00:00+00 BC", "0044-03-15 BC"),
+            # PostgreSQL's last values, past Spark's range (year 294247): the read failed, "long overflow".
+            ("294276-12-31 23:59:59.999999", "294276-12-31 23:59:59.999999+00", "5874897-12-31")]
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, c_ts timestamp, c_tstz timestamptz, "
                           "c_date date)"))
@@ -136,18 +138,18 @@ def test_postgres_dates_and_timestamps_rendered_by_the_source_at_the_edges(servi
                          dict(zip("abc", row, strict=True)))
     with pg_engine.connect() as conn:  # Python's datetime has years 1-9999 only, and no infinity
         conn.execute(text("SET TIME ZONE 'UTC'"))
-        readable = conn.execute(text(f"SELECT * FROM {name} WHERE id NOT IN (7, 8, 10, 11)"))
+        readable = conn.execute(text(f"SELECT * FROM {name} WHERE id NOT IN (7, 8, 10, 11, 12)"))
         expected = {r.id: dict(r._mapping) for r in readable}
     source = SourceDatabaseResource(url=source_url(pg_database))
     try:
         shape = source.table_shape("public", name, "id")
         reader = SparkResource(master="local[2]", jars=services.jdbc_jars)
-        frame = reader.read_slice(source, shape, SliceRange(0, 11), 11)
+        frame = reader.read_slice(source, shape, SliceRange(0, 12), 12)
         assert {"__rowrelay_text_1", "__rowrelay_text_2", "__rowrelay_text_3"} <= set(frame.columns)
     finally:
         source.dispose()
-    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 11)
-    assert [value["id"] for value in got] == list(range(1, 12))
+    got = _run_table(services, pg_database, dagster_instance, f"public.{name}", 12)
+    assert [value["id"] for value in got] == list(range(1, 13))
     for value in got:
         if value["id"] in expected:
             assert value == {col: _expected(v) for col, v in expected[value["id"]].items()}
@@ -165,6 +167,8 @@ def test_postgres_dates_and_timestamps_rendered_by_the_source_at_the_edges(servi
                       "c_date": "+12345-01-01"}
     assert got[7] == {"id": 8, "c_ts": "9999-12-31T23:00:00.000000", "c_tstz": "+10000-01-01T00:59:59.999999+00:00",
                       "c_date": "9999-12-31"}
+    assert got[11] == {"id": 12, "c_ts": "+294276-12-31T23:59:59.999999",
+                       "c_tstz": "+294276-12-31T23:59:59.999999+00:00", "c_date": "+5874897-12-31"}
 
 
 def test_postgres_json_text_is_spliced_verbatim(services, pg_database, pg_engine, dagster_instance, spark, name):
