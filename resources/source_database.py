@@ -440,8 +440,11 @@ class TableShape:
         """The select list of a slice read where the source renders some columns' text (None: none does).
 
         Each rendered column also comes raw where its text does not serve (`source_rendering`), so the JDBC driver
-        skips parsing the others; the watermark and tie_break stay whole (the read filters and sorts on them)."""
-        if not any(c.source_text or c.utf8_bytes or c.utf8_shadow for c in self.columns) and not self.tie_order:
+        skips parsing the others; the watermark and tie_break stay whole (the read filters and sorts on them).
+        MariaDB/MySQL: always a select list, naming every column: `SELECT *` leaves INVISIBLE columns out, which the
+        reflected columns include (the read failed on them)."""
+        if (not any(c.source_text or c.utf8_bytes or c.utf8_shadow for c in self.columns) and not self.tie_order
+                and self.dialect != "mysql"):
             return None
         whole = {self.watermark, self.tie_break}
         rendered = self.source_texts

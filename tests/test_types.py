@@ -294,6 +294,19 @@ def test_mariadb_wide_decimals_are_exact(services, mariadb_database, mariadb_eng
     assert got[0]["c_d20u"] == "99999999999999999999"  # a DECIMAL, even unsigned with scale 0, is a string
 
 
+def test_mariadb_invisible_column_is_sent_like_the_others(services, mariadb_database, mariadb_engine,
+                                                          dagster_instance, spark, name) -> None:
+    """An INVISIBLE column is in the table's reflected columns, but `SELECT *` leaves it out: a table whose read
+    needed no select list of its own (no date, time, float or UTF-8 text column) failed every run with Spark's
+    "cannot be resolved", while one with such a column sent it (found by review). Its value is sent, always."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id BIGINT AUTO_INCREMENT PRIMARY KEY, a INT, b INT INVISIBLE, "
+                          "g INT AS (a + 1) VIRTUAL)"))
+        conn.execute(text(f"INSERT INTO {name} (a, b) VALUES (1, 2), (3, NULL)"))
+    got = _run_table(services, mariadb_database, dagster_instance, name, 2)
+    assert got == [{"id": 1, "a": 1, "b": 2, "g": 2}, {"id": 2, "a": 3, "b": None, "g": 4}]
+
+
 @pytest.mark.parametrize("spark_remote", [False, True], ids=["local-spark", "spark-connect"])
 def test_mariadb_dates_arrive_as_stored(services, mariadb_database, mariadb_engine, dagster_instance, spark, name,
                                         spark_remote: bool) -> None:
