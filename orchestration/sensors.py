@@ -304,12 +304,14 @@ class CutPlan:
 def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transaction_timeout_ms: int) -> int:
     """Rows a slice may hold so that its transaction ends well within `transaction.timeout.ms`: a transaction that
     outlives it is aborted by the broker and can never commit. Judged from the table's recent slices (their rows
-    per second inside the transaction), with a 2x margin; no history, no limit beyond `slice_max_rows`."""
+    per second inside the transaction), with a 2x margin, never below 1000 rows; no history, no limit beyond
+    `slice_max_rows`, which always bounds it (a `slice_max_rows` under 1000 was raised to 1000 once the table had
+    slices of 1000 rows or more)."""
     timed = [r for r in recent if r.rows >= 1000 and r.transaction_s > 0]
     if not timed:
         return slice_max_rows
     rate = min(r.rows / r.transaction_s for r in timed[-5:])  # the slowest recent slice
-    return max(1000, min(slice_max_rows, int(rate * transaction_timeout_ms / 1000 / 2)))
+    return min(slice_max_rows, max(1000, int(rate * transaction_timeout_ms / 1000 / 2)))
 
 
 def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, channel: TableChannel,

@@ -453,6 +453,10 @@ def test_transaction_timeout_bounds_slice_size() -> None:
     assert slice_rows_limit(100_000, [rec(10_000, 10.0)], 60_000) == 30_000  # 1k rows/s: 30k rows in 30 s
     assert slice_rows_limit(100_000, [rec(10_000, 1000.0)], 60_000) == 1_000  # never below 1000 rows
     assert slice_rows_limit(100_000, [rec(10, 100.0)], 60_000) == 100_000  # too few rows to judge
+    # A configured size under 1000 holds whatever the history (it was raised to 1000 once slices of 1000 rows had
+    # committed: a lowered slice_max_rows, e.g. for wide rows, was ignored; found by review).
+    assert slice_rows_limit(100, [rec(5_000, 2.0)], 600_000) == 100
+    assert slice_rows_limit(100, [rec(10_000, 1000.0)], 60_000) == 100
 
 
 
