@@ -405,7 +405,9 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     # baseline up) did not continue a chain from 0 and were deleted as orphans.
     if progress is None and (missing := progress_recorded_refusal(channel, recorded)) is not None:
         raise missing
-    if progress is None and table.start_after == "latest" and not slices:
+    # Slices over empty progress were cut under another `start_after` (a baseline is progress): orphans, once the
+    # baseline is recorded. Left as a chain from 0, they sent the history `latest` skips (found by review).
+    if progress is None and table.start_after == "latest":
         if not write:
             # The new state keeps a pending candidate, so the dry run waits for open transactions as the backfill's
             # baseline would (a CI run caught it answering "not final yet" at once while another test's was open).
@@ -416,13 +418,20 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
                 at = "the safe watermark (not final yet: a transaction that may write below it is still open)"
             else:  # as latest_baseline records it: an empty table's every row to come is new
                 at = f"{shape.watermark_text(0)} (the table is empty: every row it gets will be sent)"
-            return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps, waiting=(
-                "start_after: latest: its baseline is not recorded yet; a backfill or the sensor would record it at "
-                f"{at}"))
+            return CutPlan(channel.start_after, slices if heal else [], [], [], state, timestamps=shape.timestamps,
+                           waiting=("start_after: latest: its baseline is not recorded yet; a backfill or the sensor "
+                                    f"would record it at {at}"))
         progress, state = latest_baseline(source, shape, table, channel, conf, state, recorded)
-        if progress is None:
-            return CutPlan(channel.start_after, [], [], [], state, timestamps=shape.timestamps,
+        if progress is None:  # the slices go now: no publisher takes them, and the next tick may not see them
+            return CutPlan(channel.start_after, slices if heal else [], [], [], state, timestamps=shape.timestamps,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
+        # Below the baseline they would pass for committed slices (never published): deleted all the same. Only
+        # below a baseline: progress another cutter committed meanwhile (this read stale) keeps its slices.
+        below = progress.slice.startswith("baseline-")
+        pre_baseline = [s for s in slices if below and s.lo < progress.hi]
+        slices = [s for s in slices if s not in pre_baseline]
+    else:
+        pre_baseline = []
     refuse_watermark_change(progress, shape.watermark_id)  # before any cut: "nothing new" would skip rows too
     # `topic:` moved back to a topic it had left: the publisher refuses (two deployments sharing the progress).
     if refuse and progress is not None and (shared := progress_shared(conf, channel, progress)) is not None:
@@ -430,10 +439,10 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     if progress is None:
         refuse_start_after_kind(shape, table)
     committed_hi = progress.hi if progress else channel.start_after
-    if progress is None and not slices:
+    if progress is None:  # also over slices cut under another `start_after` (`-1` then unset skipped row 0)
         check_start_after(source, shape, table, committed_hi)
     ledger = reconcile(slices, committed_hi)
-    delete = ledger.orphans if heal else []
+    delete = pre_baseline + ledger.orphans if heal else []
     max_rows = slice_rows_limit(table.slice_max_rows, recent, transaction_timeout_ms(conf))
     chain, frontier = ledger.chain, ledger.frontier
     if resplit and chain:
@@ -521,6 +530,8 @@ TIMED_OUT = "transaction_timeout"  # the STOPPED_TAG value of a run whose transa
 NEXT_STEP = {
     "schema_change": "the table's columns changed and `on_schema_change: fail` stops it: check the change, then "
                      "`rowrelay schema accept --table ID --reason ...` and run it again",
+    "baseline_missing": "the slice was cut before `start_after: latest`: the next tick (or `rowrelay backfill`) "
+                        "records the baseline and deletes such slices; nothing to do",
     "fenced": "another publisher of the table took over (the daemon's run or a backfill): it publishes the "
               "slices; nothing is lost",
     "bad_row": "fix the row (or list its watermark in `skip_watermarks`) and run it again",
@@ -733,6 +744,11 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
     if chain is None or (chain and not instance.has_dynamic_partition(partitions.name, chain[0].key)):
         stored = open_keys(instance, partitions.name, committed_hi)
         chain = reconcile([SliceRange.from_key(k) for k in stored], committed_hi).chain
+    if progress is None and table.start_after == "latest" and chain:
+        # Cut under another `start_after` before the first commit: no chain until the baseline is recorded
+        # (`plan_cut` records it and deletes them), never resumed.
+        stored = open_keys(instance, partitions.name, committed_hi) if stored is None else stored
+        chain = []
     state = SensorState(state.pending, chain, state.waiting_since, state.table)
     job_label = job_name if group else None
 

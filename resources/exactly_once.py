@@ -148,6 +148,11 @@ class ProgressMissing(RelayError):
         self.topic_watermark = topic_watermark  # the highest watermark of the table already in the topic
 
 
+class BaselineMissing(RelayError):
+    """A `start_after: latest` table has no baseline in its progress yet: a slice cut before it (under another
+    `start_after`) would send the history `latest` skips."""
+
+
 class ProgressShared(RelayError):
     """The table's progress moved to another topic and back: two deployments share it under one
     transactional_id_prefix, each skipping the rows the other sent."""
@@ -176,13 +181,18 @@ class TableChannel:
     topic_partitions: int = 1
     replication_factor: int = -1  # -1: the broker's default
     keyed: bool = True  # the table's messages carry a key (`key:` other than none)
+    # `start_after: latest`: nothing is published over empty progress; a baseline is recorded first
+    # (`publish_baseline`), and `start_after` (0) means nothing then.
+    baseline_required: bool = False
 
     @classmethod
     def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
-                  replication_factor: int = -1, prefix: str = "rowrelay", keyed: bool = True) -> TableChannel:
+                  replication_factor: int = -1, prefix: str = "rowrelay", keyed: bool = True,
+                  baseline_required: bool = False) -> TableChannel:
         return cls(table=table, topic=topic, progress_topic=progress_topic_name(prefix, table),
                    transactional_id=f"{prefix}.{table}", start_after=start_after,
-                   topic_partitions=topic_partitions, replication_factor=replication_factor, keyed=keyed)
+                   topic_partitions=topic_partitions, replication_factor=replication_factor, keyed=keyed,
+                   baseline_required=baseline_required)
 
 
 @dataclass(frozen=True)
@@ -1525,6 +1535,13 @@ class SlicePublisher:
         self.on_stage("progress_read")
         if committed is None:
             self._refuse_if_progress_missing(slice_range.timestamps)
+            if self.channel.baseline_required:
+                # Cut before `start_after` became `latest` (found by review: the whole history was sent).
+                raise BaselineMissing(
+                    f"{self.channel.table}: start_after is latest, and no baseline is recorded yet: slice "
+                    f"{slice_range} was cut before (under another start_after) and would send rows `latest` skips. "
+                    "Nothing was sent; the table's sensor (or `rowrelay backfill`) records the baseline at the "
+                    "newest final row and deletes such slices")
         else:
             if watermark is not None:
                 refuse_watermark_change(committed, watermark)

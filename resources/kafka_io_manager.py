@@ -12,6 +12,7 @@ from resources.config import resolve_env
 from resources.exactly_once import (
     WATERMARK_HEADER,
     BadRowError,
+    BaselineMissing,
     MessageBatch,
     ProducerSettingsError,
     ProgressMissing,
@@ -68,6 +69,7 @@ COMMITTED_BEFORE_FAILURE_TAG = "rowrelay/committed_before_failure"
 STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
     (TransactionTimedOut, "transaction_timeout"),  # before "fenced": the coordinator's abort looks like one
     (ProgressMissing, "progress_missing"),
+    (BaselineMissing, "baseline_missing"),
     (ProducerSettingsError, "producer_settings"),
     (TopicSettingsError, "topic_settings"),
     (SliceRowsMismatch, "rows_mismatch"),

@@ -55,6 +55,35 @@ def test_start_after_changed_before_first_commit_heals(services, pg_database, pg
     assert keys == ["000000000005-000000000010"]  # the orphan is gone, the range re-cut from progress
 
 
+def test_start_after_latest_set_before_first_commit_sends_no_history(services, pg_database, pg_engine,
+                                                                    dagster_instance, spark, name) -> None:
+    """Slices cut from 0, then `start_after: latest` before anything committed (the first load failed, or was
+    still queued): the old slices still made a chain from 0, the sensor resumed it, its runs published it, and the
+    whole history `latest` skips was sent (found by review). A run of such a slice is refused now, sending nothing,
+    and the sensor records the baseline and deletes those slices."""
+    from tests.test_errors import failure_text
+
+    _pg_table(pg_engine, name, 300)
+    first = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
+    (old,) = first.cut(first.table())  # cut, never run
+    latest = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after="latest")]),
+                     dagster_instance)
+    table = latest.table()
+    refused = latest.run(table, old, raise_on_error=False)  # queued before the change, run after it
+    assert not refused.success
+    said = failure_text(refused)
+    assert "start_after is latest, and no baseline is recorded yet" in said and "Nothing was sent" in said, said
+    assert read_topic(services.kafka_bootstrap, table.topic_name) == [] and latest.progress(table) is None
+    with pg_engine.begin() as conn:  # rows 301-310 arrive before the sensor's next tick
+        conn.execute(text(f"INSERT INTO {name} (v) SELECT 'n' || g FROM generate_series(1, 10) g"))
+    assert latest.baseline(table).hi == 310
+    assert dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []  # the old slice: gone
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES ('after')"))
+    latest.drain(table, until_hi=311, timeout=60)
+    assert _ids(services, table) == [311]
+
+
 def _recreated_with_the_old_max_pending(services, pg_database, pg_engine, dagster_instance, name):
     """A table of ids 1..10 whose max the sensor's cursor keeps pending (a transaction held an xid through the
     tick), then dropped and re-created with ids 1..3. Returns the harness and the table."""
@@ -292,7 +321,13 @@ def test_rows_at_or_below_zero_are_refused_unless_start_after_says(services, pg_
         h.tick(h.table())
     assert h.progress(h.table()) is None
     assert read_topic(services.kafka_bootstrap, h.table().topic_name) == []
-    h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after=-4)]), dagster_instance)
+    below = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after=-4)]), dagster_instance)
+    assert below.cut(below.table()) != []  # cut, never run
+    # `start_after` unset again before anything committed: those slices were deleted as orphans and the table was cut
+    # from 0, skipping -3 and 0 without a word (found by review). Refused as before any cut.
+    with pytest.raises(Exception, match=r"rows with watermark <= 0 exist \(the lowest is -3\)"):
+        Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance).tick(h.table())
+    h = below
     h.drain(h.table(), until_hi=2, timeout=60)
     assert _ids(services, h.table()) == [-3, 0, 1, 2]
 
