@@ -148,6 +148,10 @@ class ProgressMissing(RelayError):
         self.topic_watermark = topic_watermark  # the highest watermark of the table already in the topic
 
 
+class SliceMessagesGone(RelayError):
+    """A committed slice's recorded offsets hold other messages of its table: its data topic was re-created."""
+
+
 class BaselineMissing(RelayError):
     """A `start_after: latest` table has no baseline in its progress yet: a slice cut before it (under another
     `start_after`) would send the history `latest` skips."""
@@ -1169,8 +1173,18 @@ def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, 
     try:
         for partition, (first, last) in sorted(record.offsets.items(), key=lambda kv: int(kv[0])):
             tp = TopicPartition(record.topic, int(partition))
-            yield from (m for m in _read_range(consumer, tp, first, last + 1, timeout)
-                        if is_table_message(m.headers(), table))
+            for m in _read_range(consumer, tp, first, last + 1, timeout):
+                if not is_table_message(m.headers(), table):
+                    continue
+                if (wm := message_watermark(m)) is not None and not record.lo < wm <= record.hi:
+                    raise SliceMessagesGone(
+                        f"{record.table}: the table's message at offset {m.offset()} of {record.topic} partition "
+                        f"{partition} has watermark {wm}, outside slice {record.slice}, whose progress record names "
+                        "that offset: the topic no longer holds the slice's messages (deleted and re-created, or "
+                        "its log truncated), so they cannot be read back by their offsets. Nothing was read for it. "
+                        "`rowrelay verify` compares the topic with the source; to send the rows again, see the "
+                        "README runbook (\"The data topic was deleted\")")
+                yield m
     finally:
         consumer.close()
 
