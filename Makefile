@@ -51,7 +51,7 @@ run: stack
 # stack (Spark, Kafka, the daemon), and every test has its own databases, topics and Dagster instance.
 test: stack
 	$(PY) -m ruff check .
-	$(WITH_ENV) $(PY) -m pytest -q -n 2 --dist loadfile tests -m "not faults and not bench"
+	$(WITH_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests -m "not faults and not bench"
 
 test-unit: install
 	$(PY) -m pytest -q tests -m "not integration and not faults and not bench"
