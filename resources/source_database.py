@@ -1130,10 +1130,11 @@ class SourceDatabaseResource(ConfigurableResource):
         (SELECT, WITH, SHOW: reports, Spark's own reads) are left out: a report query must not hold the table
         back for its whole length. Not covered: a SELECT whose stored function inserts into the table.
         A statement of the event scheduler runs under COMMAND 'Connect' (a client still logging in has no INFO, and
-        is left out with a replica's I/O thread, which has none either).
+        is left out with a replica's I/O thread, which has none either); a batch a driver sends in one round trip
+        (Connector/J's `executeBatch`, Connector/C's array binding) under 'Bulk_execute'.
         `now`: the database clock read before this look (NOW(6), in microseconds), so each start is estimated no
         later than it was; a second is taken off for MySQL, whose processlist counts whole seconds."""
-        running_statement = ("ID <> CONNECTION_ID() AND (COMMAND IN ('Query', 'Execute') "
+        running_statement = ("ID <> CONNECTION_ID() AND (COMMAND IN ('Query', 'Execute', 'Bulk_execute') "
                              "OR (COMMAND = 'Connect' AND INFO IS NOT NULL))")
         try:
             rows = conn.execute(sa.text(
