@@ -703,6 +703,8 @@ class SourceDatabaseResource(ConfigurableResource):
             self.check_watermark_times(shape, label)  # one indexed probe
         if self.dialect == "mysql" and shape.timestamps:
             self.check_mysql_datetime_watermark(shape, label)  # one catalog row
+        if self.dialect == "mysql" and not shape.timestamps:
+            self.check_mysql_sequence_watermark(shape, label)  # one catalog row (two with a sequence DEFAULT)
         return shape
 
     def _text_charsets(self, schema: str | None, table: str) -> tuple[dict[str, str], set[str]]:
@@ -1336,6 +1338,33 @@ class SourceDatabaseResource(ConfigurableResource):
                     f"clause (`ALTER TABLE {shape.name} MODIFY {shape.watermark} <its type and DEFAULT, without "
                     "ON UPDATE>`) or choose a watermark that is set once, when the row is inserted (an "
                     "AUTO_INCREMENT id, a creation time); nothing was sent")
+
+    def check_mysql_sequence_watermark(self, shape: TableShape, label: str) -> None:
+        """Refuse a MariaDB integer watermark whose DEFAULT draws from a SEQUENCE (`DEFAULT NEXTVAL(s)`) on a table
+        with a BEFORE INSERT trigger. The id is drawn as the row's defaults are filled, before the trigger runs,
+        while InnoDB lists the transaction only once it writes the row: a trigger that takes seconds holds an
+        id no cut can wait for, which committed below a cut made meanwhile and was never sent (found by review).
+        AUTO_INCREMENT is drawn as the row is written, after the triggers. Triggers are listed only to a role with
+        the TRIGGER privilege on the table: without it this is not seen (README)."""
+        with self.engine.connect() as conn:
+            default = conn.execute(sa.text(
+                "SELECT COLUMN_DEFAULT FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = "
+                "COALESCE(:schema, DATABASE()) AND TABLE_NAME = :table AND COLUMN_NAME = :column"),
+                {"schema": shape.schema, "table": shape.name, "column": shape.watermark}).scalar()
+            if not default or not re.search(r"\bnextval\s*\(", default, re.IGNORECASE):
+                return
+            triggers = conn.execute(sa.text(
+                "SELECT TRIGGER_NAME FROM information_schema.TRIGGERS WHERE EVENT_OBJECT_SCHEMA = "
+                "COALESCE(:schema, DATABASE()) AND EVENT_OBJECT_TABLE = :table AND EVENT_MANIPULATION = 'INSERT' "
+                "AND ACTION_TIMING = 'BEFORE' ORDER BY ACTION_ORDER"),
+                {"schema": shape.schema, "table": shape.name}).scalars().all()
+        if triggers:
+            raise SourceError(
+                f"{label}: watermark column {shape.watermark!r} takes its ids from a sequence (DEFAULT {default}), "
+                f"and BEFORE INSERT trigger(s) {', '.join(triggers)} run after the id is drawn but before InnoDB "
+                "lists the inserting transaction: while a trigger runs, no cut can see that id is still to come, "
+                "and a row committed below a cut is never sent. Take the ids from AUTO_INCREMENT (drawn as the row "
+                "is written, after the triggers); nothing was cut or sent")
 
     def _range_message(self, shape: TableShape, value: int) -> str:
         label = shape.label
