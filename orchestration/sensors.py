@@ -261,7 +261,7 @@ def trickle_text(plan: "CutPlan", table: TableConfig, now: float) -> str | None:
     """Why final rows are not cut yet when trickle batching holds them, or None. The tick showed Dagster's "Sensor
     function returned an empty result" for up to `max_slice_delay_seconds` (found by review)."""
     since = plan.state.waiting_since
-    if since is None:
+    if since is None or plan.state.unsettled:  # rows not final yet: not trickle batching's doing
         return None
     above = plan.chain[-1].hi if plan.chain else plan.committed_hi
     left = max(0.0, table.max_slice_delay_seconds - (now - since))
@@ -442,7 +442,9 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
     if progress is None:  # also over slices cut under another `start_after` (`-1` then unset skipped row 0)
         check_start_after(source, shape, table, committed_hi)
     ledger = reconcile(slices, committed_hi)
-    delete = pre_baseline + ledger.orphans if heal else []
+    # Slices below a baseline go even beside active runs: no run can publish them (found by review: a backfill
+    # beside a running run left them for good, and a later run of one materialized "already committed").
+    delete = pre_baseline + (ledger.orphans if heal else [])
     max_rows = slice_rows_limit(table.slice_max_rows, recent, transaction_timeout_ms(conf))
     chain, frontier = ledger.chain, ledger.frontier
     if resplit and chain:

@@ -1174,9 +1174,18 @@ def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, 
         for partition, (first, last) in sorted(record.offsets.items(), key=lambda kv: int(kv[0])):
             tp = TopicPartition(record.topic, int(partition))
             for m in _read_range(consumer, tp, first, last + 1, timeout):
-                if not is_table_message(m.headers(), table):
+                own, wm = False, None  # the headers read once (this runs per message of every read-back)
+                for key, value in m.headers() or ():
+                    if key == REPLAY_HEADER:
+                        own = False
+                        break
+                    if key == TABLE_HEADER:
+                        own = value == table
+                    elif key == WATERMARK_HEADER:
+                        wm = int(value)
+                if not own:
                     continue
-                if (wm := message_watermark(m)) is not None and not record.lo < wm <= record.hi:
+                if wm is not None and not record.lo < wm <= record.hi:
                     raise SliceMessagesGone(
                         f"{record.table}: the table's message at offset {m.offset()} of {record.topic} partition "
                         f"{partition} has watermark {wm}, outside slice {record.slice}, whose progress record names "

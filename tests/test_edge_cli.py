@@ -1,5 +1,6 @@
 """Edges of the CLI found by review: a `start_after: latest` table whose progress topic was lost, a backfill of a
-trickle-batched table, a replay whose commit timed out, and a replay after the data topic was re-created."""
+trickle-batched table, a replay whose commit timed out, a replay after the data topic was re-created, and
+slices cut before `start_after: latest`."""
 
 from __future__ import annotations
 
@@ -262,3 +263,37 @@ def test_a_replay_after_the_data_topic_was_recreated_refuses_the_messages_now_at
     assert not [m for m in read_topic(services.kafka_bootstrap, table.topic_name) if "rowrelay.replay" in m.headers]
     with pytest.raises(SliceMessagesGone):  # what load_input and slice_parity read through
         list(read_published_messages({"bootstrap.servers": services.kafka_bootstrap}, first))
+
+
+# ------------------------------------------------------------- `start_after: latest` set over slices a run is using
+
+
+def test_a_backfill_beside_a_running_run_deletes_the_slices_cut_before_start_after_latest(
+        services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
+        monkeypatch) -> None:
+    """Slices cut from 0, then `start_after: latest`, and a backfill while a run of the table is running: the
+    backfill recorded the baseline but, beside an active run, deleted nothing, and no later tick did (they lie
+    below the baseline, where only committed slices are looked for): a run of one then materialized "already
+    committed" for rows never sent (found by review). They go with the baseline now: no run can publish them."""
+    from dagster import DagsterRunStatus
+    from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
+
+    from orchestration.factory import job_name
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    serial_table(pg_engine, name, 30)
+    spec = {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 10}
+    first = Harness(relay_config(services, {"src": pg_database}, [spec]), dagster_instance)
+    assert first.cut(first.table()) == [f"{SliceRange(0, 10).key}...{SliceRange(20, 30).key}"]  # one run, never run
+    cfg = relay_config(services, {"src": pg_database}, [{**spec, "start_after": "latest"}])
+    table = cfg.tables[0]
+    running = create_run_for_test(dagster_instance, job_name=job_name(table), status=DagsterRunStatus.STARTED)
+    try:
+        assert main(["--config", config_file_for(cfg, tmp_path / "c.yaml"), "backfill", "--table",
+                     table.table_id]) == 0
+    finally:
+        dagster_instance.report_run_canceled(running)
+    progress = Harness(cfg, dagster_instance).progress(table)
+    assert progress is not None and (progress.slice, progress.hi) == ("baseline-30", 30)
+    assert dagster_instance.get_dynamic_partitions(f"{table.dagster_name}__slices") == []
+    assert read_topic(services.kafka_bootstrap, table.topic_name) == []
