@@ -253,19 +253,21 @@ def test_postgres_renders_dates_and_timestamps_except_watermark_and_tie_break_ra
     ts = "'YYYY-MM-DD\"T\"HH24:MI:SS.US'"
     expected = [
         '"id"', '"at"', '"seen"',  # the watermark and the tie_break: whole (the read filters and sorts on them)
-        """CASE WHEN NOT ("day" >= DATE '0001-01-01' AND "day" < DATE '10000-01-01') AND isfinite("day") """
+        """CASE WHEN NOT (isfinite("day") AND "day" >= DATE '0001-01-01') AND isfinite("day") """
         """THEN "day" END AS "day\"""",
-        # a BC timestamp rendered too, as an astronomical year (44 BC: -0043), as Spark gives a BC timestamptz
-        f"""CASE WHEN isfinite("at") AND "at" < TIMESTAMP '10000-01-01' THEN CASE WHEN "at" >= TIMESTAMP """
-        f"""'0001-01-01' THEN to_char("at", {ts}) WHEN EXTRACT(YEAR FROM "at") = -1 THEN to_char("at", """
-        """'"0000"-MM-DD"T"HH24:MI:SS.US') ELSE '-' || lpad(CAST(-1 - CAST(EXTRACT(YEAR FROM "at") AS int) AS """
-        """text), 4, '0') || to_char("at", '-MM-DD"T"HH24:MI:SS.US') END """
+        # every finite timestamp rendered: a year from 10000 with its sign (past Spark's range too), a BC one as an
+        # astronomical year (44 BC: -0043), as Spark gives a BC timestamptz
+        f"""CASE WHEN isfinite("at") THEN CASE WHEN "at" >= TIMESTAMP '10000-01-01' THEN '+' || to_char("at", """
+        f"""{ts}) WHEN "at" >= TIMESTAMP '0001-01-01' THEN to_char("at", {ts}) WHEN EXTRACT(YEAR FROM "at") = -1 """
+        """THEN to_char("at", '"0000"-MM-DD"T"HH24:MI:SS.US') ELSE '-' || lpad(CAST(-1 - CAST(EXTRACT(YEAR FROM """
+        """"at") AS int) AS text), 4, '0') || to_char("at", '-MM-DD"T"HH24:MI:SS.US') END """
         """WHEN NOT isfinite("at") THEN "at"::text END AS "__rowrelay_text_1\"""",
-        """CASE WHEN "seen" >= TIMESTAMPTZ '0001-01-01 00:00:00+00' """
-        """AND "seen" < TIMESTAMPTZ '10000-01-01 00:00:00+00' """
-        f"""THEN to_char("seen" AT TIME ZONE 'UTC', {ts}) || '+00:00' """
+        """CASE WHEN isfinite("seen") AND "seen" >= TIMESTAMPTZ '0001-01-01 00:00:00+00' """
+        """THEN CASE WHEN "seen" >= TIMESTAMPTZ '10000-01-01 00:00:00+00' THEN '+' ELSE '' END """
+        f"""|| to_char("seen" AT TIME ZONE 'UTC', {ts}) || '+00:00' """
         """WHEN NOT isfinite("seen") THEN "seen"::text END AS "__rowrelay_text_2\"""",
-        """CASE WHEN "day" >= DATE '0001-01-01' AND "day" < DATE '10000-01-01' THEN to_char("day", 'YYYY-MM-DD') """
+        """CASE WHEN isfinite("day") AND "day" >= DATE '0001-01-01' THEN CASE WHEN "day" >= DATE '10000-01-01' """
+        """THEN '+' || CAST("day" AS text) ELSE to_char("day", 'YYYY-MM-DD') END """
         """WHEN NOT isfinite("day") THEN "day"::text END AS "__rowrelay_text_3\"""",
     ]
     assert shape.rendered_select(lambda n: f'"{n}"') == ", ".join(expected)
