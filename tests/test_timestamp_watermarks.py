@@ -664,6 +664,7 @@ def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
     engine.dispose()
 
 
+@pytest.mark.integration
 def test_a_time_as_start_after_of_an_integer_watermark_is_refused(services, pg_database, pg_engine,
                                                                   dagster_instance, name) -> None:
     """`start_after: 2026-01-01T00:00:00Z` on an id watermark became 1.767e15 microseconds: every id below it was
