@@ -338,17 +338,9 @@ def test_mariadb_datetime_watermark_equal_times_and_out_of_order_commits(
     assert ordered == sorted(ordered) and [n for _, n in ordered] == list(range(1, 701))
 
 
-@pytest.mark.integration
-def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_cut(
-        services, mariadb_database, dagster_instance, spark, name) -> None:
-    """A row's CURRENT_TIMESTAMP(6) is its statement's start, but InnoDB lists the statement's transaction only
-    once it first touches a row: an INSERT whose expression takes seconds (a slow function, a subquery on a
-    non-InnoDB table, a lock wait) wrote a time below a row committed meanwhile, which was cut once settled: the
-    slow row committed below progress and was never sent (found by review). Here it runs inside a transaction that
-    stays open after it. A long report query, which writes nothing, does not hold the cut."""
-    import threading
-    import time
-
+def _relayed_datetime_table(services, mariadb_database, dagster_instance, name):
+    """A MariaDB table (n, created_at DATETIME(6) DEFAULT CURRENT_TIMESTAMP(6)) with row 1 relayed, written in UTC;
+    (its engine, config, harness, table) for the running-statement guard's cases."""
     engine = create_engine(mariadb_database, connect_args={"init_command": "SET time_zone = '+00:00'"},
                            isolation_level="AUTOCOMMIT")
     with engine.connect() as conn:
@@ -360,6 +352,21 @@ def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_
     h = Harness(cfg, dagster_instance)
     table = h.table()
     h.drain(table)
+    return engine, cfg, h, table
+
+
+@pytest.mark.integration
+def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_cut(
+        services, mariadb_database, dagster_instance, spark, name) -> None:
+    """A row's CURRENT_TIMESTAMP(6) is its statement's start, but InnoDB lists the statement's transaction only
+    once it first touches a row: an INSERT whose expression takes seconds (a slow function, a subquery on a
+    non-InnoDB table, a lock wait) wrote a time below a row committed meanwhile, which was cut once settled: the
+    slow row committed below progress and was never sent (found by review). Here it runs inside a transaction that
+    stays open after it. A long report query, which writes nothing, does not hold the cut."""
+    import threading
+    import time
+
+    engine, cfg, h, table = _relayed_datetime_table(services, mariadb_database, dagster_instance, name)
 
     def slow_insert() -> None:  # its row's time is its statement's start; InnoDB sees it 4 s later
         with engine.connect() as conn:
@@ -418,18 +425,9 @@ def test_mariadb_event_scheduler_statement_holds_the_cut(services, mariadb_datab
     (its time the statement's start, 4 s earlier) committed below progress and was never sent (found by review)."""
     import time
 
-    engine = create_engine(mariadb_database, connect_args={"init_command": "SET time_zone = '+00:00'"},
-                           isolation_level="AUTOCOMMIT")
+    engine, cfg, h, table = _relayed_datetime_table(services, mariadb_database, dagster_instance, name)
     with engine.connect() as conn:
         scheduler_was = conn.execute(text("SELECT @@GLOBAL.event_scheduler")).scalar()
-        conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, created_at DATETIME(6) NOT NULL "
-                          "DEFAULT CURRENT_TIMESTAMP(6), INDEX (created_at))"))
-        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1)"))
-    cfg = relay_config(services, {"src": mariadb_database}, [
-        {"source": "src", "table": name, "watermark": "created_at", "settle_seconds": 0.5, "key": ["n"]}])
-    h = Harness(cfg, dagster_instance)
-    table = h.table()
-    h.drain(table)
     try:
         with engine.connect() as conn:
             conn.execute(text("SET GLOBAL event_scheduler = ON"))
@@ -485,17 +483,7 @@ def test_mariadb_driver_batch_insert_holds_the_cut(services, mariadb_database, d
     import subprocess
     import time
 
-    engine = create_engine(mariadb_database, connect_args={"init_command": "SET time_zone = '+00:00'"},
-                           isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, created_at DATETIME(6) NOT NULL "
-                          "DEFAULT CURRENT_TIMESTAMP(6), INDEX (created_at))"))
-        conn.execute(text(f"INSERT INTO {name} (n) VALUES (1)"))
-    cfg = relay_config(services, {"src": mariadb_database}, [
-        {"source": "src", "table": name, "watermark": "created_at", "settle_seconds": 0.5, "key": ["n"]}])
-    h = Harness(cfg, dagster_instance)
-    table = h.table()
-    h.drain(table)
+    engine, cfg, h, table = _relayed_datetime_table(services, mariadb_database, dagster_instance, name)
     (tmp_path / "BulkInsert.java").write_text(BULK_INSERT_JAVA)
     driver = next(j for j in services.jdbc_jars.split(",") if "mariadb-java-client" in j)
     url = (f"jdbc:mariadb://{services.mariadb_host}:{services.mariadb_port}/{mariadb_database.database}"
