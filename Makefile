@@ -47,13 +47,11 @@ run: stack
 	$(WITH_ENV) $(PY) -m stack.demo setup
 	$(WITH_ENV) ./stack/run-demo.sh
 
-# Two pytest workers: most of a test's time is spent waiting on the stack (Spark, Kafka, the daemon), and every test
-# has its own databases, topics and Dagster instance. Tests are dealt one by one (loadgroup), so neither worker idles
-# at the end behind a long file (a file per worker, loadfile, did); a file whose module fixture starts a daemon or
-# private servers is one `xdist_group`, run whole on one worker.
+# Two pytest workers, a test file per worker at a time (loadfile): most of a test's time is spent waiting on the
+# stack (Spark, Kafka, the daemon), and every test has its own databases, topics and Dagster instance.
 test: stack
 	$(PY) -m ruff check .
-	$(WITH_ENV) $(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests -m "not faults and not bench"
+	$(WITH_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests -m "not faults and not bench"
 
 test-unit: install
 	$(PY) -m pytest -q tests -m "not integration and not faults and not bench"

@@ -13,8 +13,7 @@ import pytest
 from tests.conftest import Services
 from tests.test_faults import ROOT, FaultPipeline, fault_pipeline
 
-# One worker runs the whole file under `--dist loadgroup`: its module fixture (a daemon, private servers) is made once.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_daemon_backfill")]
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

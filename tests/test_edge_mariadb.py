@@ -132,8 +132,6 @@ def test_mariadb_sensor_tick_names_the_transaction_that_holds_its_rows(services,
 # --------------------------------------------------------------------------- 2. running statements, server zone
 
 
-# Sets the MariaDB server's global time_zone: these tests run one after another, on one worker.
-@pytest.mark.xdist_group("mariadb_global_time_zone")
 @pytest.mark.parametrize("zone", ["-05:00", "+05:30"])
 def test_mariadb_running_insert_holds_a_datetime_cut_in_the_servers_time_zone(
         services, mariadb_database, name, zone: str) -> None:

@@ -343,8 +343,6 @@ def global_time_zone(services, zone: str) -> Iterator[None]:
     admin.dispose()
 
 
-# Sets the MariaDB server's global time_zone: these tests run one after another, on one worker.
-@pytest.mark.xdist_group("mariadb_global_time_zone")
 @pytest.mark.parametrize("zone", ["+05:00", "-05:00"])
 def test_mariadb_open_transaction_holds_the_watermark_in_any_time_zone(services, mariadb_database, mariadb_engine,
                                                                        name, zone) -> None:

@@ -23,8 +23,7 @@ from sqlalchemy import create_engine, text
 from orchestration.launcher import WORKER_TAG, process_start_ticks
 from tests.conftest import Services, unique
 
-# One worker runs the whole file under `--dist loadgroup`: its module fixture (a daemon, private servers) is made once.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_launcher")]
+pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 LOCATION = "warm_launcher_test"
 POLL_INTERVAL_S = 1  # run monitoring

@@ -22,8 +22,7 @@ from tests.pipeline import relay_config, topic_names
 from tests.private_servers import USER, MariadbServer, PostgresServer, mariadb_servers, polled, postgres_servers
 from tests.test_edge_watermarks import create_holding_table, id_held_without_xid
 
-# One worker runs the whole file under `--dist loadgroup`: its module fixture (a daemon, private servers) is made once.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_replicas")]
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
