@@ -229,21 +229,21 @@ def test_a_replay_whose_commit_outcome_is_unknown_says_so_not_nothing_was_replay
 def test_a_replay_after_the_data_topic_was_recreated_refuses_the_messages_now_at_those_offsets(
         services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
         monkeypatch) -> None:
-    """Ids 1-300 relayed, the data topic deleted, the next runs re-create it and relay 301-600 at offsets 0-299
+    """Ids 1-200 relayed, the data topic deleted, the next runs re-create it and relay 201-400 at offsets 0-199
     again: `rowrelay replay --from 0 --to 100` read slice (0, 100]'s recorded offsets, found the count it expected
-    and replayed ids 301-400 as that range, exit 0 (found by review). A message outside the slice's range at its
+    and replayed ids 201-300 as that range, exit 0 (found by review). A message outside the slice's range at its
     offsets now stops the replay, nothing produced; `load_input` and `slice_parity` read through the same check."""
     from confluent_kafka.admin import AdminClient
 
     from resources.exactly_once import SliceMessagesGone, read_published_messages
 
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    serial_table(pg_engine, name, 300)
+    serial_table(pg_engine, name, 200)
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}",
                                                          "watermark": "id", "slice_max_rows": 100, "key": ["id"]}])
     h = Harness(cfg, dagster_instance)
     table = h.table()
-    h.drain(table, until_hi=300)
+    h.drain(table, until_hi=200)
     first = h.progress(table)
     admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
     admin.delete_topics([table.topic_name])[table.topic_name].result(timeout=30)
@@ -251,15 +251,15 @@ def test_a_replay_after_the_data_topic_was_recreated_refuses_the_messages_now_at
     while table.topic_name in admin.list_topics(timeout=10).topics:
         assert time.monotonic() < deadline, "the data topic was not deleted"
         time.sleep(0.2)
-    serial_table(pg_engine, name, 300, start=301)
-    h.drain(table, until_hi=600)  # the first run re-creates the topic
-    assert [m.watermark for m in read_topic(services.kafka_bootstrap, table.topic_name)] == list(range(301, 601))
+    serial_table(pg_engine, name, 200, start=201)
+    h.drain(table, until_hi=400)  # the first run re-creates the topic
+    assert [m.watermark for m in read_topic(services.kafka_bootstrap, table.topic_name)] == list(range(201, 401))
 
     config_file = config_file_for(cfg, tmp_path / "c.yaml")
     capsys.readouterr()
     assert main(["--config", config_file, "replay", "--table", table.table_id, "--from", "0", "--to", "100"]) == 1
     err = capsys.readouterr().err
-    assert "the topic no longer holds the slice's messages" in err and "watermark 301" in err, err
+    assert "the topic no longer holds the slice's messages" in err and "watermark 201" in err, err
     assert not [m for m in read_topic(services.kafka_bootstrap, table.topic_name) if "rowrelay.replay" in m.headers]
     with pytest.raises(SliceMessagesGone):  # what load_input and slice_parity read through
         list(read_published_messages({"bootstrap.servers": services.kafka_bootstrap}, first))
