@@ -251,13 +251,3 @@ def dagster_instance(dagster_home: Path):
     yield instance
     instance.dispose()
 
-
-# Long files that sort late run first: `make test` gives each of its two workers a file at a time in collection
-# order, and one of these last left a worker idle for a minute or more while the other finished it (CI runs close to
-# their 20-minute budget). Tests inside a file keep their order.
-FIRST_FILES = ("test_types.py", "test_timestamp_watermarks.py", "test_sqlite.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(FIRST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST_FILES)))
