@@ -484,8 +484,11 @@ def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_
     started = time.monotonic()
     assert h.cut(h.table(1)) == [SliceRange(0, 5).key]  # enough rows: no wait
     assert h.tick(h.table(0)) == []  # 2 rows < 5: held back
-    held = h.skip_messages[h.table(0).table_id] or ""  # not Dagster's "Sensor function returned an empty result"
-    assert "final rows above 0 are held by trickle batching" in held and "min_slice_rows (5)" in held, held
+    # Said, not Dagster's "Sensor function returned an empty result": held by trickle batching, or not final yet
+    # while the other pytest worker holds a transaction (seen in CI).
+    held = h.skip_messages[h.table(0).table_id] or ""
+    assert ("final rows above 0 are held by trickle batching" in held and "min_slice_rows (5)" in held) or (
+        "are not final yet" in held), held
     with pg_engine.begin() as conn:
         conn.execute(sa.text(f"INSERT INTO {few} (v) VALUES ('late')"))
     # Always seen by a tick within the delay (5 s leaves room for ticks that wait on the other pytest worker's
