@@ -43,6 +43,7 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import (  # noqa: E402
+    RESET_PREFIX,
     WATERMARK_HEADER,
     LivePiece,
     ProgressRecord,
@@ -511,7 +512,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
             raise refused
     # The newest baseline or reset in progress, if any, is where the table starts; else its first slice (where the
     # publisher started: `start_after` as it was then, whatever the file says now), else `start_after`.
-    start_at = next((r for r in reversed(history) if r.slice.startswith(("baseline-", "reset-"))), None)
+    start_at = next((r for r in reversed(history) if r.is_start_mark), None)
     slices = [r for r in live_records(history) if r.hi > r.lo]
     start = start_at.hi if start_at else slices[0].lo if slices else table.start_after_watermark
     # Slices published to another topic (`topic:` changed since): this topic holds the rows after the last of them.
@@ -530,8 +531,8 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above
     # the progress read again now has no progress record at all: that one is extra.
-    resets = [r for r in history if r.slice.startswith("reset-")]
-    reset = start_at if start_at and start_at.slice.startswith("reset-") else None
+    resets = [r for r in history if r.slice.startswith(RESET_PREFIX)]
+    reset = start_at if start_at and start_at.slice.startswith(RESET_PREFIX) else None
     earlier_resets = [r for r in resets if r is not start_at]
     split = split_at_reset(reading, reset, earlier_resets)
     report.before_start = split.before_start

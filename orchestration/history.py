@@ -32,6 +32,7 @@ from dagster import (
 from assets.relay import asset_key, channel_for, partitions_for
 from resources.config import TableConfig
 from resources.exactly_once import (
+    START_MARK_KEYS,
     ProgressRecord,
     ProgressTopicReader,
     TableChannel,
@@ -230,7 +231,7 @@ def _amendments(reader: ProgressTopicReader, start: int, end: int) -> list[Progr
     out = []
     for msg in reader.messages(start, end):
         value = msg.value() or b""
-        if ((msg.key() or b"").startswith((b"reset-", b"baseline-"))
+        if ((msg.key() or b"").startswith(START_MARK_KEYS)
                 or (b'"reset_reason": "' in value and b'"reset_reason": ""' not in value)):
             out.append(ProgressRecord.from_json(value))
     return out

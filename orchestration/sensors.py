@@ -43,6 +43,7 @@ from assets.relay import (
 from orchestration.history import open_keys
 from resources.config import TableConfig
 from resources.exactly_once import (
+    BASELINE_PREFIX,
     KafkaUnavailable,
     ProgressRecord,
     SlicePublisher,
@@ -427,7 +428,7 @@ def plan_cut(table: TableConfig, source: SourceDatabaseResource, io_manager: Kaf
                            waiting="start_after: latest waits for open transactions before recording its baseline")
         # Below the baseline they would pass for committed slices (never published): deleted all the same. Only
         # below a baseline: progress another cutter committed meanwhile (this read stale) keeps its slices.
-        below = progress.slice.startswith("baseline-")
+        below = progress.slice.startswith(BASELINE_PREFIX)
         pre_baseline = [s for s in slices if below and s.lo < progress.hi]
         slices = [s for s in slices if s not in pre_baseline]
     else:

@@ -303,6 +303,13 @@ class MessageBatch:
                    strict=True)
 
 
+# Progress records of no range, keyed by these prefixes (`publish_baseline`, `publish_reset`): where a table starts
+# sending, not a slice that published rows.
+BASELINE_PREFIX, RESET_PREFIX = "baseline-", "reset-"
+START_MARK_PREFIXES = (BASELINE_PREFIX, RESET_PREFIX)
+START_MARK_KEYS = tuple(prefix.encode() for prefix in START_MARK_PREFIXES)  # as progress messages' keys
+
+
 @dataclass
 class ProgressRecord:
     """What one committed transaction published; the last one is the table's committed progress."""
@@ -346,6 +353,11 @@ class ProgressRecord:
         return where or "", [w for w in skip if self.lo < w <= self.hi]
 
     @property
+    def is_start_mark(self) -> bool:
+        """A baseline or a reset: where the table starts sending, not a slice."""
+        return self.slice.startswith(START_MARK_PREFIXES)
+
+    @property
     def hi_text(self) -> str:
         """The record's upper watermark as a user writes it (`rowrelay reset --after`): an integer or a UTC time."""
         return watermark_text(self.hi, is_timestamp_key(self.slice))
@@ -376,7 +388,7 @@ def recorded_watermark_kind(record: ProgressRecord) -> str | None:
     resets have integer keys either way), else None."""
     if record.watermark_kind is not None:
         return record.watermark_kind
-    if record.hi > record.lo and not record.slice.startswith(("baseline-", "reset-")):
+    if record.hi > record.lo and not record.is_start_mark:
         return "timestamp" if is_timestamp_key(record.slice) else "integer"
     return None
 
@@ -1009,7 +1021,7 @@ def _resets_after(consumer: Consumer, tp: TopicPartition, start: int, end: int, 
     """The resets and baselines (records without a range) at offsets [start, end), told by their keys: the other
     records, one per slice, are read but not parsed."""
     return [ProgressRecord.from_json(msg.value()) for msg in _read_range(consumer, tp, start, end, timeout)
-            if (msg.key() or b"").startswith((b"reset-", b"baseline-"))]
+            if (msg.key() or b"").startswith(START_MARK_KEYS)]
 
 
 def _first_at_or_after(consumer: Consumer, tp: TopicPartition, offset: int, end: int, timeout: float
@@ -1153,14 +1165,19 @@ def find_slice_progress(kafka_conf: dict[str, Any], channel: TableChannel, slice
     return tiles[0] if len(tiles) == 1 and (tiles[0].lo, tiles[0].hi) == (slice_range.lo, slice_range.hi) else None
 
 
-def is_table_message(headers: list[tuple[str, bytes]] | None, table: bytes) -> bool:
-    """A message the table's publisher sent: its `rowrelay.table` header, and not a `rowrelay replay` copy."""
-    found = False
+def table_message_watermark(headers: list[tuple[str, bytes]] | None, table: bytes) -> tuple[bool, int | None]:
+    """Whether the table's publisher sent the message (its `rowrelay.table` header, and not a `rowrelay replay`
+    copy), and its watermark (None without a `rowrelay.watermark` header): one pass over the headers, as this runs
+    per message of every read-back."""
+    own, wm = False, None
     for key, value in headers or ():
         if key == REPLAY_HEADER:
-            return False
-        found = found or (key == TABLE_HEADER and value == table)
-    return found
+            return False, None
+        if key == TABLE_HEADER:
+            own = value == table
+        elif key == WATERMARK_HEADER and value:
+            wm = int(value)
+    return own, wm
 
 
 def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float = 30.0
@@ -1174,15 +1191,7 @@ def read_published_messages(kafka_conf: dict[str, Any], record: ProgressRecord, 
         for partition, (first, last) in sorted(record.offsets.items(), key=lambda kv: int(kv[0])):
             tp = TopicPartition(record.topic, int(partition))
             for m in _read_range(consumer, tp, first, last + 1, timeout):
-                own, wm = False, None  # the headers read once (this runs per message of every read-back)
-                for key, value in m.headers() or ():
-                    if key == REPLAY_HEADER:
-                        own = False
-                        break
-                    if key == TABLE_HEADER:
-                        own = value == table
-                    elif key == WATERMARK_HEADER:
-                        wm = int(value)
+                own, wm = table_message_watermark(m.headers(), table)
                 if not own:
                     continue
                 if wm is not None and not record.lo < wm <= record.hi:
@@ -1309,9 +1318,9 @@ def table_messages_high_watermark(kafka_conf: dict[str, Any], channel: TableChan
             window = 64
             while end > low:
                 start = max(low, end - window)
-                found = [int(dict(headers)[WATERMARK_HEADER])
-                         for headers in (m.headers() or [] for m in _read_range(consumer, tp, start, end, timeout))
-                         if is_table_message(headers, table) and dict(headers).get(WATERMARK_HEADER)]
+                found = [wm for own, wm in (table_message_watermark(m.headers(), table)
+                                            for m in _read_range(consumer, tp, start, end, timeout))
+                         if own and wm is not None]
                 if found:
                     highest = max(found) if highest is None else max(highest, *found)
                     break
@@ -1620,7 +1629,7 @@ class SlicePublisher:
         returned, and nothing is written: a baseline over it would skip rows (a higher one) or send them again (a
         lower one)."""
         ch = self.channel
-        record = ProgressRecord(ch.table, f"baseline-{hi}", hi, hi, 0, 0, "", ch.topic,
+        record = ProgressRecord(ch.table, f"{BASELINE_PREFIX}{hi}", hi, hi, 0, 0, "", ch.topic,
                                 transactional_id=ch.transactional_id, **watermark_fields(watermark))
         return self.publish_progress_only(record, only_if_empty=True)
 
@@ -1668,7 +1677,7 @@ class SlicePublisher:
         replaced = self._progress_after_fence()
         # The columns last published carry over: the next slice is checked against them (`on_schema_change`). A
         # reset without them let a re-created table's new columns through unchecked (found by review).
-        record = ProgressRecord(table=ch.table, slice=f"reset-{after}", lo=after, hi=after, rows=0, bytes=0,
+        record = ProgressRecord(table=ch.table, slice=f"{RESET_PREFIX}{after}", lo=after, hi=after, rows=0, bytes=0,
                                 checksum="", topic=ch.topic, transactional_id=ch.transactional_id,
                                 committed_at=datetime.now(UTC).isoformat(), reset_reason=reason,
                                 topic_ends=topic_end_offsets(self.kafka_conf, ch.topic),
