@@ -461,7 +461,7 @@ def test_a_backfill_says_when_its_rows_are_not_final_and_counts_only_rows_it_sen
     assert "raise --settle-timeout" in err, err
 
 
-def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name, capsys) -> None:
+def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name, capsys, monkeypatch) -> None:
     """Two `rowrelay backfill`s of one table ran at once (fencing stopped one): the table's pool is enforced in the
     run queue, which a backfill's in-process runs bypass. Before each run a backfill now waits for the table's
     running runs; other tables' runs do not hold it."""
@@ -472,8 +472,18 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     from dagster import DagsterRunStatus
     from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
 
+    import orchestration.cli as cli
     from orchestration.cli import wait_for_running_runs
 
+    sleeps: list[float] = []  # this thread's polls: "no wait" is told by none, not by a clock on a shared machine
+    real_sleep, caller = time.sleep, threading.get_ident()
+
+    def counted_sleep(seconds: float) -> None:
+        if threading.get_ident() == caller:
+            sleeps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(cli.time, "sleep", counted_sleep)
     job = f"relay_{name}"
     running = create_run_for_test(dagster_instance, job_name=job, status=DagsterRunStatus.STARTED)
     create_run_for_test(dagster_instance, job_name=f"{job}_other", status=DagsterRunStatus.STARTED)
@@ -481,12 +491,12 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     finished.start()
     started = time.monotonic()
     wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)
-    assert time.monotonic() - started >= 1.4
+    assert time.monotonic() - started >= 1.4 and sleeps
     assert f"src.public.t: waiting for run(s) {running.run_id} of the table to finish" in capsys.readouterr().out
     finished.join()
-    started = time.monotonic()
+    sleeps.clear()
     wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)  # nothing running: no wait
-    assert time.monotonic() - started < 1.0 and capsys.readouterr().out == ""
+    assert sleeps == [] and capsys.readouterr().out == ""
 
     # A run left STARTED by a backfill whose process died (its pid tag names a process that is gone) was waited for
     # forever, and held the table's pool: it is marked failed, here and by the launcher's health check.
@@ -510,9 +520,9 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     assert health.status.value == "FAILED" and f"pid {gone.pid}" in health.msg
     alive = run_of(os.getpid(), "_alive")
     assert WarmRunLauncher.check_run_worker_health(None, alive).status.value == "RUNNING"  # type: ignore[arg-type]
-    started = time.monotonic()
+    sleeps.clear()
     wait_for_running_runs(dagster_instance, job, "src.public.t", poll_s=0.2)
-    assert time.monotonic() - started < 1.0
+    assert sleeps == []  # the dead run was not waited for
     assert f"run {stale.run_id} was left running by a process that is gone: marked failed" in capsys.readouterr().out
     assert dagster_instance.get_run_by_id(stale.run_id).status == DagsterRunStatus.FAILURE
     # Not judged: a retry launched by the warm launcher (its parent's pid tag, copied, until its asset starts); a
