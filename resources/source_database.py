@@ -116,17 +116,17 @@ SETTLED_ANSWERS = KeptAnswers()
 _MYSQL_ENGINES_KNOWN = frozenset({"innodb", "myisam", "aria"})
 
 # `refuse_unknowable_finality` on PostgreSQL, one statement. `reached`: the relations a read of the table takes rows
-# from (itself, its partitions and inheritance children, what a view's rule reads, recursively), each with its depth
-# (0: the table itself). A view's rule is its SELECT rule (ev_type '1'); a rule that writes elsewhere on INSERT
-# reads nothing into this table. Then: the recovery flag; a subscription filling any of them; the first foreign table,
-# materialized view or UNLOGGED relation among them; among the watermark's sequences (its serial or identity
-# sequence, any its DEFAULT calls) in any of them, an UNLOGGED one first (PostgreSQL 15+: `ALTER SEQUENCE ... SET
-# UNLOGGED` behind a logged table), else the most caching, with its persistence and the relation it feeds: a child's
-# or a partition's own DEFAULT serves inserts made into it directly, and a view's rows take their ids from its base
-# table. A reached relation's watermark is its column of the same name, and only along relations whose ids the
-# table's can be (`ids`): partitions, children, and the base of a view over one relation. A join's other tables have
-# columns of that name too (`customers.id` beside `orders.id`): they are not followed (a review found such views
-# refused), nor is a view that renames the column (README).
+# from (itself, its partitions and inheritance children, what a view's rule reads, recursively), each with its depth (0:
+# the table itself). A view's rule is its SELECT rule (ev_type '1'); a rule that writes elsewhere on INSERT reads
+# nothing into this table. Then: the recovery flag; a subscription filling any of them; the first foreign table,
+# materialized view or UNLOGGED relation among them; among the watermark's sequences (its serial or identity sequence,
+# any its DEFAULT calls) in any of them, an UNLOGGED one first (PostgreSQL 15+: `ALTER SEQUENCE ... SET UNLOGGED` behind
+# a logged table), else the most caching, with its persistence and the relation it feeds: a child's or a partition's own
+# DEFAULT serves inserts made into it directly, and a view's rows take their ids from its base table; and two of those
+# sequences, if the watermark takes ids from more than one (`fed`). A reached relation's watermark is its column of the
+# same name, and only along relations whose ids the table's can be (`ids`): partitions, children, and the base of a view
+# over one relation. A join's other tables have columns of that name too (`customers.id` beside `orders.id`): they are
+# not followed (a review found such views refused), nor is a view that renames the column (README).
 _PG_FINALITY_CATALOG = """
 WITH RECURSIVE reached(oid, depth, ids) AS (
     SELECT CAST(CAST(:rel AS regclass) AS oid), 0, true
@@ -144,17 +144,9 @@ WITH RECURSIVE reached(oid, depth, ids) AS (
 rel AS (
     SELECT c.oid, c.relkind, c.relpersistence, CAST(CAST(c.oid AS regclass) AS text) AS name,
         min(reached.depth) AS depth, bool_or(reached.ids) AS ids
-    FROM reached JOIN pg_class c ON c.oid = reached.oid GROUP BY c.oid, c.relkind, c.relpersistence)
-SELECT pg_is_in_recovery(),
-    (SELECT ARRAY[s.subname, rel.name, CAST(rel.depth AS text)] FROM pg_subscription_rel sr
-        JOIN pg_subscription s ON s.oid = sr.srsubid JOIN rel ON rel.oid = sr.srrelid ORDER BY rel.depth LIMIT 1),
-    (SELECT ARRAY[CASE WHEN rel.relkind IN ('f', 'm') THEN CAST(rel.relkind AS text) ELSE 'u' END, rel.name,
-                  CAST(rel.depth AS text)]
-        FROM rel WHERE rel.relkind IN ('f', 'm') OR rel.relpersistence = 'u'
-        ORDER BY rel.relkind IN ('f', 'm') DESC, rel.depth, rel.name LIMIT 1),
-    q.seqcache, CAST(CAST(q.seqrelid AS regclass) AS text), q.name, CAST(q.depth AS text), q.unlogged
-FROM (SELECT 1) one LEFT JOIN LATERAL (
-    SELECT s.seqcache, s.seqrelid, rel.name, rel.depth, sc.relpersistence = 'u' AS unlogged FROM rel
+    FROM reached JOIN pg_class c ON c.oid = reached.oid GROUP BY c.oid, c.relkind, c.relpersistence),
+fed AS (
+    SELECT q.seq, rel.name, rel.depth FROM rel
     JOIN pg_attribute a ON a.attrelid = rel.oid AND a.attname = :column AND a.attnum > 0 AND NOT a.attisdropped
     CROSS JOIN LATERAL (
         -- its serial or identity sequence (what pg_get_serial_sequence finds)
@@ -167,9 +159,23 @@ FROM (SELECT 1) one LEFT JOIN LATERAL (
         JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = ad.oid
             AND dep.refclassid = 'pg_class'::regclass
         WHERE ad.adrelid = rel.oid AND ad.adnum = a.attnum) q
-    JOIN pg_sequence s ON s.seqrelid = q.seq JOIN pg_class sc ON sc.oid = q.seq
-    WHERE :integer AND rel.ids
-    ORDER BY sc.relpersistence = 'u' DESC, s.seqcache DESC, rel.depth, rel.name LIMIT 1) q ON true
+    JOIN pg_sequence s ON s.seqrelid = q.seq
+    WHERE :integer AND rel.ids)
+SELECT pg_is_in_recovery(),
+    (SELECT ARRAY[s.subname, rel.name, CAST(rel.depth AS text)] FROM pg_subscription_rel sr
+        JOIN pg_subscription s ON s.oid = sr.srsubid JOIN rel ON rel.oid = sr.srrelid ORDER BY rel.depth LIMIT 1),
+    (SELECT ARRAY[CASE WHEN rel.relkind IN ('f', 'm') THEN CAST(rel.relkind AS text) ELSE 'u' END, rel.name,
+                  CAST(rel.depth AS text)]
+        FROM rel WHERE rel.relkind IN ('f', 'm') OR rel.relpersistence = 'u'
+        ORDER BY rel.relkind IN ('f', 'm') DESC, rel.depth, rel.name LIMIT 1),
+    q.seqcache, CAST(CAST(q.seqrelid AS regclass) AS text), q.name, CAST(q.depth AS text), q.unlogged,
+    (SELECT ARRAY[CAST(CAST(f.seq AS regclass) AS text), f.name, CAST(f.depth AS text),
+                  CAST(CAST(g.seq AS regclass) AS text), g.name, CAST(g.depth AS text)]
+        FROM fed f JOIN fed g ON g.seq <> f.seq ORDER BY f.depth, f.name, g.depth, g.name LIMIT 1)
+FROM (SELECT 1) one LEFT JOIN LATERAL (
+    SELECT s.seqcache, s.seqrelid, fed.name, fed.depth, sc.relpersistence = 'u' AS unlogged FROM fed
+    JOIN pg_sequence s ON s.seqrelid = fed.seq JOIN pg_class sc ON sc.oid = fed.seq
+    ORDER BY sc.relpersistence = 'u' DESC, s.seqcache DESC, fed.depth, fed.name LIMIT 1) q ON true
 """
 # PostgreSQL: the WAL position each finality candidate waits to see flushed, from the first check that found its
 # transactions ended, per server start (see `is_final`).
@@ -1037,7 +1043,7 @@ class SourceDatabaseResource(ConfigurableResource):
         remedy = "point the source's url at the primary and run again; nothing was cut or sent"
         if self.dialect == "postgresql":
             # Any relation a read of the table takes rows from counts: a partition, a child, a view's base table.
-            standby, subscription, odd, cache, sequence, fed, fed_depth, unlogged_sequence = conn.execute(
+            standby, subscription, odd, cache, sequence, fed, fed_depth, unlogged_sequence, two = conn.execute(
                 sa.text(_PG_FINALITY_CATALOG), {
                 "rel": self.engine.dialect.identifier_preparer.format_table(self._table(shape)),
                 "column": shape.watermark, "integer": shape.watermark_kind == "integer"}).one()
@@ -1085,6 +1091,17 @@ class SourceDatabaseResource(ConfigurableResource):
                     "is UNLOGGED: it is not in the write-ahead log, so a crash of the server resets it to its start "
                     "while the table keeps its rows, and new rows take ids at or below those already sent and are "
                     f"never sent. Run `ALTER SEQUENCE {sequence} SET LOGGED` and run again; nothing was cut or sent")
+            if two is not None:
+                first, first_rel, first_depth, other, other_rel, other_depth = two
+                whose = ["the table's" if depth == "0" else f"{rel}'s, which a read of the table takes rows from"
+                         for rel, depth in ((first_rel, first_depth), (other_rel, other_depth))]
+                raise SourceError(
+                    f"{label}: watermark column {shape.watermark!r} takes its ids from two sequences: {first} "
+                    f"({whose[0]}) and {other} ({whose[1]}). Each counts on its own, so a row inserted through one "
+                    "takes an id at or below those the other has already handed out (and rowrelay sent), and would "
+                    f"never be sent. Give {other_rel} the same source of ids (`ALTER TABLE {other_rel} ALTER COLUMN "
+                    f"{shape.watermark} DROP IDENTITY IF EXISTS, ALTER COLUMN {shape.watermark} SET DEFAULT "
+                    f"nextval('{first}')`) and run again; nothing was cut or sent")
             if cache is not None and int(cache) > 1:
                 raise SourceError(
                     f"{label}: watermark column {shape.watermark!r}{of} takes its ids from sequence {sequence}, which "
