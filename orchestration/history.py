@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -68,10 +69,63 @@ def page_keys(instance: DagsterInstance, partitions_name: str, limit: int, ascen
     return list(page.results), page.cursor, page.has_more
 
 
+KeysVersion = tuple[int, int]  # a partitions definition's (key count, newest row id): any add or delete moves it
+
+
+def keys_version(instance: DagsterInstance, partitions_name: str) -> KeysVersion | None:
+    """The keys' version (`KeysVersion`), to tell later whether anything added or deleted keys meanwhile; None on a
+    storage that is not SQL (its keys are then replaced through the public calls, unchecked)."""
+    from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
+    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
+    from sqlalchemy import func, select
+
+    storage = instance.event_log_storage
+    if not isinstance(storage, SqlEventLogStorage):
+        return None
+    with storage.index_connection() as conn:
+        count, newest = conn.execute(select(func.count(), func.max(table.c.id))
+                                     .where(table.c.partitions_def_name == partitions_name)).one()
+    return int(count), int(newest or 0)
+
+
+def replace_keys(instance: DagsterInstance, partitions_name: str, version: KeysVersion | None, delete: list[str],
+                 append: list[str]) -> bool:
+    """Delete `delete` and append `append` (in order) to the keys, in one storage transaction, if the keys are still
+    at `version`; False if anything added or deleted keys since (a cut, another compaction, a reset): nothing is
+    written then. The public calls (`delete_dynamic_partition`, `add_dynamic_partitions`) are one transaction each,
+    so a compaction killed between its deletes and its adds left committed ranges without a key for good, and a
+    cut appended between them landed before the keys re-added, out of watermark order, where `open_keys` (which
+    reads the newest end only) missed it and the sensor cut over it; two compactions at once left keys covering one
+    range twice (found by review). On PostgreSQL the table is locked against other writers (SHARE ROW EXCLUSIVE: a
+    cut's insert waits the few milliseconds until the commit, then appends after these keys)."""
+    from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
+    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
+    from sqlalchemy import func, select, text
+
+    storage = instance.event_log_storage
+    if version is None or not isinstance(storage, SqlEventLogStorage):  # another storage: the public calls
+        for key in delete:
+            instance.delete_dynamic_partition(partitions_name, key)
+        for i in range(0, len(append), BATCH):
+            instance.add_dynamic_partitions(partitions_name, append[i:i + BATCH])
+        return True
+    with _transaction(storage) as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text(f"LOCK TABLE {conn.dialect.identifier_preparer.format_table(table)} "
+                              "IN SHARE ROW EXCLUSIVE MODE"))
+        count, newest = conn.execute(select(func.count(), func.max(table.c.id))
+                                     .where(table.c.partitions_def_name == partitions_name)).one()
+        if (int(count), int(newest or 0)) != version:
+            return False
+        _delete_keys_in(conn, partitions_name, delete)
+        for i in range(0, len(append), BATCH):
+            conn.execute(table.insert(), [{"partitions_def_name": partitions_name, "partition": key}
+                                          for key in append[i:i + BATCH]])
+    return True
+
+
 def delete_keys(instance: DagsterInstance, partitions_name: str, keys: list[str]) -> None:
-    """Delete many keys at once. The public `delete_dynamic_partition` is one statement per key: ~300k of them
-    take minutes on PostgreSQL; this is the same DELETE for a batch of keys on the same table."""
-    from dagster._core.storage.event_log.schema import DynamicPartitionsTable
+    """Delete many keys at once, unchecked (`bench/scale.py` empties a seeded table's keys with it)."""
     from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
     storage = instance.event_log_storage
@@ -79,11 +133,30 @@ def delete_keys(instance: DagsterInstance, partitions_name: str, keys: list[str]
         for key in keys:
             instance.delete_dynamic_partition(partitions_name, key)
         return
-    table = DynamicPartitionsTable
+    with _transaction(storage) as conn:
+        _delete_keys_in(conn, partitions_name, keys)
+
+
+@contextmanager
+def _transaction(storage: Any) -> Iterator[Any]:
+    """A transaction on the event log storage's index connection. Dagster's PostgreSQL storage connects in
+    AUTOCOMMIT (each statement its own transaction): as its own `index_transaction` does, the connection is switched
+    to READ COMMITTED for the block."""
+    with storage.index_connection() as conn:
+        if conn.dialect.name == "postgresql":
+            conn = conn.execution_options(isolation_level="READ COMMITTED")  # noqa: PLW2901
+        with conn.begin():
+            yield conn
+
+
+def _delete_keys_in(conn: Any, partitions_name: str, keys: list[str]) -> None:
+    """One DELETE per batch of keys (the public `delete_dynamic_partition` is one statement per key: ~300k of them
+    took minutes on PostgreSQL)."""
+    from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
+
     for i in range(0, len(keys), BATCH):
-        with storage.index_connection() as conn:
-            conn.execute(table.delete().where((table.c.partitions_def_name == partitions_name)
-                                              & table.c.partition.in_(keys[i:i + BATCH])))
+        conn.execute(table.delete().where((table.c.partitions_def_name == partitions_name)
+                                          & table.c.partition.in_(keys[i:i + BATCH])))
 
 
 def note_key(partitions_name: str) -> str:
@@ -298,6 +371,7 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
     if job_name is not None and table_runs_active(instance, table, job_name):
         result.skipped = "runs active; later"
         return result
+    version = keys_version(instance, name)  # before the keys are read: a change after this read is seen below
     raw = all_keys(instance, name)
     result.keys_before = result.keys_after = len(raw)
     parsed: dict[str, SliceRange] = {}
@@ -338,9 +412,9 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
     same = 0  # keep the common prefix of the current and desired order; re-add what follows
     while same < min(len(survivors), len(desired)) and survivors[same] == desired[same]:
         same += 1
-    delete_keys(instance, name, sorted(gone) + survivors[same:])
-    for i in range(same, len(desired), BATCH):
-        instance.add_dynamic_partitions(name, desired[i:i + BATCH])
+    if not replace_keys(instance, name, version, sorted(gone) + survivors[same:], desired[same:]):
+        result.skipped = "keys changed meanwhile; later"  # the roll-ups' materializations stay: the next records them
+        return result  # again, and a roll-up key that does not exist shows nowhere
     result.rollups, result.slices_rolled = len(rollups), sum(len(r.keys) for r in rollups)
     result.keys_after = len(desired)
     write_note(instance, name, compaction_note(channel, policy, now))  # complete: the next one starts from here

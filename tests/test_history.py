@@ -500,6 +500,97 @@ def test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using(services, pg_database
 
 
 @pytest.mark.integration
+def test_compaction_replaces_keys_in_one_transaction_beside_cuts_crashes_and_other_compactions(
+        services, pg_database, dagster_instance, monkeypatch) -> None:
+    """A compaction deleted its keys and re-added them through the public calls, one transaction each (found by
+    review): killed between the two, committed ranges were left without a key for good; a cut landing after its
+    last check went before the re-added keys, where `open_keys` (the newest end only) missed it and the sensor cut
+    over it; two compactions at once left ranges covered twice. The keys are now replaced in one transaction, only
+    if nothing added or deleted keys since they were read, with the table locked against a cut meanwhile."""
+    import threading
+
+    import orchestration.history as history
+    from assets.relay import partitions_for
+    from bench.scale import seed_history
+    from orchestration.factory import job_name
+    from tests.conftest import unique
+    from tests.pipeline import relay_config, source_url
+
+    table = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{unique('swap')}",
+                                                           "watermark": "id"}]).tables[0]
+    kafka = {"bootstrap.servers": services.kafka_bootstrap}
+    now = datetime.now(UTC)
+    seed_history(dagster_instance, table, source_url(pg_database), kafka, 200, span_days=3, now=now)
+    partitions = partitions_for(table).name
+    instance = dagster_instance
+    before = instance.get_dynamic_partitions(partitions)
+
+    def compact(at: datetime) -> history.CompactResult:
+        return history.compact_table(instance, table, kafka, full=True, job_name=job_name(table), now=at)
+
+    # A cut lands after the compaction's last look at the keys, before it replaces them: nothing is replaced.
+    cut = SliceRange(200, 210).key
+    replace = history.replace_keys
+
+    def cut_first(*args, **kwargs):
+        instance.add_dynamic_partitions(partitions, [cut])
+        return replace(*args, **kwargs)
+
+    monkeypatch.setattr(history, "replace_keys", cut_first)
+    assert compact(now).skipped == "keys changed meanwhile; later"
+    assert instance.get_dynamic_partitions(partitions) == [*before, cut]
+    monkeypatch.undo()
+    instance.delete_dynamic_partition(partitions, cut)  # the cut's run failed; its key goes, as the sensor's heal does
+
+    # Killed (here: failing) after its deletes, before its adds: the transaction leaves the keys as they were.
+    deleting = history._delete_keys_in
+
+    def deletes_then_dies(*args, **kwargs):
+        deleting(*args, **kwargs)
+        raise RuntimeError("killed between the deletes and the adds")
+
+    monkeypatch.setattr(history, "_delete_keys_in", deletes_then_dies)
+    with pytest.raises(RuntimeError, match="killed between"):
+        compact(now)
+    assert instance.get_dynamic_partitions(partitions) == before
+    monkeypatch.undo()
+
+    # Another compaction (the CLI's beside the history sensor's) runs while this one plans: one of them replaces.
+    def another_first(*args, **kwargs):
+        monkeypatch.undo()  # the other one replaces unhindered
+        other = compact(now + timedelta(minutes=40))
+        assert other.rollups > 0 and not other.skipped, other
+        return replace(*args, **kwargs)
+
+    monkeypatch.setattr(history, "replace_keys", another_first)
+    assert compact(now).skipped == "keys changed meanwhile; later"
+    after = _his(instance, table)  # every watermark covered once, in order
+    assert after[-1] == 200 and len(after) < len(before)
+
+    # A cut during the replacement waits for its commit, then appends after the keys re-added: in watermark order,
+    # and `open_keys` (the sensor's and a backfill's view of what is not committed) finds it.
+    cut_during = SliceRange(200, 220).key
+    landed = threading.Event()
+
+    def cut_meanwhile(*args, **kwargs):
+        threading.Thread(target=lambda: (instance.add_dynamic_partitions(partitions, [cut_during]), landed.set()),
+                         daemon=True).start()
+        assert not landed.wait(1.0), "the cut was not held until the replacement committed"
+        return deleting(*args, **kwargs)
+
+    monkeypatch.setattr(history, "_delete_keys_in", cut_meanwhile)
+    result = compact(now + timedelta(days=2))
+    monkeypatch.undo()
+    assert not result.skipped and result.rollups > 0, result
+    assert landed.wait(30)
+    keys = instance.get_dynamic_partitions(partitions)
+    assert keys[-1] == cut_during, keys[-3:]
+    assert history.open_keys(instance, partitions, 200) == [cut_during]
+    ranges = [SliceRange.from_key(k) for k in keys]
+    assert ranges == sorted(ranges) and all(a.hi == b.lo for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+@pytest.mark.integration
 def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_engine, dagster_instance) -> None:
     """min_slice_rows 5 / max_slice_delay_seconds 5: a table with 2 rows waits, a third row arriving meanwhile
     joins them, and the three are cut as one slice once the delay is over; a table with 5 rows is cut at once."""
