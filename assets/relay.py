@@ -136,7 +136,8 @@ def channel_for(table: TableConfig, transactional_id_prefix: str = "rowrelay") -
     start = table.start_after_watermark or 0
     return TableChannel.for_table(table.table_id, table.topic_name, start_after=start,
                                   topic_partitions=table.topic_partitions, prefix=transactional_id_prefix,
-                                  keyed=table.key != "none", baseline_required=table.start_after == "latest")
+                                  keyed=table.key != "none", baseline_required=table.start_after == "latest",
+                                  shared_with=table.topic_shared_with)
 
 
 def table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:

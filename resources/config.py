@@ -15,7 +15,7 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from resources.names import portable_name, progress_topic_name
 from resources.slices import datetime_to_micros
@@ -119,6 +119,9 @@ class SourceConfig(_Strict):
 
 
 class TableConfig(_Strict):
+    # The other tables of the same config that write to this table's topic (RelayConfig sets it).
+    _topic_shared_with: tuple[str, ...] = PrivateAttr(default=())
+
     source: str
     table: str = Field(description="[schema.]table")
     watermark: str = Field(description="a column that only grows: an integer (e.g. an auto-increment id) or a "
@@ -245,6 +248,11 @@ class TableConfig(_Strict):
         return f"{self.source}.{self.schema_name or 'default'}.{self.table_name}"
 
     @property
+    def topic_shared_with(self) -> tuple[str, ...]:
+        """The other configured tables whose `topic:` is this table's."""
+        return self._topic_shared_with
+
+    @property
     def topic_name(self) -> str:
         # By default the table id, mapped (portable_name) where Kafka would refuse it: a space, non-ASCII.
         return self.topic or portable_name(self.table_id)
@@ -330,6 +338,11 @@ class RelayConfig(_Strict):
                 raise ValueError(f"tables[{i}]: its progress topic {progress[:60]}... would be {len(progress)} "
                                  "characters, over Kafka's 249: shorten kafka.transactional_id_prefix")
         self._dagster_names_distinct()
+        writers: dict[str, list[str]] = {}
+        for t in self.tables:
+            writers.setdefault(t.topic_name, []).append(t.table_id)
+        for t in self.tables:
+            t._topic_shared_with = tuple(w for w in writers[t.topic_name] if w != t.table_id)
         return self
 
     def _dagster_names_distinct(self) -> None:

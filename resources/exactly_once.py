@@ -188,15 +188,16 @@ class TableChannel:
     # `start_after: latest`: nothing is published over empty progress; a baseline is recorded first
     # (`publish_baseline`), and `start_after` (0) means nothing then.
     baseline_required: bool = False
+    shared_with: tuple[str, ...] = ()  # the other tables of the deployment that write to `topic`
 
     @classmethod
     def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
                   replication_factor: int = -1, prefix: str = "rowrelay", keyed: bool = True,
-                  baseline_required: bool = False) -> TableChannel:
+                  baseline_required: bool = False, shared_with: tuple[str, ...] = ()) -> TableChannel:
         return cls(table=table, topic=topic, progress_topic=progress_topic_name(prefix, table),
                    transactional_id=f"{prefix}.{table}", start_after=start_after,
                    topic_partitions=topic_partitions, replication_factor=replication_factor, keyed=keyed,
-                   baseline_required=baseline_required)
+                   baseline_required=baseline_required, shared_with=shared_with)
 
 
 @dataclass(frozen=True)
@@ -703,6 +704,13 @@ def _check_existing_topics(admin: AdminClient, channel: TableChannel, existing: 
                 f"--add-config cleanup.policy=compact --bootstrap-server {bootstrap.split(',')[0]} (with the "
                 "client settings your cluster needs: --command-config); nothing was sent")
     data = configs.get(ch.topic, {})
+    if ch.shared_with and "compact" in data.get("cleanup.policy", ""):
+        raise TopicSettingsError(
+            f"{ch.table}: topic {ch.topic} is compacted (cleanup.policy={data['cleanup.policy']}), and table(s) "
+            f"{', '.join(ch.shared_with)} write to it too: compaction keeps one message per key, and a message's key "
+            "holds the row's key columns only (no table), so one table's row would erase another's with the same "
+            "key, for good. Give each table a topic of its own (`topic:`) or make this one not compacted "
+            "(cleanup.policy=delete); nothing was sent")
     if not ch.keyed and "compact" in data.get("cleanup.policy", ""):
         raise TopicSettingsError(
             f"{ch.table}: topic {ch.topic} is compacted (cleanup.policy={data['cleanup.policy']}), and Kafka refuses "
@@ -722,7 +730,8 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
         partitions = len(existing[channel.topic].partitions)
     else:
         partitions = channel.topic_partitions
-    memo = (str(kafka_conf.get("bootstrap.servers")), channel.topic, channel.progress_topic, channel.keyed)
+    memo = (str(kafka_conf.get("bootstrap.servers")), channel.topic, channel.progress_topic, channel.keyed,
+            channel.shared_with)
     hit = _TOPICS_FIT.get(memo)
     if hit is not None and time.monotonic() - hit[0] < TOPICS_FIT_TTL_S and len(existing) == 2:
         ready = TopicsReady(partitions, hit[1])

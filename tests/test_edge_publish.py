@@ -484,6 +484,23 @@ def test_a_compacted_data_topic_needs_a_key(services, name) -> None:
     assert_exactly_once(read_topic(services.kafka_bootstrap, name), [1, 2, 3])
 
 
+def test_a_compacted_topic_two_tables_share_is_refused(services, name) -> None:
+    """Two keyed tables sharing a compacted topic: a message's key holds the row's key columns only, so compaction
+    kept one table's `{"id":1}` and erased the other's, rows lost for good (found by review). Refused before any
+    message; the same topic serves one table alone."""
+    conf = _conf(services)
+    _create_topic(services, name, **{"cleanup.policy": "compact"})
+    other = f"edge.public.{name}_b"
+    shared = TableChannel.for_table(f"edge.public.{name}_a", name, shared_with=(other,))
+    with pytest.raises(eo.TopicSettingsError, match=rf"topic {name} is compacted \(cleanup.policy=compact\), and "
+                                                    rf"table\(s\) {other} write to it too: .*erase another's .*"
+                                                    r"a topic of its own \(`topic:`\).*nothing was sent$"):
+        eo.publish_slice(shared, conf, SliceRange(0, 3), _rows(0, 3))
+    assert read_topic(services.kafka_bootstrap, name) == []
+    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}_a", name), conf, SliceRange(0, 3), _rows(0, 3))
+    assert_exactly_once(read_topic(services.kafka_bootstrap, name), [1, 2, 3])
+
+
 def test_batches_fit_a_data_topic_with_a_small_max_message_bytes(services, name) -> None:
     """A topic limit of 4,000 bytes against the producer's 1 MB batches: the broker refused every batch and each
     slice failed blaming its largest row (145 bytes); librdkafka does not split a refused batch as Java's does."""

@@ -120,6 +120,17 @@ def test_config_defaults_and_names() -> None:
     assert t.topic_name == "shop.public.orders"
     assert t.slice_max_rows == 100_000 and t.start_after is None and t.key == "none"
     assert cfg.spark.master == "local[*]"
+    assert t.topic_shared_with == ()
+
+    # Tables writing to one topic know of each other (a compacted topic is refused to them, test_edge_publish.py).
+    shared = copy.deepcopy(BASE)
+    shared["tables"] += [dict(BASE["tables"][0], table="public.refunds", topic="shop.public.orders"),
+                         dict(BASE["tables"][0], table="public.carts")]
+    from assets.relay import channel_for
+
+    orders, refunds, carts = parse_config(shared).tables
+    assert orders.topic_shared_with == ("shop.public.refunds",) and refunds.topic_shared_with == ("shop.public.orders",)
+    assert carts.topic_shared_with == () and channel_for(refunds).shared_with == ("shop.public.orders",)
 
 
 @pytest.mark.parametrize(("change", "message"), [
