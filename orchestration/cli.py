@@ -172,15 +172,21 @@ def message_tie(value: bytes | None, tie_break: str) -> str | None:
 
 def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0,
                      tie_break: str | None = None, shared: Container[int] = (), collect: Container[int] = (),
-                     ends: dict[int, int] | None = None) -> TopicWatermarks:
+                     ends: dict[int, int] | None = None, committed_ends: dict[int, int] | None = None
+                     ) -> TopicWatermarks:
     """Read the topic to its end (or each partition up to `ends`: what an earlier read saw): the table's own
     messages' watermarks (`TopicWatermarks`); with a `tie_break`, the `tie_hash` of the messages whose watermark is
-    in `shared` and the `tie_text` of those in `collect` (their JSON parsed only for that)."""
+    in `shared` and the `tie_text` of those in `collect` (their JSON parsed only for that). `committed_ends`: per
+    partition, the offset the table's committed slices reach (exclusive); an end read below it is another
+    producer's open transaction, waited for up to `timeout`, then `TopicHeldOpen` (it was reported as missing
+    rows, found by review)."""
     from resources.exactly_once import (
         FAST_READS,
         REPLAY_HEADER,
         TABLE_HEADER,
+        TopicHeldOpen,
         base_conf,
+        held_open_text,
         partition_watermarks,
     )
 
@@ -198,6 +204,12 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
         for p in sorted(meta.partitions):
             tp = TopicPartition(topic, p)
             low, high = partition_watermarks(consumer, tp, timeout, conf)  # a new topic's leader may still move
+            needed, waited = (committed_ends or {}).get(p, 0), time.monotonic() + timeout
+            while high < needed and ends is None:
+                if time.monotonic() > waited:
+                    raise TopicHeldOpen(held_open_text(tp, high, needed))
+                time.sleep(0.5)
+                low, high = partition_watermarks(consumer, tp, timeout, conf)
             if ends is not None:
                 high = min(high, ends.get(p, low))
             out.ends[p] = high
@@ -525,8 +537,15 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
                           compared_from=start or 0, compared_from_record=record)
     source = source_watermarks(config, table, start, hi, slices)
     report.watermark_kind, report.tie_break_unchecked = source.watermark_kind, source.unchecked
+    # The topic's end must show every committed slice of the table (another producer's open transaction can hold
+    # read_committed readers below them).
+    committed_ends: dict[int, int] = {}
+    for r in slices:
+        if r.topic == table.topic_name:
+            for part, (_, last) in r.offsets.items():
+                committed_ends[int(part)] = max(committed_ends.get(int(part), 0), last + 1)
     reading = topic_watermarks(conf, table.topic_name, channel.table, tie_break=table.tie_break,
-                               shared=source.fingerprints)
+                               shared=source.fingerprints, committed_ends=committed_ends)
     report.replayed, report.other_messages = reading.replayed, reading.other_messages
     # Slices committed while the source and the topic were read (a live pipeline): their rows are above `hi` and
     # came with their progress record, so they are left out of the comparison, not reported as extra. A row above

@@ -127,6 +127,19 @@ class KafkaUnavailable(RelayError):
     """Transient: the broker did not answer in time. Retrying later is safe."""
 
 
+class TopicHeldOpen(KafkaUnavailable):
+    """Another producer's transaction is open in the topic below the table's committed messages: read_committed,
+    no consumer sees past it until it ends (Kafka aborts it at its transaction timeout at the latest)."""
+
+
+def held_open_text(tp: TopicPartition, stable: int, needed: int) -> str:
+    return (f"{tp.topic}[{tp.partition}] is readable (read_committed) only up to offset {stable}, below the "
+            f"committed messages it must show (to offset {needed - 1}): a transaction of another producer is open "
+            "there (a table sharing the topic, a `rowrelay replay` into it), and until it ends no consumer of the "
+            "topic sees what was committed after it began. Nothing can be told missing yet: try again once it ends "
+            "(Kafka aborts it at its transaction.timeout.ms at the latest)")
+
+
 class ProducerSettingsError(RelayError):
     """The producer settings (kafka.producer) cannot work; a retry fails the same way until they are changed."""
 
@@ -801,9 +814,13 @@ def _read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, ti
         if pos >= end:
             return
         if time.monotonic() > deadline:
-            raise KafkaUnavailable(
-                f"reading {tp.topic}[{tp.partition}] stalled at offset {pos} of {end}; an open transaction "
-                "may be holding the last stable offset")
+            stable = None
+            with contextlib.suppress(Exception):  # only to say why: the stall is the error either way
+                stable = partition_watermarks(consumer, tp, 10.0, {})[1]
+            if stable is not None and stable < end:  # the read waits on another producer's open transaction
+                raise TopicHeldOpen(held_open_text(tp, stable, end))
+            raise KafkaUnavailable(f"reading {tp.topic}[{tp.partition}] stalled at offset "
+                                   f"{pos if pos >= 0 else start} of {end}")
         # Batches (one call per message is ~10x slower on a long history); a short wait: the position also moves
         # past markers, which consume never returns.
         for msg in consumer.consume(num_messages=READ_BATCH, timeout=0.02):
