@@ -47,7 +47,7 @@ from resources.exactly_once import (
     TableChannel,
     progress_missing,
     progress_recorded_refusal,
-    read_back_slice,
+    read_back_slices,
     read_committed_progress,
     refuse_watermark_change,
     tiles_by_range,
@@ -612,8 +612,9 @@ def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_co
         records = [last]
     else:
         records = []
-    published = {r.slice: read_back_slice(kafka_conf, r, timeout=CHECK_KAFKA_TIMEOUT_S) for r in records
-                 if r.hi > r.lo and r.rows <= table.parity_read_back_max_rows}
+    published = read_back_slices(kafka_conf, [r for r in records if r.hi > r.lo
+                                              and r.rows <= table.parity_read_back_max_rows],
+                                 timeout=CHECK_KAFKA_TIMEOUT_S)
     return parity_result(table, source, records, published)
 
 
