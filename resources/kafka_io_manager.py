@@ -132,7 +132,8 @@ class KafkaIOManager(ConfigurableIOManager):
         if committed:  # committed before this run (a re-run, a roll-up key): report what they published
             tiles = tiles_by_range(self.kafka_conf(), obj.channel, committed)  # one search for a run's keys
             for s in committed:
-                record = self.committed_record(obj.channel, s, tiles[s])
+                record = (self.committed_record(obj.channel, s, tiles[s]) if tiles[s]
+                          else self.kept_by_reset(obj.channel, s))
                 records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
         if obj.pending:
             assert obj.read is not None
@@ -232,6 +233,19 @@ class KafkaIOManager(ConfigurableIOManager):
         context.add_output_metadata({"run_slices": len(obj.slices), "run_slices_published": len(obj.pending),
                                      "run_rows_published": sum(r.progress.rows for r, _ in records.values()
                                                                if not r.already_committed)})
+
+    def kept_by_reset(self, channel: TableChannel, rng: SliceRange) -> ProgressRecord:
+        """What a committed key that no slice record tiles published: where a reset back landed inside a slice, the
+        part it kept (`pieces_in_range`: the partition (lo, W] the reset left) holds that slice's messages up to W,
+        counted here. A re-run of it recorded "published nothing, 0 rows" (found by review). Else nothing."""
+        pieces = pieces_in_range(self.kafka_conf(), channel, rng)
+        if not pieces:
+            return self.committed_record(channel, rng, [])
+        rows = sum(1 for piece in pieces for _ in read_piece_messages(self.kafka_conf(), piece))
+        summary = summarize([piece.record for piece in pieces])
+        return ProgressRecord(channel.table, rng.key, rng.lo, rng.hi, rows, 0, "", summary["topic"],
+                              offsets=summary["offsets"], transactional_id=channel.transactional_id,
+                              committed_at=summary["last_committed_at"])
 
     @staticmethod
     def committed_record(channel: TableChannel, rng: SliceRange, tiles: list[ProgressRecord]) -> ProgressRecord:
