@@ -1267,7 +1267,7 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
 
     from assets.relay import asset_key, channel_for, partitions_for, recorded_published
     from orchestration.factory import job_name
-    from orchestration.history import table_active_runs
+    from orchestration.history import replace_keys, table_active_runs
     from resources.exactly_once import SlicePublisher
 
     (table,) = _tables(config, args.table)
@@ -1336,11 +1336,11 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
 
         plan = reset_partitions(ranges, args.after, replaced_hi, moved, published)
         dropped, settled = plan.dropped, plan.settled
-        for key in dropped:
-            instance.delete_dynamic_partition(partitions.name, key)
-            if (below := plan.kept_below.get(key)) is not None:  # else (lo, W] would have no partition
-                instance.add_dynamic_partitions(partitions.name, [below.key])
-                settle(key, below)
+        # One transaction: killed between a delete and its add, (lo, W] was left without a partition for good.
+        kept = [(key, below) for key in dropped if (below := plan.kept_below.get(key)) is not None]
+        replace_keys(instance, partitions.name, None, list(dropped), [below.key for _, below in kept])
+        for key, below in kept:  # else (lo, W] would have no partition
+            settle(key, below)
         for key in settled:
             settle(key, SliceRange.from_key(key))
         instance.report_runless_asset_event(AssetObservation(

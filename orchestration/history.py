@@ -90,20 +90,20 @@ def keys_version(instance: DagsterInstance, partitions_name: str) -> KeysVersion
 
 def replace_keys(instance: DagsterInstance, partitions_name: str, version: KeysVersion | None, delete: list[str],
                  append: list[str]) -> bool:
-    """Delete `delete` and append `append` (in order) to the keys, in one storage transaction, if the keys are still
-    at `version`; False if anything added or deleted keys since (a cut, another compaction, a reset): nothing is
-    written then. The public calls (`delete_dynamic_partition`, `add_dynamic_partitions`) are one transaction each,
-    so a compaction killed between its deletes and its adds left committed ranges without a key for good, and a
-    cut appended between them landed before the keys re-added, out of watermark order, where `open_keys` (which
-    reads the newest end only) missed it and the sensor cut over it; two compactions at once left keys covering one
-    range twice (found by review). On PostgreSQL the table is locked against other writers (SHARE ROW EXCLUSIVE: a
-    cut's insert waits the few milliseconds until the commit, then appends after these keys)."""
+    """Delete `delete` and append `append` (in order) to the keys, in one storage transaction, if the keys are still at
+    `version` (None: unchecked); False if anything added or deleted keys since (a cut, another compaction, a reset):
+    nothing is written then. The public calls (`delete_dynamic_partition`, `add_dynamic_partitions`) are one
+    transaction each, so a compaction killed between its deletes and its adds left committed ranges without a key
+    for good, and a cut appended between them landed before the keys re-added, out of watermark order, where
+    `open_keys` (which reads the newest end only) missed it and the sensor cut over it; two compactions at once left
+    keys covering one range twice (found by review). On PostgreSQL the table is locked against other writers (SHARE
+    ROW EXCLUSIVE: a cut's insert waits the few milliseconds until the commit, then appends after these keys)."""
     from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
     from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
     from sqlalchemy import func, select, text
 
     storage = instance.event_log_storage
-    if version is None or not isinstance(storage, SqlEventLogStorage):  # another storage: the public calls
+    if not isinstance(storage, SqlEventLogStorage):  # another storage: the public calls
         for key in delete:
             instance.delete_dynamic_partition(partitions_name, key)
         for i in range(0, len(append), BATCH):
@@ -115,12 +115,16 @@ def replace_keys(instance: DagsterInstance, partitions_name: str, version: KeysV
                               "IN SHARE ROW EXCLUSIVE MODE"))
         count, newest = conn.execute(select(func.count(), func.max(table.c.id))
                                      .where(table.c.partitions_def_name == partitions_name)).one()
-        if (int(count), int(newest or 0)) != version:
+        if version is not None and (int(count), int(newest or 0)) != version:
             return False
         _delete_keys_in(conn, partitions_name, delete)
         for i in range(0, len(append), BATCH):
-            conn.execute(table.insert(), [{"partitions_def_name": partitions_name, "partition": key}
-                                          for key in append[i:i + BATCH]])
+            batch = append[i:i + BATCH]
+            present = set(conn.execute(select(table.c.partition).where(
+                (table.c.partitions_def_name == partitions_name) & table.c.partition.in_(batch))).scalars())
+            if fresh := [key for key in batch if key not in present]:  # as add_dynamic_partitions: once each
+                conn.execute(table.insert(), [{"partitions_def_name": partitions_name, "partition": key}
+                                              for key in fresh])
     return True
 
 
