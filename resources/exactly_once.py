@@ -814,13 +814,10 @@ def _read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, ti
         if pos >= end:
             return
         if time.monotonic() > deadline:
-            stable = None
-            with contextlib.suppress(Exception):  # only to say why: the stall is the error either way
-                stable = partition_watermarks(consumer, tp, 10.0, {})[1]
-            if stable is not None and stable < end:  # the read waits on another producer's open transaction
-                raise TopicHeldOpen(held_open_text(tp, stable, end))
-            raise KafkaUnavailable(f"reading {tp.topic}[{tp.partition}] stalled at offset "
-                                   f"{pos if pos >= 0 else start} of {end}")
+            raise KafkaUnavailable(
+                f"reading {tp.topic}[{tp.partition}] stalled at offset {pos if pos >= 0 else start} of {end}: a "
+                "transaction may be open there (another producer's: a table sharing the topic, a `rowrelay "
+                "replay`), holding every read_committed reader until it ends")
         # Batches (one call per message is ~10x slower on a long history); a short wait: the position also moves
         # past markers, which consume never returns.
         for msg in consumer.consume(num_messages=READ_BATCH, timeout=0.02):
