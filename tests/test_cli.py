@@ -94,18 +94,24 @@ def test_verify_leaves_out_slices_committed_while_it_reads(services, pg_database
     assert report.examples["extra"] == [99999]
 
 
+def tables_sharing_a_topic(services, pg_database, pg_engine, name: str, rows: tuple[int, int], slice_max_rows: int
+                           ) -> RelayConfig:
+    """Tables {name}_a and {name}_b (ids 1..rows each) relayed to one topic, `name`: the config."""
+    with pg_engine.begin() as conn:
+        for suffix, count in zip(("a", "b"), rows, strict=True):
+            conn.execute(text(f"CREATE TABLE {name}_{suffix} (id bigint PRIMARY KEY, v text)"))
+            conn.execute(text(f"INSERT INTO {name}_{suffix} SELECT g, 'v' FROM generate_series(1, {count}) g"))
+    return relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}_{suffix}", "watermark": "id", "topic": name,
+         "slice_max_rows": slice_max_rows} for suffix in ("a", "b")])
+
+
 def test_verify_keeps_to_the_tables_own_messages_in_a_shared_topic(services, pg_database, pg_engine,
                                                                    dagster_instance, spark, name) -> None:
     """Two tables with the same ids share one topic (`topic:`): verify compared the whole topic with each table and
     found every row twice, and a message without rowrelay headers crashed it. Now each table is compared with its
     own messages; the others are counted, and a message of this table that no row explains is still extra."""
-    with pg_engine.begin() as conn:
-        for suffix in ("a", "b"):
-            conn.execute(text(f"CREATE TABLE {name}_{suffix} (id bigint PRIMARY KEY, v text)"))
-            conn.execute(text(f"INSERT INTO {name}_{suffix} SELECT g, 'v' FROM generate_series(1, 100) g"))
-    cfg = relay_config(services, {"src": pg_database}, [
-        {"source": "src", "table": f"public.{name}_{suffix}", "watermark": "id", "topic": name, "slice_max_rows": 50}
-        for suffix in ("a", "b")])
+    cfg = tables_sharing_a_topic(services, pg_database, pg_engine, name, rows=(100, 100), slice_max_rows=50)
     h = Harness(cfg, dagster_instance)
     for table in cfg.tables:
         h.drain(table, until_hi=100)

@@ -15,6 +15,7 @@ from confluent_kafka import KafkaError, KafkaException
 from orchestration.cli import main
 from resources.slices import SliceRange
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
+from tests.test_cli import tables_sharing_a_topic
 from tests.test_cli_refusals import config_file_for, lag_check_result, lose_progress_and_messages, serial_table
 
 pytestmark = pytest.mark.integration
@@ -331,13 +332,7 @@ def test_verify_waits_for_another_tables_open_transaction_in_a_shared_topic(
     from orchestration.cli import topic_watermarks, verify_table
     from resources.exactly_once import OutgoingMessage, SlicePublisher, TopicHeldOpen
 
-    with pg_engine.begin() as conn:
-        for t in ("a", "b"):
-            conn.execute(text(f"CREATE TABLE {name}_{t} (id bigint PRIMARY KEY, v text)"))
-        conn.execute(text(f"INSERT INTO {name}_a SELECT g, 'a' FROM generate_series(1, 10) g"))
-    cfg = relay_config(services, {"src": pg_database}, [
-        {"source": "src", "table": f"public.{name}_{t}", "watermark": "id", "topic": name, "slice_max_rows": 10}
-        for t in ("a", "b")])
+    cfg = tables_sharing_a_topic(services, pg_database, pg_engine, name, rows=(10, 0), slice_max_rows=10)
     harness = Harness(cfg, dagster_instance)
     a, b = cfg.tables
     harness.drain(a, until_hi=10)
@@ -359,7 +354,7 @@ def test_verify_waits_for_another_tables_open_transaction_in_a_shared_topic(
         assert started.wait(60)
         time.sleep(1.0)  # B's message is in the topic, uncommitted
         with pg_engine.begin() as conn:
-            conn.execute(text(f"INSERT INTO {name}_a SELECT g, 'a' FROM generate_series(11, 20) g"))
+            conn.execute(text(f"INSERT INTO {name}_a SELECT g, 'v' FROM generate_series(11, 20) g"))
         harness.drain(a, until_hi=20)  # A's second slice commits behind B's open transaction
 
         # Not told missing: held, and said so.

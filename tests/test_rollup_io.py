@@ -12,6 +12,15 @@ from tests.pipeline import Harness, read_topic, relay_config
 pytestmark = pytest.mark.integration
 
 
+def _nine_hundred_rows(services, pg_database, pg_engine, name: str):
+    """Ids 1-900 in a PostgreSQL table, relayed in 300-row slices keyed by id: the config."""
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, label text)"))
+        conn.execute(text(f"INSERT INTO {name} (label) SELECT 'r' || g FROM generate_series(1, 900) g"))
+    return relay_config(services, {"shop": pg_database}, [
+        {"source": "shop", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 300, "key": ["id"]}])
+
+
 def test_rollup_key_loads_every_row_back_and_a_rerun_publishes_nothing(services, pg_database, pg_engine,
                                                                        dagster_instance, spark, name) -> None:
     from dagster import AssetIn, InMemoryIOManager, asset, materialize
@@ -22,11 +31,7 @@ def test_rollup_key_loads_every_row_back_and_a_rerun_publishes_nothing(services,
     from resources.history import summarize
     from resources.slices import SliceRange
 
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, label text)"))
-        conn.execute(text(f"INSERT INTO {name} (label) SELECT 'r' || g FROM generate_series(1, 900) g"))
-    cfg = relay_config(services, {"shop": pg_database}, [
-        {"source": "shop", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 300, "key": ["id"]}])
+    cfg = _nine_hundred_rows(services, pg_database, pg_engine, name)
     h = Harness(cfg, dagster_instance)
     table = h.table()
     keys = h.drain(table)
@@ -73,11 +78,7 @@ def test_a_rerun_of_the_part_a_reset_kept_inside_a_rollup_reports_its_rows(servi
     from orchestration.history import compact_table
     from resources.slices import SliceRange
 
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, label text)"))
-        conn.execute(text(f"INSERT INTO {name} (label) SELECT 'r' || g FROM generate_series(1, 900) g"))
-    cfg = relay_config(services, {"shop": pg_database}, [
-        {"source": "shop", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 300, "key": ["id"]}])
+    cfg = _nine_hundred_rows(services, pg_database, pg_engine, name)
     harness = Harness(cfg, dagster_instance)
     table = harness.table()
     harness.drain(table)
