@@ -47,11 +47,13 @@ run: stack
 	$(WITH_ENV) $(PY) -m stack.demo setup
 	$(WITH_ENV) ./stack/run-demo.sh
 
-# Two pytest workers, a test file per worker at a time (loadfile): most of a test's time is spent waiting on the
-# stack (Spark, Kafka, the daemon), and every test has its own databases, topics and Dagster instance.
+# Three pytest workers on the two cores, a test file per worker at a time (loadfile): most of a test's time is
+# spent waiting on the stack (Spark, Kafka, the daemon), and every test has its own databases, topics and Dagster
+# instance. Time bounds left in tests are there to catch hangs, far from what a loaded host takes; two workers
+# took 13m41s on this kind of host, three <set after the CI run>.
 test: stack
 	$(PY) -m ruff check .
-	$(WITH_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests -m "not faults and not bench"
+	$(WITH_ENV) $(PY) -m pytest -q -n 3 --dist loadfile --durations=25 tests -m "not faults and not bench"
 
 test-unit: install
 	$(PY) -m pytest -q tests -m "not integration and not faults and not bench"
