@@ -75,16 +75,21 @@ KeysVersion = tuple[int, int]  # a partitions definition's (key count, newest ro
 def keys_version(instance: DagsterInstance, partitions_name: str) -> KeysVersion | None:
     """The keys' version (`KeysVersion`), to tell later whether anything added or deleted keys meanwhile; None on a
     storage that is not SQL (its keys are then replaced through the public calls, unchecked)."""
-    from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
     from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
-    from sqlalchemy import func, select
 
     storage = instance.event_log_storage
     if not isinstance(storage, SqlEventLogStorage):
         return None
     with storage.index_connection() as conn:
-        count, newest = conn.execute(select(func.count(), func.max(table.c.id))
-                                     .where(table.c.partitions_def_name == partitions_name)).one()
+        return _keys_version_in(conn, partitions_name)
+
+
+def _keys_version_in(conn: Any, partitions_name: str) -> KeysVersion:
+    from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
+    from sqlalchemy import func, select
+
+    count, newest = conn.execute(select(func.count(), func.max(table.c.id))
+                                 .where(table.c.partitions_def_name == partitions_name)).one()
     return int(count), int(newest or 0)
 
 
@@ -100,7 +105,7 @@ def replace_keys(instance: DagsterInstance, partitions_name: str, version: KeysV
     ROW EXCLUSIVE: a cut's insert waits the few milliseconds until the commit, then appends after these keys)."""
     from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
     from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
-    from sqlalchemy import func, select, text
+    from sqlalchemy import select, text
 
     storage = instance.event_log_storage
     if not isinstance(storage, SqlEventLogStorage):  # another storage: the public calls
@@ -113,9 +118,7 @@ def replace_keys(instance: DagsterInstance, partitions_name: str, version: KeysV
         if conn.dialect.name == "postgresql":
             conn.execute(text(f"LOCK TABLE {conn.dialect.identifier_preparer.format_table(table)} "
                               "IN SHARE ROW EXCLUSIVE MODE"))
-        count, newest = conn.execute(select(func.count(), func.max(table.c.id))
-                                     .where(table.c.partitions_def_name == partitions_name)).one()
-        if version is not None and (int(count), int(newest or 0)) != version:
+        if version is not None and _keys_version_in(conn, partitions_name) != version:
             return False
         _delete_keys_in(conn, partitions_name, delete)
         for i in range(0, len(append), BATCH):
