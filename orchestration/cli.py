@@ -45,6 +45,7 @@ from resources.config import ConfigError, RelayConfig, TableConfig, load_config,
 from resources.exactly_once import (  # noqa: E402
     RESET_PREFIX,
     WATERMARK_HEADER,
+    KafkaUnavailable,
     LivePiece,
     ProgressRecord,
     live_pieces,
@@ -170,6 +171,19 @@ def message_tie(value: bytes | None, tie_break: str) -> str | None:
     return tie_text(doc[tie_break])
 
 
+class TopicHeldOpen(KafkaUnavailable):
+    """Another producer's transaction is open in the topic below the table's committed messages: read_committed,
+    no consumer sees past it until it ends (Kafka aborts it at its transaction timeout at the latest)."""
+
+
+def held_open_text(tp: TopicPartition, stable: int, needed: int) -> str:
+    return (f"{tp.topic}[{tp.partition}] is readable (read_committed) only up to offset {stable}, below the "
+            f"committed messages it must show (to offset {needed - 1}): a transaction of another producer is open "
+            "there (a table sharing the topic, a `rowrelay replay` into it), and until it ends no consumer of the "
+            "topic sees what was committed after it began. Nothing can be told missing yet: try again once it ends "
+            "(Kafka aborts it at its transaction.timeout.ms at the latest)")
+
+
 def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: float = 60.0,
                      tie_break: str | None = None, shared: Container[int] = (), collect: Container[int] = (),
                      ends: dict[int, int] | None = None, committed_ends: dict[int, int] | None = None
@@ -184,10 +198,9 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
         FAST_READS,
         REPLAY_HEADER,
         TABLE_HEADER,
-        TopicHeldOpen,
         base_conf,
-        held_open_text,
         partition_watermarks,
+        topic_end_offsets,
     )
 
     consumer = Consumer({**base_conf(conf), "group.id": f"rowrelay-verify-{uuid.uuid4().hex}",
@@ -201,17 +214,20 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
         meta = md.topics.get(topic)
         if meta is None or meta.error is not None:
             return out
+        log_ends: dict[str, int] | None = None  # uncommitted messages included, asked once if needed
         for p in sorted(meta.partitions):
             tp = TopicPartition(topic, p)
             low, high = partition_watermarks(consumer, tp, timeout, conf)  # a new topic's leader may still move
             needed, waited = (committed_ends or {}).get(p, 0), time.monotonic() + timeout
-            # Only where the log holds those offsets (not a topic re-created or truncated since: then they are gone,
-            # and the comparison says which rows are missing).
-            while high < needed and ends is None and log_end(conf, tp, timeout) >= needed:
-                if time.monotonic() > waited:
-                    raise TopicHeldOpen(held_open_text(tp, high, needed))
-                time.sleep(0.5)
-                low, high = partition_watermarks(consumer, tp, timeout, conf)
+            if high < needed and ends is None:
+                log_ends = topic_end_offsets(conf, topic, timeout) if log_ends is None else log_ends
+                # Only where the log holds those offsets (not a topic re-created or truncated since: then they are
+                # gone, and the comparison says which rows are missing).
+                while high < needed <= log_ends.get(str(p), 0):
+                    if time.monotonic() > waited:
+                        raise TopicHeldOpen(held_open_text(tp, high, needed))
+                    time.sleep(0.5)
+                    low, high = partition_watermarks(consumer, tp, timeout, conf)
             if ends is not None:
                 high = min(high, ends.get(p, low))
             out.ends[p] = high
@@ -249,19 +265,6 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
     finally:
         consumer.close()
     return out
-
-
-def log_end(conf: dict[str, Any], tp: TopicPartition, timeout: float) -> int:
-    """The partition's log end offset, uncommitted messages included (a read_committed reader's end stops at the
-    first open transaction)."""
-    from resources.exactly_once import base_conf, partition_watermarks
-
-    consumer = Consumer({**base_conf(conf), "group.id": f"rowrelay-verify-{uuid.uuid4().hex}",
-                         "isolation.level": "read_uncommitted", "enable.auto.commit": False})
-    try:
-        return partition_watermarks(consumer, tp, timeout, conf)[1]
-    finally:
-        consumer.close()
 
 
 @dataclass(frozen=True)

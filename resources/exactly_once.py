@@ -127,19 +127,6 @@ class KafkaUnavailable(RelayError):
     """Transient: the broker did not answer in time. Retrying later is safe."""
 
 
-class TopicHeldOpen(KafkaUnavailable):
-    """Another producer's transaction is open in the topic below the table's committed messages: read_committed,
-    no consumer sees past it until it ends (Kafka aborts it at its transaction timeout at the latest)."""
-
-
-def held_open_text(tp: TopicPartition, stable: int, needed: int) -> str:
-    return (f"{tp.topic}[{tp.partition}] is readable (read_committed) only up to offset {stable}, below the "
-            f"committed messages it must show (to offset {needed - 1}): a transaction of another producer is open "
-            "there (a table sharing the topic, a `rowrelay replay` into it), and until it ends no consumer of the "
-            "topic sees what was committed after it began. Nothing can be told missing yet: try again once it ends "
-            "(Kafka aborts it at its transaction.timeout.ms at the latest)")
-
-
 class ProducerSettingsError(RelayError):
     """The producer settings (kafka.producer) cannot work; a retry fails the same way until they are changed."""
 

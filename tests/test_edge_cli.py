@@ -329,8 +329,8 @@ def test_verify_waits_for_another_tables_open_transaction_in_a_shared_topic(
     from sqlalchemy import text
 
     from assets.relay import channel_for
-    from orchestration.cli import topic_watermarks, verify_table
-    from resources.exactly_once import OutgoingMessage, SlicePublisher, TopicHeldOpen
+    from orchestration.cli import TopicHeldOpen, topic_watermarks, verify_table
+    from resources.exactly_once import OutgoingMessage, SlicePublisher
 
     cfg = tables_sharing_a_topic(services, pg_database, pg_engine, name, rows=(10, 0), slice_max_rows=10)
     harness = Harness(cfg, dagster_instance)
