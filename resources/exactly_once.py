@@ -1201,8 +1201,7 @@ def messages_gone(record: ProgressRecord, offset: int, partition: int | str, wm:
 
 @contextlib.contextmanager
 def slice_reader(kafka_conf: dict[str, Any]) -> Iterator[Consumer]:
-    """One read_committed consumer for reading back many slices (`read_back_slice(..., consumer=)`): a roll-up key's
-    parity check made one per slice, ~25 ms each (a 1000-slice key held its run 27 s)."""
+    """One read_committed consumer for reading back many slices (`read_back_slices`)."""
     consumer = _consumer(kafka_conf)
     try:
         yield consumer
@@ -1273,10 +1272,11 @@ READ_BACK_GAP = 10_000  # offsets of other messages between two slices still rea
 
 def read_back_slices(kafka_conf: dict[str, Any], records: list[ProgressRecord], timeout: float = 30.0
                      ) -> dict[str, PublishedSlice]:
-    """`read_back_slice` of many slices (a run's, a roll-up key's), by slice. Slices in one partition whose offsets
-    follow each other are read in one pass and split by their records' offsets: read one by one, each waited ~25 ms
-    for its fetch (a 1000-slice roll-up key's re-run held the table's pool 27 s in its parity check, found by
-    review). Slices over several partitions, or whose offsets overlap, are read one by one."""
+    """Slices' messages read back by their records' offsets, counted and checksummed as `SliceDigest` did while
+    publishing, by slice. A slice in one partition is read as a stream (it holds the slice in publish order); slices
+    there whose offsets follow each other are read in one pass and split by their records' offsets: read one by one,
+    each waited ~25 ms for its fetch (a 1000-slice roll-up key's re-run held the table's pool 27 s in its parity
+    check, found by review). Slices over several partitions are gathered one by one (`_gathered_read_back`)."""
     out: dict[str, PublishedSlice] = {}
     runs: dict[tuple[str, int], list[tuple[int, int, ProgressRecord]]] = {}
     with slice_reader(kafka_conf) as consumer:
@@ -1285,12 +1285,12 @@ def read_back_slices(kafka_conf: dict[str, Any], records: list[ProgressRecord], 
                 ((partition, (first, last)),) = r.offsets.items()
                 runs.setdefault((r.topic, int(partition)), []).append((first, last, r))
             else:
-                out[r.slice] = read_back_slice(kafka_conf, r, timeout, consumer=consumer)
+                out[r.slice] = _gathered_read_back(kafka_conf, r, timeout, consumer)
         for (topic, partition), spans in runs.items():
             spans.sort(key=lambda span: span[0])
-            if any(b[0] <= a[1] for a, b in zip(spans, spans[1:], strict=False)):
-                for _, _, r in spans:
-                    out[r.slice] = read_back_slice(kafka_conf, r, timeout, consumer=consumer)
+            if any(b[0] <= a[1] for a, b in zip(spans, spans[1:], strict=False)):  # overlapping: one at a time
+                for span in spans:
+                    out.update(_read_back_run(consumer, topic, partition, [span], timeout))
                 continue
             start = 0
             while start < len(spans):
@@ -1317,7 +1317,7 @@ def _read_back_run(consumer: Consumer, topic: str, partition: int, spans: list[t
             at += 1
         if at == len(spans) or offset < spans[at][0]:
             continue  # between two slices: no record names it
-        first, last, record = spans[at]
+        record = spans[at][2]
         mine, wm = table_message_watermark(m.headers(), tables[at])
         if not mine:
             continue
@@ -1335,21 +1335,14 @@ def _read_back_run(consumer: Consumer, topic: str, partition: int, spans: list[t
     return out
 
 
-def read_back_slice(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float = 30.0,
-                    consumer: Consumer | None = None) -> PublishedSlice:
-    """The slice's messages counted and checksummed as `SliceDigest` did while publishing. One partition is read
-    as a stream (it holds the slice in publish order); several are gathered and put in watermark order."""
-    digest, rows = SliceDigest(), 0
-    if len(record.offsets) <= 1:
-        chunk: list[bytes] = []
-        for msg in read_published_messages(kafka_conf, record, timeout, consumer=consumer):
-            chunk.append(msg.value())
-            if len(chunk) >= READ_BATCH:
-                digest.update(chunk)
-                rows += len(chunk)
-                chunk = []
-        digest.update(chunk)
-        return PublishedSlice(rows + len(chunk), digest.hexdigest())
+def read_back_slice(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float = 30.0) -> PublishedSlice:
+    """The slice's messages counted and checksummed as `SliceDigest` did while publishing (`read_back_slices`)."""
+    return read_back_slices(kafka_conf, [record], timeout)[record.slice]
+
+
+def _gathered_read_back(kafka_conf: dict[str, Any], record: ProgressRecord, timeout: float, consumer: Consumer
+                        ) -> PublishedSlice:
+    """A slice over several partitions (or none): its messages gathered and put in watermark order."""
     gathered: list[tuple[int, int, bytes]] = []  # (watermark, partition, value), each partition in publish order
     for msg in read_published_messages(kafka_conf, record, timeout, consumer=consumer):
         wm = message_watermark(msg)
@@ -1358,6 +1351,7 @@ def read_back_slice(kafka_conf: dict[str, Any], record: ProgressRecord, timeout:
     spread = any(a[0] == b[0] and a[1] != b[1] for a, b in zip(gathered, gathered[1:], strict=False))
     if spread:
         return PublishedSlice(len(gathered), None)
+    digest = SliceDigest()
     digest.update([g[2] for g in gathered])
     return PublishedSlice(len(gathered), digest.hexdigest())
 
