@@ -146,7 +146,7 @@ rel AS (
         min(reached.depth) AS depth, bool_or(reached.ids) AS ids
     FROM reached JOIN pg_class c ON c.oid = reached.oid GROUP BY c.oid, c.relkind, c.relpersistence),
 fed AS (
-    SELECT q.seq, s.seqcache, rel.name, rel.depth FROM rel
+    SELECT q.seq, rel.name, rel.depth FROM rel
     JOIN pg_attribute a ON a.attrelid = rel.oid AND a.attname = :column AND a.attnum > 0 AND NOT a.attisdropped
     CROSS JOIN LATERAL (
         -- its serial or identity sequence (what pg_get_serial_sequence finds)
@@ -173,9 +173,9 @@ SELECT pg_is_in_recovery(),
                   CAST(CAST(g.seq AS regclass) AS text), g.name, CAST(g.depth AS text)]
         FROM fed f JOIN fed g ON g.seq <> f.seq ORDER BY f.depth, f.name, g.depth, g.name LIMIT 1)
 FROM (SELECT 1) one LEFT JOIN LATERAL (
-    SELECT fed.seqcache, fed.seq AS seqrelid, fed.name, fed.depth, sc.relpersistence = 'u' AS unlogged FROM fed
-    JOIN pg_class sc ON sc.oid = fed.seq
-    ORDER BY sc.relpersistence = 'u' DESC, fed.seqcache DESC, fed.depth, fed.name LIMIT 1) q ON true
+    SELECT s.seqcache, s.seqrelid, fed.name, fed.depth, sc.relpersistence = 'u' AS unlogged FROM fed
+    JOIN pg_sequence s ON s.seqrelid = fed.seq JOIN pg_class sc ON sc.oid = fed.seq
+    ORDER BY sc.relpersistence = 'u' DESC, s.seqcache DESC, fed.depth, fed.name LIMIT 1) q ON true
 """
 # PostgreSQL: the WAL position each finality candidate waits to see flushed, from the first check that found its
 # transactions ended, per server start (see `is_final`).
