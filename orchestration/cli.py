@@ -1285,7 +1285,7 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
 
     from assets.relay import asset_key, channel_for, partitions_for, recorded_published
     from orchestration.factory import job_name
-    from orchestration.history import replace_keys, table_active_runs
+    from orchestration.history import keys_version, replace_keys, table_active_runs
     from resources.exactly_once import SlicePublisher
 
     (table,) = _tables(config, args.table)
@@ -1320,27 +1320,36 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
         finally:
             publisher.close()
         partitions = partitions_for(table)
-        keys = instance.get_dynamic_partitions(partitions.name)
-        # The reset also says where a changed watermark stands: the config's column against the progress's (the
-        # source away), or the reflected column and kind.
-        moved = before is not None and (watermark_change(before, *reflected) is not None if reflected is not None
-                                        else before.watermark is not None and before.watermark != table.watermark)
-        # A timestamp watermark's slices have times as keys: the texts below then name times, as --after takes them.
-        timestamps = any(map(is_timestamp_key, keys)) or (before is not None and is_timestamp_key(before.slice))
-        if moved or (not keys and (before is None or before.hi == before.lo)):  # the source's column tells
-            timestamps = bool(kind)
+        while True:  # read again when a history compaction replaced the keys between this read and the replacement
+            version = keys_version(instance, partitions.name)  # before the keys are read, as a compaction takes it
+            keys = instance.get_dynamic_partitions(partitions.name)
+            # The reset also says where a changed watermark stands: the config's column against the progress's (the
+            # source away), or the reflected column and kind.
+            moved = before is not None and (watermark_change(before, *reflected) is not None if reflected is not None
+                                            else before.watermark is not None and before.watermark != table.watermark)
+            # A timestamp watermark's slices have times as keys: the texts below then name times, as --after takes them.
+            timestamps = any(map(is_timestamp_key, keys)) or (before is not None and is_timestamp_key(before.slice))
+            if moved or (not keys and (before is None or before.hi == before.lo)):  # the source's column tells
+                timestamps = bool(kind)
+
+            replaced_hi = before.hi if before else channel.start_after
+            was = "empty" if before is None else watermark_text(before.hi, (recorded_watermark_kind(before) or (
+                "timestamp" if timestamps else "integer")) != "integer")
+            ranges = {key: SliceRange.from_key(key) for key in keys}
+            # Empty progress says nothing of what was published (a new prefix, a lost progress topic): Dagster's own
+            # record of each partition at or below W does (the run's refusal went by it too), not "never sent".
+            published = {} if before is not None else recorded_published(
+                instance, asset_key(table), [k for k, r in ranges.items() if r.hi > replaced_hi and r.lo < args.after])
+
+            plan = reset_partitions(ranges, args.after, replaced_hi, moved, published)
+            dropped, settled = plan.dropped, plan.settled
+            # One transaction: killed between a delete and its add, (lo, W] was left without a partition for good.
+            kept = [(key, below) for key in dropped if (below := plan.kept_below.get(key)) is not None]
+            if replace_keys(instance, partitions.name, version, list(dropped), [below.key for _, below in kept]):
+                break
 
         def text(value: int) -> str:
             return watermark_text(value, timestamps)
-
-        replaced_hi = before.hi if before else channel.start_after
-        was = "empty" if before is None else watermark_text(before.hi, (recorded_watermark_kind(before) or (
-            "timestamp" if timestamps else "integer")) != "integer")
-        ranges = {key: SliceRange.from_key(key) for key in keys}
-        # Empty progress says nothing of what was published (a new prefix, a lost progress topic): Dagster's own
-        # record of each partition at or below W does (the run's refusal went by it too), not "never sent".
-        published = {} if before is not None else recorded_published(
-            instance, asset_key(table), [k for k, r in ranges.items() if r.hi > replaced_hi and r.lo < args.after])
 
         def settle(key: str, part: SliceRange) -> None:
             """Materialize `part` (of partition `key`) without a run, saying what became of its rows."""
@@ -1352,11 +1361,6 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
                 metadata={"rowrelay/before_reset_of": key, "rowrelay/published_up_to": sent_to,
                           "reason": args.reason}))
 
-        plan = reset_partitions(ranges, args.after, replaced_hi, moved, published)
-        dropped, settled = plan.dropped, plan.settled
-        # One transaction: killed between a delete and its add, (lo, W] was left without a partition for good.
-        kept = [(key, below) for key in dropped if (below := plan.kept_below.get(key)) is not None]
-        replace_keys(instance, partitions.name, None, list(dropped), [below.key for _, below in kept])
         for key, below in kept:  # else (lo, W] would have no partition
             settle(key, below)
         for key in settled:

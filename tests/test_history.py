@@ -591,6 +591,66 @@ def test_compaction_replaces_keys_in_one_transaction_beside_cuts_crashes_and_oth
 
 
 @pytest.mark.integration
+def test_a_reset_racing_a_compaction_leaves_keys_tiling_progress(services, pg_database, dagster_home,
+                                                                 dagster_instance, tmp_path, monkeypatch) -> None:
+    """`rowrelay reset` read the keys, a compaction that had read progress before the reset's record replaced them
+    (roll-ups over the slices), then the reset's unchecked replacement deleted slice keys that no longer existed
+    and left the roll-ups above W: keys no longer tiled progress. The reset now replaces the keys only at the
+    version it read them at, and reads them again when a compaction moved them meanwhile."""
+    import threading
+
+    import yaml
+
+    import orchestration.history as history
+    from bench.scale import seed_history
+    from orchestration.cli import main
+    from orchestration.factory import job_name
+    from tests.conftest import unique
+    from tests.pipeline import relay_config, source_url
+
+    config = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{unique('rc')}",
+                                                            "watermark": "id"}])
+    table = config.tables[0]
+    kafka = {"bootstrap.servers": services.kafka_bootstrap}
+    now = datetime.now(UTC)
+    seed_history(dagster_instance, table, source_url(pg_database), kafka, 200, span_days=3, now=now)
+    path = tmp_path / "rowrelay.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+
+    # The compaction reads progress (200) and the keys, then waits in its read of the records until the reset has
+    # committed its record and read the keys; it replaces them right before the reset does.
+    planned, go = threading.Event(), threading.Event()
+    reading, replacing = history.read_records, history.replace_keys
+    results: list[history.CompactResult] = []
+
+    def read_records_then_wait(*args, **kwargs):
+        records = reading(*args, **kwargs)
+        planned.set()
+        assert go.wait(120)
+        return records
+
+    def compaction_lands_first(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread() and not go.is_set():
+            go.set()
+            compaction.join(120)
+        return replacing(*args, **kwargs)
+
+    monkeypatch.setattr(history, "read_records", read_records_then_wait)
+    monkeypatch.setattr(history, "replace_keys", compaction_lands_first)
+    compaction = threading.Thread(target=lambda: results.append(history.compact_table(
+        dagster_instance, table, kafka, full=True, job_name=job_name(table), now=now + timedelta(days=2))))
+    compaction.start()
+    assert planned.wait(120), "the compaction did not get to its plan"
+    code = main(["--config", str(path), "reset", "--table", table.table_id, "--after", "100", "--reason", "race"])
+    go.set()
+    compaction.join(120)
+    assert code == 0
+    assert results and results[0].rollups > 0 and not results[0].skipped, results  # it landed in between
+    assert _his(dagster_instance, table)[-1] == 100  # (0, 100] once, in order, nothing above the reset
+
+
+@pytest.mark.integration
 def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_engine, dagster_instance) -> None:
     """min_slice_rows 5 / max_slice_delay_seconds 5: a table with 2 rows waits, a third row arriving meanwhile
     joins them, and the three are cut as one slice once the delay is over; a table with 5 rows is cut at once."""
