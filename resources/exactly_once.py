@@ -555,6 +555,10 @@ class _AbortAndRedo(Exception):
     """Internal: the transaction must be aborted and the slice sent again."""
 
 
+class _CommitUnknown(Exception):
+    """Internal: commit_transaction failed without telling whether the transaction committed (`outcome_unknown`)."""
+
+
 # The last refused login per bootstrap address. librdkafka reports a failed SASL/TLS login only to error_cb
 # (served by poll()); the call that needed the broker just times out as "Broker transport failure".
 _auth_failures: dict[str, str] = {}
@@ -1535,7 +1539,7 @@ class SlicePublisher:
     def __init__(self, channel: TableChannel, kafka_conf: dict[str, Any], *,
                  on_stage: StageHook | None = None, max_attempts: int = 3, init_timeout_s: float = 60.0,
                  flush_timeout_s: float = 300.0, abort_timeout_s: float = 10.0,
-                 recorded: SliceRange | None = None) -> None:
+                 recorded: SliceRange | None = None, commit_timeout_s: float = 120.0) -> None:
         self.channel = channel
         # The newest slice the orchestrator recorded as committed, where Kafka's progress looked empty to it (None:
         # nothing recorded, or progress was there): see `_refuse_if_progress_missing`.
@@ -1546,6 +1550,7 @@ class SlicePublisher:
         self.max_attempts = max_attempts
         self.init_timeout_s = init_timeout_s
         self.abort_timeout_s = abort_timeout_s
+        self.commit_timeout_s = commit_timeout_s
         # The user's transaction.timeout.ms (kafka.producer) wins; a slice must commit within it.
         self.transaction_timeout_ms = transaction_timeout_ms(kafka_conf)
         producer_conf = {
@@ -1686,6 +1691,24 @@ class SlicePublisher:
                 self._own_progress = record
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
                                      attempts=attempt, phases=dict(self.last_phases))
+            except _CommitUnknown as exc:
+                # Kafka, read once a fresh producer has settled the transaction, tells whether the slice committed:
+                # redone blindly, it was in the topic twice when the first commit had landed.
+                committed = self._fence_after_unknown_commit()
+                if committed is not None and committed.slice == slice_range.key:
+                    self._own_progress = committed
+                    return PublishResult(committed, already_committed=False, duration_s=time.monotonic() - started,
+                                         attempts=attempt, phases=dict(self.last_phases))
+                if (committed.hi if committed else self.channel.start_after) != slice_range.lo:
+                    # Another publisher moved progress meanwhile: the checks a publish starts with say what stands.
+                    return self.publish(slice_range, batches, columns=columns, schema_fingerprint=schema_fingerprint,
+                                        expected_rows=expected_rows, where=where, skipped=skipped,
+                                        watermark=watermark)
+                if attempt >= self.max_attempts:
+                    raise KafkaUnavailable(f"{self.channel.table}: slice {slice_range}: the commit failed {attempt} "
+                                           f"times without an answer (last: {exc}); nothing of it committed") from exc
+                _log.warning("%s: the commit of slice %s got no answer (%s) and did not land; sending it again",
+                             self.channel.table, slice_range, exc)
             except _AbortAndRedo as exc:
                 self._raise_if_timed_out(slice_range, exc)
                 self._abort()
@@ -1741,6 +1764,11 @@ class SlicePublisher:
                           partition=0)  # read at partition 0 whatever partitions the topic has
             self._commit()
             self._txn_began = None
+        except _CommitUnknown as exc:
+            standing = self._fence_after_unknown_commit()
+            if standing is None or (standing.slice, standing.committed_at) != (record.slice, record.committed_at):
+                raise RelayError(f"{self.channel.table}: progress record {record.slice} not committed ({exc}); "
+                                 "progress is unchanged, try again") from exc
         except _AbortAndRedo as exc:
             # Not committed. The abort says why when a newer publisher fenced this one meanwhile (a commit racing
             # the fence can fail "Unknown broker error" first); else the caller is told in a RelayError, as for
@@ -2094,7 +2122,32 @@ class SlicePublisher:
             raise  # _raise_for always raises
 
     def _commit(self) -> None:
-        self._call(self.producer.commit_transaction, 120)
+        """One commit_transaction call, never repeated nor followed by an abort on this producer when its outcome is
+        unknown (_CommitUnknown): librdkafka lacks KIP-890's epoch per transaction, so an EndTxn still on its way
+        could land on a later transaction of the same producer. `_fence_after_unknown_commit` ends it."""
+        try:
+            self.producer.commit_transaction(self.commit_timeout_s)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if outcome_unknown(err):
+                raise _CommitUnknown(_fatal_message(err)) from exc
+            self._raise_for(err)
+
+    def _fence_after_unknown_commit(self) -> ProgressRecord | None:
+        """A fresh producer of the table's transactional id in place of the one whose commit got no answer, and the
+        progress committed once it is initialized: its init_transactions has the coordinator finish that
+        transaction (committed, or aborted) and fences the old producer's requests still on their way, so the
+        progress read then says for good whether the commit landed."""
+        self._txn_began = None
+        self._own_progress = None
+        self._initialized = False
+        stale, self.producer = self.producer, Producer(with_error_cb(self._producer_conf))
+        try:
+            self.init()
+        finally:
+            with contextlib.suppress(KafkaException, SystemError):  # its queue emptied, dropping it waits for nothing
+                stale.purge()
+        return self.committed_progress()
 
     def _raise_for(self, err: KafkaError) -> None:
         if err.code() == KafkaError._FATAL and self._txn_began is not None:
