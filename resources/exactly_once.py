@@ -17,7 +17,9 @@ one stable ``transactional.id``. Publishing a slice is:
 A crash anywhere before the commit leaves nothing visible; a crash after it leaves the progress record
 saying so, and the retry publishes nothing. Kafka, not the orchestrator, is the record of what was sent.
 Any error raised while a transaction is open aborts it before it propagates: an open transaction holds the
-topic's last stable offset, so every read_committed reader of the topic would wait for it.
+topic's last stable offset, so every read_committed reader of the topic would wait for it. A commit that gets no
+answer is the exception: neither aborted nor called again, its producer is fenced by a fresh one, and the progress
+read after that says whether the slice committed.
 """
 
 from __future__ import annotations
