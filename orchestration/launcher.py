@@ -223,6 +223,9 @@ def _run_worker(go_fd: int, close_fds: list[int], execute_run_args: str) -> None
             code = 0
             return
         worker_signals()
+        relay = sys.modules.get("resources.exactly_once")  # the code location's own, if it is rowrelay's
+        if relay is not None:
+            relay.env_failpoint("worker_released")  # tests: a worker held (or killed) between its go and RUN_START
         try:
             execute_run_command.callback(input_json=execute_run_args, compressed_input_json=None)
             code = 0
