@@ -22,7 +22,9 @@ Design:
   no worker runs unrecorded. Then it runs the body of `dagster api execute_run` (the same click callback), so
   events, run status, failure handling and SIGTERM-as-interrupt are Dagster's own.
 - Health: run monitoring asks `check_run_worker_health`; a worker whose pid is gone (or reused, or a zombie)
-  while its run is still STARTED is FAILED, so Dagster fails the run and run retries take over.
+  while its run is still STARTED is FAILED, so Dagster fails the run and run retries take over. Run monitoring
+  asks only about STARTED runs (a STARTING one waits for `start_timeout_seconds`), so the launching process
+  watches each worker it forked itself: one gone while its run is still STARTING fails the run at once.
 - Fork safety: before warming and before each fork the fork server checks that it has no Python thread but the
   main one and no socket; otherwise it refuses and the launch falls back. Native threads started by imports
   (numpy's OpenBLAS pool, pyarrow's jemalloc background thread) register pthread_atfork handlers.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -50,6 +53,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dagster import (
+    DagsterInstance,
     DagsterRunStatus,
     DefaultRunLauncher,
     Field,
@@ -86,6 +90,8 @@ WORKER_TAG = "rowrelay/warm_worker"  # JSON {pid, host, start, server_pid}: what
 DEFAULT_PRELOAD = ("dagster", "pandas", "pyarrow", "confluent_kafka", "sqlalchemy", "pyspark.sql.connect.session")
 ROOT = Path(__file__).resolve().parents[1]
 RELEASE_WAIT_S = 2.0  # how long a worker whose go's answer was lost is watched (`WarmRunLauncher._released`)
+START_WATCH_INTERVAL_S = 1.0  # how often the workers of runs not yet started are looked at (`StartingRunWatch`)
+START_WATCH_RETRIES = 30  # storage errors tolerated failing one run before run monitoring's start timeout does it
 # The fork server's command: this module from this checkout, whatever the code location's sys.path
 # (`-c`, not `-m` or PYTHONPATH, so workers inherit the launching process's environment unchanged).
 BOOTSTRAP = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import orchestration.launcher as m; m.serve(sys.argv[1:])"
@@ -472,6 +478,72 @@ _SERVERS: dict[str, ForkServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
+def fail_unstarted_run(instance: DagsterInstance, run_id: str, why: str) -> bool:
+    """Fail a run whose worker is gone if the run is still STARTING (nothing will ever start it); a STARTED run is
+    run monitoring's to judge, a finished one is left alone. Whether it was failed."""
+    run = instance.get_run_by_id(run_id)
+    if run is None or run.status != DagsterRunStatus.STARTING:
+        return False
+    instance.report_run_failed(run, f"Run worker exited before the run started ({why}): nothing will start it.\n"
+                                    f"WarmRunLauncher worker: {run.tags.get(WORKER_TAG)}")
+    return True
+
+
+@dataclass
+class _Watched:
+    worker: WarmWorker
+    instance: DagsterInstance
+    errors: int = 0
+
+
+class StartingRunWatch:
+    """Fails a run whose worker died before the run started, within about `interval_s` of the death.
+
+    Run monitoring asks `check_run_worker_health` only for STARTED runs: a run whose worker died while it was
+    STARTING waited for `start_timeout_seconds` (120 s in rowrelay's dagster.yaml), holding its table's pool, though
+    the launching process knows its worker from the fork on. One thread per launching process looks at each worker
+    it forked (one /proc read) until the worker ends; only then is the run read from storage."""
+
+    def __init__(self, interval_s: float = START_WATCH_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._watched: dict[str, _Watched] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, instance: DagsterInstance, run_id: str, worker: WarmWorker) -> None:
+        with self._lock:
+            self._watched[run_id] = _Watched(worker, instance)
+            if self._thread is None:  # started by the first launch: never in the fork server, which forks no thread
+                self._thread = threading.Thread(target=self._loop, name="rowrelay-starting-runs", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            self.check()
+
+    def check(self) -> None:
+        with self._lock:
+            watched = list(self._watched.items())
+        for run_id, entry in watched:
+            status, message = entry.worker.status()
+            if status == WorkerStatus.RUNNING:
+                continue
+            try:
+                if status == WorkerStatus.FAILED:
+                    fail_unstarted_run(entry.instance, run_id, message)
+            except Exception:  # noqa: BLE001 - storage away for a moment: the worker stays gone, look again
+                entry.errors += 1
+                if entry.errors < START_WATCH_RETRIES:
+                    continue
+                logging.getLogger(__name__).exception("cannot judge run %s; run monitoring will", run_id)
+            with self._lock:
+                self._watched.pop(run_id, None)
+
+
+_STARTING_RUNS = StartingRunWatch()
+
+
 class WarmRunLauncher(RunLauncher, ConfigurableClass):
     """Launches each run's worker by forking it from a warm fork server; see the module docstring."""
 
@@ -611,6 +683,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             if not self.fallback:
                 raise DagsterLaunchFailedError(f"WarmRunLauncher cannot launch run {run.run_id}: {exc}") from exc
             return self._launch_through_code_server(context, str(exc))
+        _STARTING_RUNS.add(self._instance, run.run_id, worker)
         self._instance.report_engine_event(
             f"Forked run worker (pid {worker.pid}) from the warm fork server (pid {worker.server_pid}).",
             run,
