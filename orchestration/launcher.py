@@ -11,9 +11,10 @@ Configured in rowrelay's dagster.yaml (delete the stanza for Dagster's default l
 Design:
 - The *fork server* is a separate process the launcher starts on demand (one per launching process — the
   daemon, or the webserver for UI launches without a queue — and code location). It imports the preload modules,
-  loads the code location's definitions, records a fingerprint of every module file it imported plus the files
-  named by `watch_env_files` / `watch_paths`, and then waits for requests on its stdin/stdout pipes. It exits when
-  the launching process closes its stdin (or dies).
+  loads the code location's definitions, records a fingerprint of every module file it imported, every file it
+  read meanwhile (the config file, whichever chose it: an audit hook sees the opens) and the files named by
+  `watch_env_files` / `watch_paths`, and then waits for requests on its stdin/stdout pipes. It exits when the
+  launching process closes its stdin (or dies).
 - A launch computes the fingerprint again (one stat per file); a different one replaces the fork server, so a
   changed code location never runs stale code. Modules imported only later, in the worker, are read fresh anyway.
 - The fork server double-forks: the worker is not its child, so it survives the fork server's death (and is
@@ -47,7 +48,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -149,6 +150,41 @@ def file_signatures(paths: Sequence[str]) -> dict[str, list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- fork server
+
+
+_files_read: set[str] | None = None  # what `_audit_open` records, while `recording_reads` runs
+_audit_hooked = False
+_PSEUDO_FILES = ("/proc/", "/sys/", "/dev/")
+
+
+def _audit_open(event: str, args: tuple[Any, ...]) -> None:
+    """Audit hook: records each file opened for reading (open(), os.open, pathlib, ...) while recording."""
+    if _files_read is None or event != "open":
+        return
+    with contextlib.suppress(Exception):  # an exception here would fail the open itself
+        path, mode, flags = args
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else flags & os.O_ACCMODE != os.O_RDONLY
+        if not writes and not isinstance(path, int):
+            _files_read.add(os.path.abspath(os.fsdecode(path)))
+
+
+@contextlib.contextmanager
+def recording_reads() -> Iterator[set[str]]:
+    """The files read inside the block, but pseudo-files, directories and bytecode caches (their sources are
+    imported files). An audit hook cannot be removed: it stays, inert, in this process and its forks."""
+    global _files_read, _audit_hooked
+    if not _audit_hooked:
+        sys.addaudithook(_audit_open)
+        _audit_hooked = True
+    read: set[str] = set()
+    _files_read = read
+    found: set[str] = set()
+    try:
+        yield found
+    finally:
+        _files_read = None
+        found.update(p for p in read if not p.startswith(_PSEUDO_FILES) and "__pycache__" not in p
+                     and not os.path.isdir(p))
 
 
 def _imported_files() -> list[str]:
@@ -304,14 +340,19 @@ def _release_worker(state: _ForkServerState, run_id: str, go: bool) -> dict[str,
     return {"ok": True}
 
 
-def _warm_up(repository_origin: RepositoryPythonOrigin, preload: Sequence[str]) -> None:
+def _warm_up(repository_origin: RepositoryPythonOrigin, preload: Sequence[str]) -> list[str]:
+    """Import and load; the files read meanwhile (the code location's config file, wherever it was found, and
+    whatever else it reads at load time): a change to one of them must replace the fork server as a code change
+    does, or runs would keep the config their fork server loaded."""
     import importlib
 
-    for name in preload:
-        importlib.import_module(name)
-    # Loading the definitions builds assets, sensors and resource *configs* only (rowrelay's resources open
-    # connections lazily, in the run); fork_hazards() below verifies that nothing opened a socket or thread.
-    recon_repository_from_origin(repository_origin).get_definition()
+    with recording_reads() as read:
+        for name in preload:
+            importlib.import_module(name)
+        # Loading the definitions builds assets, sensors and resource *configs* only (rowrelay's resources open
+        # connections lazily, in the run); fork_hazards() below verifies that nothing opened a socket or thread.
+        recon_repository_from_origin(repository_origin).get_definition()
+    return sorted(read)
 
 
 def serve(argv: Sequence[str]) -> None:
@@ -332,11 +373,11 @@ def serve(argv: Sequence[str]) -> None:
 
     started_ns = time.time_ns()
     try:
-        _warm_up(deserialize_value(options["repository_origin"], RepositoryPythonOrigin), options["preload"])
+        read = _warm_up(deserialize_value(options["repository_origin"], RepositoryPythonOrigin), options["preload"])
         hazards = fork_hazards()
         if hazards:
             raise ForkServerUnavailable(f"warming up left {', '.join(hazards)}; refusing to fork")
-        watched = _imported_files() + [p for p in options["watch_files"] if p]
+        watched = _imported_files() + read + [p for p in options["watch_files"] if p]
         signatures = file_signatures(watched)
         # A file written while it was being imported may be half old, half new: import again, from scratch.
         changed = [p for p, (mtime, _) in signatures.items() if mtime >= started_ns - 50_000_000]
@@ -574,8 +615,9 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             "preload_modules": Field(Noneable([str]), is_required=False,
                                      description="Modules the fork server imports before forking workers."),
             "watch_env_files": Field(Noneable([str]), is_required=False,
-                                     description="Env vars naming files the code location reads at load time "
-                                                 "(default ROWRELAY_CONFIG); a change rebuilds the fork server."),
+                                     description="Env vars naming more files whose change rebuilds the fork "
+                                                 "server (default ROWRELAY_CONFIG; the files read while loading "
+                                                 "the code location are watched anyway)."),
             "watch_paths": Field([str], is_required=False, default_value=[],
                                  description="More files whose change rebuilds the fork server."),
             "fallback": Field(bool, is_required=False, default_value=True,
