@@ -405,6 +405,38 @@ def test_run_workers_sigkilled_in_a_loop(pipeline: FaultPipeline) -> None:
     pipeline.catch_up_and_verify("run worker SIGKILLed at random points", faults=kills, timeout=300)
 
 
+def test_run_workers_sigkilled_before_their_runs_started(pipeline: FaultPipeline) -> None:
+    """Workers SIGKILLed between their launch and RUN_START, held there by a failpoint in a daemon of this scenario
+    (the pipeline's own daemon: no shared service restarts). Run monitoring only times such a run out (20 s here,
+    120 s in dagster.yaml); the warm launcher fails it within seconds of the kill, and a retry publishes it once."""
+    from dagster import DagsterInstance, DagsterRunStatus
+
+    pipeline.stop_daemon()
+    pipeline.start_daemon(env={**pipeline.env, "ROWRELAY_FAILPOINT": "sleep:worker_released:10"})
+    failed_after: list[float] = []
+    with DagsterInstance.from_config(str(pipeline.home)) as instance:
+        while len(failed_after) < 3:
+            deadline = time.monotonic() + 120
+            while not (held := pipeline.warm_workers("STARTING")):
+                assert time.monotonic() < deadline, f"no worker held before RUN_START in 120 s; see {pipeline.log}"
+                time.sleep(0.2)
+            try:
+                os.kill(held[0]["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed = time.monotonic()
+            while not (run := instance.get_run_by_id(held[0]["run_id"])).is_finished:
+                assert time.monotonic() < killed + 60, f"run {run.run_id} still {run.status} 60 s after the kill"
+                time.sleep(0.2)
+            assert run.status == DagsterRunStatus.FAILURE, run.status
+            failed_after.append(round(time.monotonic() - killed, 1))
+    print(f"runs failed {failed_after} s after their workers' kill")
+    assert max(failed_after) <= 15, failed_after
+    pipeline.stop_daemon()
+    pipeline.start_daemon()
+    pipeline.catch_up_and_verify("run workers SIGKILLed before their runs started", faults=len(failed_after))
+
+
 def test_fork_server_sigkilled_mid_run(pipeline: FaultPipeline) -> None:
     """The warm launcher's fork server dies while a worker it forked publishes: the worker finishes, the next
     launch starts a new fork server, nothing is lost or sent twice."""
