@@ -11,9 +11,10 @@ Configured in rowrelay's dagster.yaml (delete the stanza for Dagster's default l
 Design:
 - The *fork server* is a separate process the launcher starts on demand (one per launching process — the
   daemon, or the webserver for UI launches without a queue — and code location). It imports the preload modules,
-  loads the code location's definitions, records a fingerprint of every module file it imported plus the files
-  named by `watch_env_files` / `watch_paths`, and then waits for requests on its stdin/stdout pipes. It exits when
-  the launching process closes its stdin (or dies).
+  loads the code location's definitions, records a fingerprint of every module file it imported, every file it
+  read meanwhile (the config file, whichever chose it: an audit hook sees the opens) and the files named by
+  `watch_env_files` / `watch_paths`, and then waits for requests on its stdin/stdout pipes. It exits when the
+  launching process closes its stdin (or dies).
 - A launch computes the fingerprint again (one stat per file); a different one replaces the fork server, so a
   changed code location never runs stale code. Modules imported only later, in the worker, are read fresh anyway.
 - The fork server double-forks: the worker is not its child, so it survives the fork server's death (and is
@@ -22,7 +23,9 @@ Design:
   no worker runs unrecorded. Then it runs the body of `dagster api execute_run` (the same click callback), so
   events, run status, failure handling and SIGTERM-as-interrupt are Dagster's own.
 - Health: run monitoring asks `check_run_worker_health`; a worker whose pid is gone (or reused, or a zombie)
-  while its run is still STARTED is FAILED, so Dagster fails the run and run retries take over.
+  while its run is still STARTED is FAILED, so Dagster fails the run and run retries take over. Run monitoring
+  asks only about STARTED runs (a STARTING one waits for `start_timeout_seconds`), so the launching process
+  watches each worker it forked itself: one gone while its run is still STARTING fails the run at once.
 - Fork safety: before warming and before each fork the fork server checks that it has no Python thread but the
   main one and no socket; otherwise it refuses and the launch falls back. Native threads started by imports
   (numpy's OpenBLAS pool, pyarrow's jemalloc background thread) register pthread_atfork handlers.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -44,12 +48,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from dagster import (
+    DagsterInstance,
     DagsterRunStatus,
     DefaultRunLauncher,
     Field,
@@ -86,6 +91,8 @@ WORKER_TAG = "rowrelay/warm_worker"  # JSON {pid, host, start, server_pid}: what
 DEFAULT_PRELOAD = ("dagster", "pandas", "pyarrow", "confluent_kafka", "sqlalchemy", "pyspark.sql.connect.session")
 ROOT = Path(__file__).resolve().parents[1]
 RELEASE_WAIT_S = 2.0  # how long a worker whose go's answer was lost is watched (`WarmRunLauncher._released`)
+START_WATCH_INTERVAL_S = 1.0  # how often the workers of runs not yet started are looked at (`StartingRunWatch`)
+START_WATCH_RETRIES = 30  # storage errors tolerated failing one run before run monitoring's start timeout does it
 # The fork server's command: this module from this checkout, whatever the code location's sys.path
 # (`-c`, not `-m` or PYTHONPATH, so workers inherit the launching process's environment unchanged).
 BOOTSTRAP = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import orchestration.launcher as m; m.serve(sys.argv[1:])"
@@ -143,6 +150,41 @@ def file_signatures(paths: Sequence[str]) -> dict[str, list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- fork server
+
+
+_files_read: set[str] | None = None  # what `_audit_open` records, while `recording_reads` runs
+_audit_hooked = False
+_PSEUDO_FILES = ("/proc/", "/sys/", "/dev/")
+
+
+def _audit_open(event: str, args: tuple[Any, ...]) -> None:
+    """Audit hook: records each file opened for reading (open(), os.open, pathlib, ...) while recording."""
+    if _files_read is None or event != "open":
+        return
+    with contextlib.suppress(Exception):  # an exception here would fail the open itself
+        path, mode, flags = args
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else flags & os.O_ACCMODE != os.O_RDONLY
+        if not writes and not isinstance(path, int):
+            _files_read.add(os.path.abspath(os.fsdecode(path)))
+
+
+@contextlib.contextmanager
+def recording_reads() -> Iterator[set[str]]:
+    """The files read inside the block, but pseudo-files, directories and bytecode caches (their sources are
+    imported files). An audit hook cannot be removed: it stays, inert, in this process and its forks."""
+    global _files_read, _audit_hooked
+    if not _audit_hooked:
+        sys.addaudithook(_audit_open)
+        _audit_hooked = True
+    read: set[str] = set()
+    _files_read = read
+    found: set[str] = set()
+    try:
+        yield found
+    finally:
+        _files_read = None
+        found.update(p for p in read if not p.startswith(_PSEUDO_FILES) and "__pycache__" not in p
+                     and not os.path.isdir(p))
 
 
 def _imported_files() -> list[str]:
@@ -223,6 +265,9 @@ def _run_worker(go_fd: int, close_fds: list[int], execute_run_args: str) -> None
             code = 0
             return
         worker_signals()
+        relay = sys.modules.get("resources.exactly_once")  # the code location's own, if it is rowrelay's
+        if relay is not None:
+            relay.env_failpoint("worker_released")  # tests: a worker held (or killed) between its go and RUN_START
         try:
             execute_run_command.callback(input_json=execute_run_args, compressed_input_json=None)
             code = 0
@@ -295,14 +340,19 @@ def _release_worker(state: _ForkServerState, run_id: str, go: bool) -> dict[str,
     return {"ok": True}
 
 
-def _warm_up(repository_origin: RepositoryPythonOrigin, preload: Sequence[str]) -> None:
+def _warm_up(repository_origin: RepositoryPythonOrigin, preload: Sequence[str]) -> list[str]:
+    """Import and load; the files read meanwhile (the code location's config file, wherever it was found, and
+    whatever else it reads at load time): a change to one of them must replace the fork server as a code change
+    does, or runs would keep the config their fork server loaded."""
     import importlib
 
-    for name in preload:
-        importlib.import_module(name)
-    # Loading the definitions builds assets, sensors and resource *configs* only (rowrelay's resources open
-    # connections lazily, in the run); fork_hazards() below verifies that nothing opened a socket or thread.
-    recon_repository_from_origin(repository_origin).get_definition()
+    with recording_reads() as read:
+        for name in preload:
+            importlib.import_module(name)
+        # Loading the definitions builds assets, sensors and resource *configs* only (rowrelay's resources open
+        # connections lazily, in the run); fork_hazards() below verifies that nothing opened a socket or thread.
+        recon_repository_from_origin(repository_origin).get_definition()
+    return sorted(read)
 
 
 def serve(argv: Sequence[str]) -> None:
@@ -323,11 +373,11 @@ def serve(argv: Sequence[str]) -> None:
 
     started_ns = time.time_ns()
     try:
-        _warm_up(deserialize_value(options["repository_origin"], RepositoryPythonOrigin), options["preload"])
+        read = _warm_up(deserialize_value(options["repository_origin"], RepositoryPythonOrigin), options["preload"])
         hazards = fork_hazards()
         if hazards:
             raise ForkServerUnavailable(f"warming up left {', '.join(hazards)}; refusing to fork")
-        watched = _imported_files() + [p for p in options["watch_files"] if p]
+        watched = _imported_files() + read + [p for p in options["watch_files"] if p]
         signatures = file_signatures(watched)
         # A file written while it was being imported may be half old, half new: import again, from scratch.
         changed = [p for p, (mtime, _) in signatures.items() if mtime >= started_ns - 50_000_000]
@@ -469,6 +519,72 @@ _SERVERS: dict[str, ForkServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
+def fail_unstarted_run(instance: DagsterInstance, run_id: str, why: str) -> bool:
+    """Fail a run whose worker is gone if the run is still STARTING (nothing will ever start it); a STARTED run is
+    run monitoring's to judge, a finished one is left alone. Whether it was failed."""
+    run = instance.get_run_by_id(run_id)
+    if run is None or run.status != DagsterRunStatus.STARTING:
+        return False
+    instance.report_run_failed(run, f"Run worker exited before the run started ({why}): nothing will start it.\n"
+                                    f"WarmRunLauncher worker: {run.tags.get(WORKER_TAG)}")
+    return True
+
+
+@dataclass
+class _Watched:
+    worker: WarmWorker
+    instance: DagsterInstance
+    errors: int = 0
+
+
+class StartingRunWatch:
+    """Fails a run whose worker died before the run started, within about `interval_s` of the death.
+
+    Run monitoring asks `check_run_worker_health` only for STARTED runs: a run whose worker died while it was
+    STARTING waited for `start_timeout_seconds` (120 s in rowrelay's dagster.yaml), holding its table's pool, though
+    the launching process knows its worker from the fork on. One thread per launching process looks at each worker
+    it forked (one /proc read) until the worker ends; only then is the run read from storage."""
+
+    def __init__(self, interval_s: float = START_WATCH_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._watched: dict[str, _Watched] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, instance: DagsterInstance, run_id: str, worker: WarmWorker) -> None:
+        with self._lock:
+            self._watched[run_id] = _Watched(worker, instance)
+            if self._thread is None:  # started by the first launch: never in the fork server, which forks no thread
+                self._thread = threading.Thread(target=self._loop, name="rowrelay-starting-runs", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            self.check()
+
+    def check(self) -> None:
+        with self._lock:
+            watched = list(self._watched.items())
+        for run_id, entry in watched:
+            status, message = entry.worker.status()
+            if status == WorkerStatus.RUNNING:
+                continue
+            try:
+                if status == WorkerStatus.FAILED:
+                    fail_unstarted_run(entry.instance, run_id, message)
+            except Exception:  # noqa: BLE001 - storage away for a moment: the worker stays gone, look again
+                entry.errors += 1
+                if entry.errors < START_WATCH_RETRIES:
+                    continue
+                logging.getLogger(__name__).exception("cannot judge run %s; run monitoring will", run_id)
+            with self._lock:
+                self._watched.pop(run_id, None)
+
+
+_STARTING_RUNS = StartingRunWatch()
+
+
 class WarmRunLauncher(RunLauncher, ConfigurableClass):
     """Launches each run's worker by forking it from a warm fork server; see the module docstring."""
 
@@ -499,8 +615,9 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             "preload_modules": Field(Noneable([str]), is_required=False,
                                      description="Modules the fork server imports before forking workers."),
             "watch_env_files": Field(Noneable([str]), is_required=False,
-                                     description="Env vars naming files the code location reads at load time "
-                                                 "(default ROWRELAY_CONFIG); a change rebuilds the fork server."),
+                                     description="Env vars naming more files whose change rebuilds the fork "
+                                                 "server (default ROWRELAY_CONFIG; the files read while loading "
+                                                 "the code location are watched anyway)."),
             "watch_paths": Field([str], is_required=False, default_value=[],
                                  description="More files whose change rebuilds the fork server."),
             "fallback": Field(bool, is_required=False, default_value=True,
@@ -608,6 +725,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             if not self.fallback:
                 raise DagsterLaunchFailedError(f"WarmRunLauncher cannot launch run {run.run_id}: {exc}") from exc
             return self._launch_through_code_server(context, str(exc))
+        _STARTING_RUNS.add(self._instance, run.run_id, worker)
         self._instance.report_engine_event(
             f"Forked run worker (pid {worker.pid}) from the warm fork server (pid {worker.server_pid}).",
             run,

@@ -96,11 +96,12 @@ class FaultPipeline:
         return {**os.environ, "DAGSTER_HOME": str(self.home), "ROWRELAY_CONFIG": str(self.config_file),
                 "PYTHONPATH": str(ROOT)}
 
-    def start_daemon(self) -> None:
+    def start_daemon(self, cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
+        """`env`: the daemon's environment instead of `self.env` (which its runs inherit)."""
         self.log = self.home / "daemon.log"
         out = open(self.log, "ab")  # noqa: SIM115 - owned by the daemon process
         self.daemon = subprocess.Popen([sys.executable, "-m", "dagster._daemon", "run", "-w",
-                                        str(self.home / "workspace.yaml")], cwd=ROOT, env=self.env,
+                                        str(self.home / "workspace.yaml")], cwd=cwd, env=env or self.env,
                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill_daemon(self) -> None:
@@ -120,8 +121,8 @@ class FaultPipeline:
             self.kill_daemon()
         self.daemon = None
 
-    def warm_workers(self) -> list[dict]:
-        """The warm launcher's record ({pid, host, start, server_pid}) of each STARTED run of this pipeline whose
+    def warm_workers(self, status: str = "STARTED") -> list[dict]:
+        """The warm launcher's record ({pid, host, start, server_pid}) of each run of this pipeline in `status` whose
         worker is alive: the launcher tags every run it forks (orchestration/launcher.py WORKER_TAG)."""
         from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
@@ -129,7 +130,7 @@ class FaultPipeline:
 
         try:
             with DagsterInstance.from_config(str(self.home)) as instance:
-                runs = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED]))
+                runs = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus(status)]))
         except Exception:  # noqa: BLE001 - the storage-restart scenario takes the database away for a moment
             return []
         found = [{**json.loads(r.tags[WORKER_TAG]), "run_id": r.run_id} for r in runs if WORKER_TAG in r.tags]
@@ -237,9 +238,10 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @contextlib.contextmanager
 def fault_pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory,
-                   tables: tuple[str, ...]) -> Iterator[FaultPipeline]:
+                   tables: tuple[str, ...], start: bool = True) -> Iterator[FaultPipeline]:
     """The daemon-driven pipeline with writers on `tables` (of ALL_TABLES: PostgreSQL `orders` and `stamped`,
-    MariaDB `clicks`, SQLite `events`); the fault suite uses all four, a test that needs one table less work."""
+    MariaDB `clicks`, SQLite `events`); the fault suite uses all four, a test that needs one table less work.
+    `start=False`: the daemon and the writers are left to the test to start (a daemon of its own settings)."""
     if not services.spark_remote:
         pytest.skip("fault tests need the stack's Spark Connect server")
     home = tmp_path_factory.mktemp("faults_home")
@@ -296,9 +298,10 @@ def fault_pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory,
     writers = [("pg", "orders", 0.25), ("pg", "orders", 0.25), ("maria", "clicks", 0.25), ("lite", "events", 0.25),
                ("pg", "stamped", 1.0), ("pg", "stamped", 1.0)]
     p.writers = [Writer(engines[e], t, pause=pause) for e, t, pause in writers if t in tables]
-    p.start_daemon()
-    for w in p.writers:
-        w.resume()
+    if start:
+        p.start_daemon()
+        for w in p.writers:
+            w.resume()
     try:
         yield p
     finally:
@@ -400,6 +403,38 @@ def test_run_workers_sigkilled_in_a_loop(pipeline: FaultPipeline) -> None:
         except ProcessLookupError:
             continue
     pipeline.catch_up_and_verify("run worker SIGKILLed at random points", faults=kills, timeout=300)
+
+
+def test_run_workers_sigkilled_before_their_runs_started(pipeline: FaultPipeline) -> None:
+    """Workers SIGKILLed between their launch and RUN_START, held there by a failpoint in a daemon of this scenario
+    (the pipeline's own daemon: no shared service restarts). Run monitoring only times such a run out (20 s here,
+    120 s in dagster.yaml); the warm launcher fails it within seconds of the kill, and a retry publishes it once."""
+    from dagster import DagsterInstance, DagsterRunStatus
+
+    pipeline.stop_daemon()
+    pipeline.start_daemon(env={**pipeline.env, "ROWRELAY_FAILPOINT": "sleep:worker_released:10"})
+    failed_after: list[float] = []
+    with DagsterInstance.from_config(str(pipeline.home)) as instance:
+        while len(failed_after) < 3:
+            deadline = time.monotonic() + 120
+            while not (held := pipeline.warm_workers("STARTING")):
+                assert time.monotonic() < deadline, f"no worker held before RUN_START in 120 s; see {pipeline.log}"
+                time.sleep(0.2)
+            try:
+                os.kill(held[0]["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed = time.monotonic()
+            while not (run := instance.get_run_by_id(held[0]["run_id"])).is_finished:
+                assert time.monotonic() < killed + 60, f"run {run.run_id} still {run.status} 60 s after the kill"
+                time.sleep(0.2)
+            assert run.status == DagsterRunStatus.FAILURE, run.status
+            failed_after.append(round(time.monotonic() - killed, 1))
+    print(f"runs failed {failed_after} s after their workers' kill")
+    assert max(failed_after) <= 15, failed_after
+    pipeline.stop_daemon()
+    pipeline.start_daemon()
+    pipeline.catch_up_and_verify("run workers SIGKILLed before their runs started", faults=len(failed_after))
 
 
 def test_fork_server_sigkilled_mid_run(pipeline: FaultPipeline) -> None:

@@ -489,3 +489,25 @@ def test_a_process_releases_its_spark_connect_session(services: Services, end: s
         assert seen == "open"
     else:
         assert "SESSION_CLOSED" in seen, seen
+
+
+def test_the_fork_server_records_the_files_read_while_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the fork server adds to its fingerprint besides imported modules: every file opened for reading while it
+    loads (a relative path, as `./rowrelay.yaml` with ROWRELAY_CONFIG unset, made absolute), not one written, a
+    pseudo-file or a directory."""
+    from orchestration.launcher import recording_reads
+
+    for name in ("rowrelay.yaml", "secret", "written"):
+        (tmp_path / name).write_text("x")
+    monkeypatch.chdir(tmp_path)
+    with recording_reads() as read:
+        Path("rowrelay.yaml").read_text()
+        os.close(os.open(tmp_path / "secret", os.O_RDONLY))
+        (tmp_path / "written").write_text("y")
+        with open(tmp_path / "written", "a"):
+            pass
+        Path("/proc/self/stat").read_text()
+        os.close(os.open(tmp_path, os.O_RDONLY))
+    Path("after").write_text("z")
+    Path("after").read_text()
+    assert read == {str(tmp_path / "rowrelay.yaml"), str(tmp_path / "secret")}
