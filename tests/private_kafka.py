@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stack.local import KAFKA_LOG4J, Ports, kafka_classpath, kafka_properties, kafka_ready
-from tests.private_servers import free_port
+from tests.private_servers import free_ports
 
 # A small heap: one test's topics, not the thousands the shared broker collects.
 JVM_OPTIONS = ("-Xms256m", "-Xmx512m", "-XX:+UseG1GC", "-Djava.awt.headless=true")
@@ -57,7 +57,8 @@ def private_kafka(settings: dict[str, str] | None = None, start_timeout_s: float
     """A fresh broker, ready to answer metadata; `settings` are appended to the stack's server.properties. Killed
     (resumed first, if paused) and its data removed on exit."""
     base = Path(tempfile.mkdtemp(prefix="rowrelay-kafka-"))
-    ports = Ports(kafka=free_port(), kafka_controller=free_port(), postgres=0, mariadb=0, spark_connect=0)
+    kafka, controller = free_ports(2)
+    ports = Ports(kafka=kafka, kafka_controller=controller, postgres=0, mariadb=0, spark_connect=0)
     props, log4j, log = base / "server.properties", base / "log4j2.properties", base / "kafka.log"
     props.write_text(kafka_properties(ports, base / "data")
                      + "".join(f"{key}={value}\n" for key, value in (settings or {}).items()))

@@ -23,10 +23,21 @@ from sqlalchemy.engine import URL
 USER = "rowrelay"
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: every socket stays bound until all are chosen, so the OS cannot hand out
+    the same port twice (one at a time, it may: a server then gets two listeners on one port)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def polled(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

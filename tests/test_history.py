@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from resources.config import TableConfig
 from resources.exactly_once import ProgressRecord, tiling
 from resources.history import HistoryPolicy, plan_rollups, summarize
 from resources.slices import SliceRange
+from tests.private_servers import free_port
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 SLICES = int(os.environ.get("ROWRELAY_HISTORY_SLICES", "300000"))
@@ -285,11 +285,6 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
 # -- the Partitions page in a real browser --------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.integration
 @pytest.mark.faults  # shares the 300k-slice seed with the scale test: make test-faults
@@ -314,7 +309,7 @@ def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dag
     import yaml
 
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
-    port = _free_port()
+    port = free_port()
     root = Path(__file__).resolve().parents[1]
     web = subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port), "-w",
                             str(root / "workspace.yaml")], cwd=root, stdout=subprocess.DEVNULL,

@@ -16,6 +16,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from sqlalchemy import text
 
 from tests.conftest import Services, partition_ends
+from tests.private_servers import free_ports
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,10 +134,11 @@ def test_spark_reads_postgres_and_mariadb(spark, services: Services, pg_engine, 
 
 # --------------------------------------------------------------------------- the stack command
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _stack_ports(**fixed: int) -> dict[str, int]:
+    """Distinct free ports for a private stack, `fixed` ones as given."""
+    names = ["ROWRELAY_KAFKA_PORT", "ROWRELAY_KAFKA_CONTROLLER_PORT", "ROWRELAY_KAFKA_SASL_PORT",
+             "ROWRELAY_PG_PORT", "ROWRELAY_MARIADB_PORT", "ROWRELAY_SPARK_CONNECT_PORT"]
+    return {**dict(zip(names, free_ports(len(names)), strict=True)), **fixed}
 
 
 def _stack(home: Path, ports: dict[str, int], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -152,10 +154,7 @@ def test_taken_port_gives_clear_error_not_hang(tmp_path: Path) -> None:
         blocker.listen()
         taken = blocker.getsockname()[1]
         started = time.monotonic()
-        ports = {"ROWRELAY_KAFKA_PORT": _free_port(), "ROWRELAY_KAFKA_CONTROLLER_PORT": _free_port(),
-                 "ROWRELAY_KAFKA_SASL_PORT": _free_port(),
-                 "ROWRELAY_PG_PORT": taken, "ROWRELAY_MARIADB_PORT": _free_port(),
-                 "ROWRELAY_SPARK_CONNECT_PORT": _free_port()}
+        ports = _stack_ports(ROWRELAY_PG_PORT=taken)
         res = _stack(tmp_path / "home", ports, "up", timeout=60)
     assert res.returncode == 1
     assert f"port {taken}" in res.stderr and "ROWRELAY_PG_PORT" in res.stderr
@@ -166,10 +165,7 @@ def test_taken_port_gives_clear_error_not_hang(tmp_path: Path) -> None:
 def test_second_stack_up_twice_then_down(tmp_path: Path) -> None:
     """A private stack on other ports: `up` is idempotent, `status` sees it, `down` leaves no process."""
     home = tmp_path / "home"
-    ports = {"ROWRELAY_KAFKA_PORT": _free_port(), "ROWRELAY_KAFKA_CONTROLLER_PORT": _free_port(),
-             "ROWRELAY_KAFKA_SASL_PORT": _free_port(),
-             "ROWRELAY_PG_PORT": _free_port(), "ROWRELAY_MARIADB_PORT": _free_port(),
-             "ROWRELAY_SPARK_CONNECT_PORT": _free_port()}
+    ports = _stack_ports()
     try:
         first = _stack(home, ports, "up")
         assert first.returncode == 0, first.stderr + first.stdout

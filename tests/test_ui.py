@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from stack.screenshot import (
     wait_for_ui,
 )
 from tests.pipeline import ROOT, Harness, relay_config
+from tests.private_servers import free_port
 
 # What the Checks tab's text looks like (document.body.innerText), trimmed to the checks list and detail panel.
 PENDING_PAGE = ("Checks (2)\nExecute all\nlag\nlag\nIn Progress\nslice_parity\nslice_parity\nIn Progress\nlag\n"
@@ -74,11 +74,6 @@ def test_checks_route_and_asset_choice() -> None:
     assert not evaluated([{"name": "lag", "executionForLatestMaterialization": None}])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _png_size(path: Path) -> tuple[int, int]:
     head = path.read_bytes()[:24]
@@ -118,7 +113,7 @@ def test_checks_tab_shows_a_passed_parity_and_a_failed_lag_check_in_headless_chr
 
     config_file = tmp_path / "rowrelay.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     web = subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port), "-w",
                             str(ROOT / "workspace.yaml")], cwd=ROOT, stdin=subprocess.DEVNULL,
