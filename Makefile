@@ -66,9 +66,11 @@ test-faults: stack
 test-bench: stack
 	$(WITH_ENV) $(PY) -m pytest -q tests -m bench
 
-# Checks that need no service: style, and the documents' links, anchors and README size (tests/test_docs.py).
+# Checks that need no service: style, the direction of imports (.importlinter), and the documents' links, anchors
+# and README size (tests/test_docs.py).
 lint: install
 	$(PY) -m ruff check .
+	.venv/bin/lint-imports --no-cache
 	$(PY) -m pytest -q tests/test_docs.py
 
 # Not part of `make test`. BENCH_ARGS="--rows 200000 --rss-rows 0 ..." for a quicker run (see bench/run.py).
