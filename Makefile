@@ -51,8 +51,7 @@ run: stack
 # spent waiting on the stack (Spark, Kafka, the daemon), and every test has its own databases, topics and Dagster
 # instance. Time bounds left in tests are there to catch hangs, far from what a loaded host takes; two workers
 # took 13m41s on this session's host, three 11m01s.
-test: stack
-	$(PY) -m ruff check .
+test: stack lint
 	$(WITH_ENV) $(PY) -m pytest -q -n 3 --dist loadfile --durations=25 tests -m "not faults and not bench"
 
 test-unit: install
