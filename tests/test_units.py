@@ -737,3 +737,48 @@ def test_the_recorded_slice_is_the_highest_not_the_latest_materialization() -> N
         for lo, hi in ((0, 2), (2, 4), (4, 6), (0, 4)):
             instance.report_runless_asset_event(AssetMaterialization(key, partition=SliceRange(lo, hi).key))
         assert last_recorded_slice(instance, key) == SliceRange(4, 6)
+
+
+def test_skip_watermarks_entries_name_a_value_or_one_row() -> None:
+    """`skip_watermarks` takes a bare value (as before: valid only where it matches one row), or a mapping naming
+    one row by its watermark and tie_break, or by its watermark and key columns; each entry's suggested text
+    reads back as the same entry."""
+    import yaml
+
+    from resources.slices import RowSkip
+
+    def table(**more: object) -> dict[str, object]:
+        return {"source": "s", "table": "t", "watermark": "at", **more}
+
+    def parsed(*tables: dict[str, object]):  # noqa: ANN202 - the config's tables
+        return parse_config({"sources": {"s": {"url": "postgresql://u@h/d"}}, "tables": list(tables),
+                             "kafka": {"bootstrap_servers": "k:9092"}, "spark": {"master": "local[1]"}}).tables
+
+    (t,) = parsed(table(tie_break="uid", skip_watermarks=yaml.safe_load(
+        "[7, 2026-11-23T07:00:00.5Z, {watermark: 2026-11-23T07:00:00Z, tie_break: 500},"
+        " {watermark: 9, key: {region: 'eu', n: 3}}]")))
+    at = 1_795_417_200_000_000  # 2026-11-23T07:00:00Z
+    assert t.skip_rows == [RowSkip(7), RowSkip(at + 500_000), RowSkip(at, (("uid", "500"),)),
+                           RowSkip(9, (("n", "3"), ("region", "eu")))]
+    assert [s.watermark for s in t.skip_rows_in(8, at)] == [at, 9]
+    # The text a stop message suggests reads back as the same row, through rowrelay.yaml.
+    for skip, timestamps in ((RowSkip(at, (("uid", "500"),)), True), (RowSkip(7), False), (RowSkip(at), True),
+                             (RowSkip(9, (("n", "3"), ("region", "e'u"))), False)):
+        entry = skip.entry(timestamps, "uid")
+        (again,) = parsed(table(tie_break="uid", skip_watermarks=yaml.safe_load(f"[{entry}]")))
+        assert again.skip_rows == [skip], entry
+    assert RowSkip(at, (("uid", "500"),)).entry(True, "uid") == (
+        "{watermark: 2026-11-23T07:00:00.000000Z, tie_break: 500}")
+    # A progress record keeps a bare value as the integer (as records always have), a row as a mapping.
+    for skip in t.skip_rows:
+        assert RowSkip.from_record(json.loads(json.dumps(skip.to_record()))) == skip
+    assert RowSkip(7).to_record() == 7
+    # One way to name the row; a tie_break entry needs the table's tie_break.
+    with pytest.raises(ConfigError, match="tie_break: value` or by `key"):
+        parsed(table(tie_break="uid", skip_watermarks=[{"watermark": 1, "tie_break": 2, "key": {"a": 1}}]))
+    with pytest.raises(ConfigError, match="tie_break: value` or by `key"):
+        parsed(table(skip_watermarks=[{"watermark": 1}]))
+    with pytest.raises(ConfigError, match="has no `tie_break:`"):
+        parsed(table(skip_watermarks=[{"watermark": 1, "tie_break": 2}]))
+    with pytest.raises(ConfigError, match="skip_watermarks"):
+        parsed(table(skip_watermarks=[{"watermark": 1, "key": {"a": 1}, "other": 3}]))
