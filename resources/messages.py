@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from math import ceil
 from typing import TYPE_CHECKING
 
-from resources.exactly_once import BadRowError, MessageBatch, TableChannel
-from resources.slices import SliceRange, watermark_text
+from resources.exactly_once import BadRowError, MessageBatch, TableChannel, skip_advice
+from resources.slices import RowSkip, SliceRange, watermark_text
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -157,8 +157,7 @@ def bad_utf8_error(table: str, message: str, timestamps: bool) -> BadRowError | 
                 "the bytes ED A0 80 in a utf8 column); the JDBC driver would replace it with U+FFFD")
     return BadRowError(
         f"{table}: row {row} holds {what}, so it would not arrive as stored; nothing of the slice is sent. Fix the "
-        f"value, or leave the row out with skip_watermarks: [{row}]; then re-run the slice.", table=table,
-        watermark=at, column=column)
+        f"value, or {skip_advice(row)}; then re-run the slice.", table=table, watermark=at, column=column, entry=row)
 
 
 # How a row whose JSON column holds text that is not JSON stops the read (raise_error in Spark), for SliceFrame.fetch.
@@ -236,8 +235,8 @@ def bad_json_error(table: str, message: str, timestamps: bool) -> BadRowError | 
     return BadRowError(
         f"{table}: row {row} holds text that is not JSON in column {column!r} (MariaDB's json_valid() accepts some, "
         "such as 1. or -, and any text with check_constraint_checks=0; or JSON nested deeper than 999 levels), so "
-        f"its message would not be JSON; nothing of the slice is sent. Fix the value, or leave the row out with "
-        f"skip_watermarks: [{row}]; then re-run the slice.", table=table, watermark=at, column=column)
+        f"its message would not be JSON; nothing of the slice is sent. Fix the value, or {skip_advice(row)}; then "
+        "re-run the slice.", table=table, watermark=at, column=column, entry=row)
 
 
 def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: bool, table: str,
@@ -311,11 +310,13 @@ class SliceFrame:
     read_chunk: ChunkReader | None  # None: already committed
     expected_rows: int
     first_watermark: int | None = None  # the slice's lowest watermark, if known
-    # The rows the slice must publish (in (lo, hi], admitted by `where:`, minus skip_watermarks), checked before
+    # The rows the slice must publish (in (lo, hi], admitted by `where:`, minus the skipped rows), checked before
     # its commit; None: not known, not checked.
     rows_to_send: int | None = None
-    # The skip_watermarks inside the slice (left out of its read), recorded with its progress.
-    skipped: list[int] = field(default_factory=list)
+    # The skip_watermarks entries inside the slice (their rows left out of its read) and how many rows they left
+    # out, recorded with its progress.
+    skipped: list[RowSkip] = field(default_factory=list)
+    skipped_rows: int = 0
     # What the read depends on (source, table settings, reflected shape, Spark settings, slice, rows): chunks
     # fetched under the same signature are the same rows in the same messages (see EarlyRead). "": not shareable.
     signature: str = ""
@@ -572,3 +573,6 @@ class TableSlices:
     # With Kafka's progress empty: the highest slice Dagster recorded as committed (`last_recorded_slice`), which
     # the publisher refuses to send again (a progress topic deleted after the data topic's messages expired).
     recorded: SliceRange | None = None
+    # The skip advice for a row that stopped the run (`BadRowError.naming`): by the row itself where others share
+    # its watermark. None: the message's own advice.
+    name_row: Callable[[BadRowError], str] | None = None

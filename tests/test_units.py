@@ -620,16 +620,25 @@ def test_verify_expects_each_slice_by_the_row_filter_it_was_published_with() -> 
     def rec(lo: int, hi: int, where: str | None, skipped: list[int] | None = None) -> ProgressRecord:
         return ProgressRecord("t", SliceRange(lo, hi).key, lo, hi, 1, 1, "", "topic", where=where, skipped=skipped)
 
+    from resources.slices import RowSkip
+
+    def skips(*watermarks: int) -> list[RowSkip]:
+        return [RowSkip(w) for w in watermarks]
+
     history = [rec(0, 40, ""), rec(40, 100, "", [55]), rec(100, 150, "s <> 'draft'"), rec(150, 160, None)]
-    assert filter_pieces(0, 170, history, "s <> 'draft'", [5, 155]) == [
-        FilterPiece(0, 100, "", (55,)),  # no filter then; 55 skipped then
+    assert filter_pieces(0, 170, history, "s <> 'draft'", skips(5, 155)) == [
+        FilterPiece(0, 100, "", tuple(skips(55))),  # no filter then; 55 skipped then
         # The filter since; an old record and the range no slice covers yet take today's (its skip inside them).
-        FilterPiece(100, 170, "s <> 'draft'", (155,)),
+        FilterPiece(100, 170, "s <> 'draft'", tuple(skips(155))),
     ]
     # The compared range cuts records; a gap between records takes today's filter (here none, as the slice before).
-    assert filter_pieces(20, 120, [rec(0, 40, ""), rec(60, 150, "x")], None, [50]) == [
-        FilterPiece(20, 60, "", (50,)), FilterPiece(60, 120, "x", ())]
-    assert filter_pieces(None, 10, [], "w", [3, 12]) == [FilterPiece(None, 10, "w", (3,))]
+    assert filter_pieces(20, 120, [rec(0, 40, ""), rec(60, 150, "x")], None, skips(50)) == [
+        FilterPiece(20, 60, "", tuple(skips(50))), FilterPiece(60, 120, "x", ())]
+    assert filter_pieces(None, 10, [], "w", skips(3, 12)) == [FilterPiece(None, 10, "w", tuple(skips(3)))]
+    # A row named by its tie_break, as a record keeps it, comes back as that row.
+    row = RowSkip(70, (("uid", "7"),))
+    assert filter_pieces(40, 100, [rec(40, 100, "", [row.to_record()])], None, []) == [
+        FilterPiece(40, 100, "", (row,))]
 
 
 def test_a_source_below_its_committed_progress_is_flagged() -> None:
