@@ -91,3 +91,38 @@ def test_a_bare_skip_of_a_shared_integer_watermark_is_refused_naming_the_count(
     assert not result.success
     assert f"{table.table_id}: skip_watermarks entry 2 matches 40 rows" in said, said[-3000:]
     assert "{watermark: 2, tie_break:" in said, said[-3000:]
+    # The row named as the message says: the other 39 rows of the batch are published, the one skipped.
+    from orchestration.cli import verify_table
+
+    cfg = relay_config(services, {"src": mariadb_database},
+                       [{**base, "skip_watermarks": yaml.safe_load("[{watermark: 2, tie_break: 45}]")}])
+    named = Harness(cfg, dagster_instance)
+    table = named.table()
+    named.drain(table)
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [i for i in range(1, 121) if i != 45])
+    assert named.progress(table).skipped_rows == 1
+    report = verify_table(cfg, table)
+    assert report.ok and report.source_rows == 119 and report.skipped_rows == 1, report
+
+
+def test_a_row_a_read_stops_at_is_named_by_its_tie_break(services, mariadb_database, mariadb_engine,
+                                                          dagster_instance, spark, name) -> None:
+    """A MariaDB JSON value that is not JSON, in a batch of 30 rows sharing one watermark: the stop message names
+    the row by its tie_break (the read's own mark), and that entry publishes the batch's other 29 rows."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY AUTO_INCREMENT, batch bigint NOT NULL, "
+                          "j JSON, KEY (batch))"))
+        conn.execute(text(f"INSERT INTO {name} (batch, j) SELECT 1 + (seq div 30), '[1]' FROM seq_0_to_59"))
+        conn.execute(text(f"UPDATE {name} SET j = '{{\"a\":-}}' WHERE id = 44"))  # json_valid() takes it
+    base = {"source": "src", "table": name, "watermark": "batch", "tie_break": "id", "settle_seconds": 0}
+    h = Harness(relay_config(services, {"src": mariadb_database}, [base]), dagster_instance)
+    table = h.table()
+    (key,) = h.cut(table)
+    result = h.run(table, key, raise_on_error=False)
+    said = failure_text(result)
+    assert not result.success and "skip_watermarks: [{watermark: 2, tie_break: 44}]" in said, said[-3000:]
+    entry = _suggested_skip(said, "")
+    named = Harness(relay_config(services, {"src": mariadb_database}, [{**base, "skip_watermarks": [entry]}]),
+                    dagster_instance)
+    named.drain(named.table())
+    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [i for i in range(1, 61) if i != 44])
