@@ -353,7 +353,7 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
     # Every chunk's read has the same Spark schema (the same columns, read once per run like the shape): asked of
     # Spark once, not per chunk (a round trip and a JDBC schema query each).
     spark_schema: dict[str, list[Any]] = {}
-    refuse_bare_skips_of_many_rows(source, table, shape, SliceRange(committed_hi, max(s.hi for s in todo)))
+    refuse_skips_of_many_rows(source, table, shape, SliceRange(committed_hi, max(s.hi for s in todo)))
 
     def read(slice_range: SliceRange) -> SliceFrame:
         skipped = table.skip_rows_in(slice_range.lo, slice_range.hi)
@@ -386,20 +386,23 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
 
 
 class SkipOfManyRows(SourceError):
-    """A bare `skip_watermarks` value matches more than one row: a skip leaves out one row, never its neighbours."""
+    """A `skip_watermarks` entry matches more than one row: a skip leaves out one row, never its neighbours."""
 
 
-def refuse_bare_skips_of_many_rows(source: SourceDatabaseResource, table: TableConfig, shape: TableShape,
-                                   span: SliceRange) -> None:
-    """Before anything of `span` (the run's slices) is read: a bare skip_watermarks value inside it that matches
-    more than one row is refused, naming the table, the value, the count and the entry that names one row."""
+def refuse_skips_of_many_rows(source: SourceDatabaseResource, table: TableConfig, shape: TableShape,
+                              span: SliceRange) -> None:
+    """Before anything of `span` (the run's slices) is read: a skip_watermarks entry inside it that matches more
+    than one row (a bare value shared by several, or a tie_break or key that does not tell them apart) is refused,
+    naming the table, the entry, the count and the entry form that names one row."""
     for skip in table.skip_rows_in(span.lo, span.hi):
-        if skip.bare and (n := source.count_rows(shape, skip.watermark - 1, skip.watermark)) > 1:
+        if (n := source.count_skipped(shape, skip.watermark - 1, skip.watermark, [skip])) > 1:
             at = shape.watermark_text(skip.watermark)
+            what = ("every row at that watermark" if skip.bare else "its columns do not tell them apart") + (
+                ", within `where:`" if shape.where else "")
             raise SkipOfManyRows(
-                f"{table.table_id}: skip_watermarks entry {at} matches {n} rows (every row at that watermark"
-                f"{', within `where:`' if shape.where else ''}), and a skip leaves out one row; nothing is published "
-                f"and progress stays. Name the row: {one_row_form(table, at)}")
+                f"{table.table_id}: skip_watermarks entry {skip.entry(shape.timestamps, table.tie_break)} matches {n} "
+                f"rows ({what}), and a skip leaves out one row; nothing is published and progress stays. Name the "
+                f"row: {one_row_form(table, at)}")
 
 
 def one_row_form(table: TableConfig, at: str) -> str:
@@ -419,6 +422,8 @@ def skip_advice_for(source: SourceDatabaseResource, table: TableConfig, shape: T
     if rows <= 1:
         return skip_advice(shape.watermark_text(at))
     named = message_fields(bad.value, table.envelope)
+    if table.tie_break is not None and bad.tie is not None:
+        named[table.tie_break] = bad.tie
     for columns in ([table.tie_break] if table.tie_break else [], table.key if isinstance(table.key, list) else []):
         if columns and all(named.get(c) is not None for c in columns):
             row = RowSkip(at, tuple(sorted((c, str(named[c])) for c in columns)))

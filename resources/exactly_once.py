@@ -121,23 +121,26 @@ class BadRowError(RelayError):
 
     `entry`: the skip_watermarks entry the message suggests (`skip_advice`), by the row's watermark alone; the
     table's run names the row itself where others share its watermark (`naming`). `value`: the row's message, where
-    known (a row too large), so that its tie_break or key can be read from it."""
+    known (a row too large), so that its tie_break or key can be read from it; `tie`: its tie_break's text, where
+    the read that stopped at it named it."""
 
     def __init__(self, message: str, *, table: str, watermark: int | None, column: str | None = None,
-                 entry: str | None = None, value: bytes | None = None) -> None:
+                 entry: str | None = None, value: bytes | None = None, tie: str | None = None) -> None:
         super().__init__(message)
         self.table = table
         self.watermark = watermark
         self.column = column
         self.entry = entry
         self.value = value
+        self.tie = tie
 
     def naming(self, advice: str) -> BadRowError:
         """The same error, its skip advice replaced by `advice` (one that names the row, not only its value)."""
         if self.entry is None or skip_advice(self.entry) not in str(self):
             return self
         return BadRowError(str(self).replace(skip_advice(self.entry), advice), table=self.table,
-                           watermark=self.watermark, column=self.column, entry=self.entry, value=self.value)
+                           watermark=self.watermark, column=self.column, entry=self.entry, value=self.value,
+                           tie=self.tie)
 
 
 class SliceRowsMismatch(RelayError):
