@@ -59,6 +59,7 @@ from resources.exactly_once import (  # noqa: E402
     watermark_change,
 )
 from resources.slices import (  # noqa: E402
+    RowSkip,
     SliceRange,
     is_timestamp_key,
     micros_text,
@@ -97,6 +98,8 @@ class VerifyReport:
     # twice beside a row of the same value never sent is then a duplicate and a missing row, not an even count.
     rows_by_tie_break: int = 0
     tie_break_unchecked: str | None = None  # why rows sharing a value were compared by count only, if they were
+    # Source rows the slices' skip_watermarks entries left out: skipped on purpose, neither expected nor missing.
+    skipped_rows: int = 0
     # integer, or timestamp / timestamptz: the watermarks above are then microseconds since 1970 UTC, and the text
     # report shows them as UTC times (as keys, `rowrelay status` and the CLI's arguments do).
     watermark_kind: str = "integer"
@@ -270,26 +273,26 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
 @dataclass(frozen=True)
 class FilterPiece:
     """A watermark range (lo, hi] whose rows were chosen by one row filter: `where` ("": none) and the
-    watermarks `skip` left out."""
+    rows `skip` left out."""
 
     lo: int | None
     hi: int
     where: str
-    skip: tuple[int, ...]
+    skip: tuple[RowSkip, ...]
 
 
 def filter_pieces(start: int | None, upto: int, slices: list[ProgressRecord], where: str | None,
-                  skip: list[int]) -> list[FilterPiece]:
+                  skip: list[RowSkip]) -> list[FilterPiece]:
     """(start, upto] in pieces by the row filter that chose their rows: each slice's as its progress record says
     (`where`, `skipped`: a `where:` or `skip_watermarks` changed since must not make its rows look extra or
     missing), consecutive ones with one `where` merged; a slice recorded before rowrelay kept its filter, and any
     range no slice covers, by today's (`where`, `skip`). `slices`: the live slice records, oldest first."""
     pieces: list[FilterPiece] = []
 
-    def add(lo: int | None, hi: int, piece_where: str, piece_skip: list[int]) -> None:
+    def add(lo: int | None, hi: int, piece_where: str, piece_skip: list[RowSkip]) -> None:
         if lo is not None and hi <= lo:
             return
-        inside = tuple(w for w in piece_skip if (lo is None or w > lo) and w <= hi)
+        inside = tuple(s for s in piece_skip if (lo is None or s.watermark > lo) and s.watermark <= hi)
         last = pieces[-1] if pieces else None
         if last is not None and last.hi == lo and last.where == piece_where:
             pieces[-1] = FilterPiece(last.lo, hi, last.where, last.skip + inside)
@@ -320,6 +323,7 @@ class SourceRows:
     # value with two rows or more -> the sum of its rows' `tie_hash` (modulo 2**64)
     fingerprints: dict[int, int] = field(default_factory=dict)
     unchecked: str | None = None  # why shared values are compared by count only (then no fingerprints)
+    skipped: int = 0  # rows the slices' skip_watermarks entries left out: not expected in the topic, by design
 
 
 def tie_fingerprints(rows: Iterable[tuple[int, Any]], tie_break: str) -> SourceRows:
@@ -356,7 +360,7 @@ def source_pieces(config: RelayConfig, table: TableConfig, start: int | None, up
         shape = table_shape(source, table)
         yield source, shape.watermark_kind, [
             (replace(shape, where=piece.where or None), piece)
-            for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_watermark_values)]
+            for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_rows)]
     finally:
         source.dispose()
 
@@ -366,15 +370,16 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
     """The source's rows in (start, upto], each slice's by the row filter it was published with: counted per
     watermark, and fingerprinted by tie_break where they share one (`SourceRows`)."""
     with source_pieces(config, table, start, upto, slices) as (source, kind, pieces):
+        skipped = sum(source.count_skipped(shape, piece.lo, piece.hi, piece.skip) for shape, piece in pieces)
         if table.tie_break is None:
             counts: Counter[int] = Counter()
             for shape, piece in pieces:
                 counts.update(source.iter_watermarks(shape, piece.lo, piece.hi, skip=list(piece.skip)))
-            return SourceRows(counts, kind)
+            return SourceRows(counts, kind, skipped=skipped)
         found = tie_fingerprints((row for shape, piece in pieces
                                   for row in source.iter_watermark_ties(shape, piece.lo, piece.hi, list(piece.skip))),
                                  table.tie_break)
-        found.watermark_kind = kind
+        found.watermark_kind, found.skipped = kind, skipped
         return found
 
 
@@ -604,6 +609,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     diff = compare_rows(source.counts, seen, rows, seen_ties)
     diff.by_count += by_count
     report.source_rows = sum(source.counts.values())
+    report.skipped_rows = source.skipped
     report.messages = sum(seen.values())
     report.rows_by_tie_break = sum(source.counts[w] for w in source.fingerprints)
     if diff.by_count:
@@ -655,6 +661,9 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
             if r.compared_from_record:
                 print(f"  compared from {r.text(r.compared_from)} ({r.compared_from_record}); {r.before_start} "
                       "messages at or below it left out")
+            if r.skipped_rows:
+                print(f"  {r.skipped_rows} source rows skipped (skip_watermarks, as each slice recorded): not sent, "
+                      "by design")
             if r.rows_by_tie_break:
                 print(f"  {r.rows_by_tie_break} source rows share a watermark value: compared by tie_break too "
                       "(a fingerprint per value; row by row where one differs)")
@@ -735,10 +744,10 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
     from rich.table import Table
 
     view = Table(title="rowrelay status", title_justify="left")
-    for column in ("table", "committed", "source max", "lag rows", "lag s", "lag measured as", "last commit",
-                   "active runs"):
-        view.add_column(column, justify="right" if column in ("committed", "source max", "lag rows", "lag s",
-                                                             "active runs") else "left",
+    for column in ("table", "committed", "source max", "lag rows", "skipped rows", "lag s", "lag measured as",
+                   "last commit", "active runs"):
+        view.add_column(column, justify="right" if column in ("committed", "source max", "lag rows", "skipped rows",
+                                                             "lag s", "active runs") else "left",
                         no_wrap=column in ("committed", "source max"))  # a time watermark reads whole
     basis = {"oldest_unpublished_row": "age of oldest unpublished row", "since_last_commit": "time since last commit",
              "caught_up": "caught up", "unknown": "rows wait, nothing committed yet",
@@ -753,9 +762,9 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
         return cell(value) if value is None else watermark_text(value, timestamps)
 
     for row in rows:
-        view.add_row(row["table"], mark(row, row["committed_hi"]), mark(row, row["source_max"]), cell(row["lag_rows"]),
-                     cell(row["lag_seconds"]), basis[row["lag_basis"]], cell(row["last_commit_at"]),
-                     cell(row["active_runs"]))
+        view.add_row(row["table"], mark(row, row["committed_hi"]), mark(row, row["source_max"]),
+                     cell(row["lag_rows"]), cell(row["skipped_rows"]), cell(row["lag_seconds"]),
+                     basis[row["lag_basis"]], cell(row["last_commit_at"]), cell(row["active_runs"]))
     Console(width=max(160, Console().width)).print(view)
     return 1 if failed else 0
 
@@ -997,7 +1006,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                 time.sleep(0.5)
             # One indexed count for the bar's total, on the cut's connection and shape (reflected moments ago).
             total_rows = (source.count_rows(cached_table_shape(source, table), plan.committed_hi, plan.chain[-1].hi,
-                                            table.skip_watermarks_in(plan.committed_hi, plan.chain[-1].hi) or None,
+                                            table.skip_rows_in(plan.committed_hi, plan.chain[-1].hi) or None,
                                             settled=True)
                           if plan.chain and not args.dry_run else 0)
         except (SourceError, RelayError, InnodbTrxStale) as exc:  # any other error keeps its traceback

@@ -6,6 +6,7 @@ import atexit
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from math import ceil
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from resources.config import ConfigError, resolve_env
-from resources.slices import SliceRange, micros_sql_text
+from resources.slices import RowSkip, SliceRange, micros_sql_text
 from resources.source_database import MAX_MICROS, MAX_WATERMARK, read_as_text, sqlite_affinity
 
 if TYPE_CHECKING:
@@ -194,8 +195,9 @@ class SparkResource(ConfigurableResource):
             return _with_sql_conf(session, {key: resolve_env(value) for key, value in self.conf.items()})
 
     def read_slice(self, source: SourceDatabaseResource, shape: TableShape, slice_range: SliceRange,
-                   expected_rows: int) -> DataFrame:
-        """The slice's rows (lo < watermark <= hi), ordered by watermark within each ordered partition."""
+                   expected_rows: int, skip: Sequence[RowSkip] = ()) -> DataFrame:
+        """The slice's rows (lo < watermark <= hi) but those `skip` names, ordered by watermark within each ordered
+        partition."""
         from pyspark.sql import functions as F
 
         preparer = source.engine.dialect.identifier_preparer
@@ -203,6 +205,8 @@ class SparkResource(ConfigurableResource):
         if shape.schema:
             qualified = f"{preparer.quote_schema(shape.schema)}.{qualified}"
         predicates = [f"({shape.where})"] if shape.where else []  # the same predicate counts and cuts use
+        if skip:  # the rows counts leave out, by the same predicate (in the source, where its columns are)
+            predicates.append(source.skip_sql(shape, skip))
         tie_order = shape.tie_order
         if shape.timestamps or tie_order:
             # The slice's bounds inside the subquery, as the source's own literals: a timestamp's (indexed, exact to
