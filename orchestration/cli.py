@@ -959,11 +959,13 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     io_manager: KafkaIOManager = defs.resources["kafka_io_manager"]  # type: ignore[assignment]
     early_started = threading.Event()
     if not args.dry_run:
+        # A Spark Connect server that does not answer fails here, in seconds, before anything is cut.
+        io_manager.spark.check_server()
         # Spark first: the first slice's first chunks are read (EarlyRead) while Dagster's storage loads and the
         # run is created, on a core that would otherwise idle. The slice is worked out meanwhile (Kafka, the source).
         threading.Thread(target=start_early_read, args=(config, table, io_manager, early_started), daemon=True,
                          name="rowrelay-early-read").start()
-        with contextlib.suppress(Exception):  # a Spark that cannot connect fails the run, with its own message
+        with contextlib.suppress(Exception):  # a Spark that fails now fails the run, with its own message
             io_manager.spark.get_session()
     partitions = partitions_for(table)
     source = SourceDatabaseResource.for_source(config.sources[table.source])
@@ -1700,8 +1702,9 @@ def user_error(exc: BaseException) -> str | None:
 
     from resources.exactly_once import RelayError
     from resources.source_database import InnodbTrxStale, SourceError
+    from resources.spark import SparkUnreachable
 
-    if isinstance(exc, SourceError | RelayError | InnodbTrxStale):
+    if isinstance(exc, SourceError | RelayError | InnodbTrxStale | SparkUnreachable):
         return str(exc)
     if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError):
         return f"a database could not be reached or refused the request: {str(exc.orig).strip()}"
