@@ -41,6 +41,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
+from orchestration.exits import bound_process_end, finish  # noqa: E402
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import (  # noqa: E402
     RESET_PREFIX,
@@ -1716,22 +1717,34 @@ def user_error(exc: BaseException) -> str | None:
     return None
 
 
+COMMAND_SUMMARIES = {
+    "verify": "compare a topic with its source table: duplicates, missing, extra, order; exit 1 on any",
+    "status": "committed progress, source max, lag and active runs of each table",
+    "pools": "create each table's pool (limit 1) on the Dagster instance",
+    "backfill": "cut the backlog into slices and run them now, in this process",
+    "reset": "set a deliberate new baseline: rows after it are sent, the rest never",
+    "replay": "republish committed slices once more, marked rowrelay.replay",
+    "history": "roll up old committed slices now: fewer partitions",
+    "schema": "accept a table's changed columns after on_schema_change: fail stopped it",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `rowrelay` command; called without `argv` it is the process (the entry point, `python -m`), whose end it
+    bounds (exits.bound_process_end, exits.finish); a caller passing `argv` keeps its own process as it is."""
+    own_process = argv is None
+    if own_process:
+        bound_process_end(next((a for a in sys.argv[1:] if a in COMMAND_SUMMARIES), "rowrelay"))
+    code = run_command(argv)
+    return finish(code) if own_process else code
+
+
+def run_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    summaries = {
-        "verify": "compare a topic with its source table: duplicates, missing, extra, order; exit 1 on any",
-        "status": "committed progress, source max, lag and active runs of each table",
-        "pools": "create each table's pool (limit 1) on the Dagster instance",
-        "backfill": "cut the backlog into slices and run them now, in this process",
-        "reset": "set a deliberate new baseline: rows after it are sent, the rest never",
-        "replay": "republish committed slices once more, marked rowrelay.replay",
-        "history": "roll up old committed slices now: fewer partitions",
-        "schema": "accept a table's changed columns after on_schema_change: fail stopped it",
-    }
-    for name, summary in summaries.items():
+    for name, summary in COMMAND_SUMMARIES.items():
         p = sub.add_parser(name, help=summary, description=summary)
         if name == "schema":
             p.add_argument("action", choices=["accept"], help="accept: record the table's current columns after a "
