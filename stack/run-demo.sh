@@ -29,7 +29,7 @@ fi
 "$ROOT/.venv/bin/python" -m stack.demo pools
 
 if [[ "${ROWRELAY_DEMO_RATE:-3}" != 0 ]]; then
-  # --exit-with-parent: after the exec below this shell *is* dagster, so the writer stops when dagster does.
+  # --exit-with-parent: after the exec below this shell *is* the supervisor, so the writer stops when it does.
   "$ROOT/.venv/bin/python" -m stack.demo write --rate "${ROWRELAY_DEMO_RATE:-3}" --exit-with-parent &
   writer=$!
   # Covers a failure before the exec (the trap does not survive exec).
@@ -37,4 +37,7 @@ if [[ "${ROWRELAY_DEMO_RATE:-3}" != 0 ]]; then
 fi
 
 echo "rowrelay demo: Dagster UI at http://127.0.0.1:$port (config $ROWRELAY_CONFIG, Dagster files in $ROWRELAY_DAGSTER_DIR)"
-exec "$ROOT/.venv/bin/dagster" dev -w "$ROOT/workspace.yaml" -h 127.0.0.1 -p "$port"
+# The supervisor runs `dagster dev` in a process group of its own and stops that whole group on one Ctrl-C
+# (stack/supervise.py): `dagster dev` alone left its webserver, daemon and code servers running.
+exec "$ROOT/.venv/bin/python" -m stack.supervise -- \
+  "$ROOT/.venv/bin/dagster" dev -w "$ROOT/workspace.yaml" -h 127.0.0.1 -p "$port"
