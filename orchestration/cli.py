@@ -42,7 +42,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
-from orchestration.exits import NOT_FINAL, OK, bound_process_end, finish  # noqa: E402
+from orchestration.exits import (  # noqa: E402
+    FAILED,
+    INTERRUPTED,
+    NOT_FINAL,
+    OK,
+    USAGE,
+    bound_process_end,
+    finish,
+)
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import (  # noqa: E402
     RESET_PREFIX,
@@ -1083,7 +1091,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             progress = read_committed_progress(io_manager.kafka_conf(), channel)
             upto = progress.hi if progress is not None else plan.committed_hi
             print(f"rowrelay: {interrupted_text(table.table_id, todo, upto, plan.text)}", file=sys.stderr, flush=True)
-            return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+            return INTERRUPTED  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped (143 for SIGTERM)
     print(f"{table.table_id}: backfill done in {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
@@ -1851,16 +1859,16 @@ def run_command(argv: list[str] | None) -> int:
         return commands[args.cmd](config, args)
     except KeyboardInterrupt:  # Ctrl-C: not a defect, no traceback (a backfill's runs say what committed)
         print(f"rowrelay: {args.cmd} interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)
-        return 2
+        return USAGE
     except Exception as exc:
         message = user_error(exc, config)
         if message is None:
             raise  # a defect: its traceback is what to report
         print(f"rowrelay: {message}", file=sys.stderr)
-        return 1
+        return FAILED
     finally:
         if collecting:  # a backfill that ended before its runs (an error, --dry-run, nothing to do)
             gc.enable()
