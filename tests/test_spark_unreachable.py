@@ -150,3 +150,32 @@ def test_a_backfill_stuck_in_spark_ends_within_seconds_of_a_signal(
     assert proc.returncode == 128 + signum, err[-3000:]
     assert "backfill interrupted" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+
+def test_a_run_on_an_unreachable_spark_connect_url_fails_within_seconds_naming_it(
+        services, pg_database, pg_engine, dagster_instance, name, tmp_path) -> None:
+    """The daemon's path: a sensor tick cuts (no Spark there), and the run it requests fails its table check within
+    seconds, naming the URL, instead of PySpark's client retrying the server for ten minutes."""
+    from assets.relay import asset_key
+    from tests.pipeline import Harness
+
+    with _closed_port() as port:
+        remote = f"sc://127.0.0.1:{port}"
+        cfg, _, _ = _backfill(services, pg_database, pg_engine, tmp_path, name, tmp_path, remote, 30)
+        h = Harness(cfg, dagster_instance)
+        key = h.cut(h.table())[0]  # the first run the tick requests
+        argv = [sys.executable, "-m", "dagster", "asset", "materialize", "--select",
+                "/".join(asset_key(h.table()).path), "--partition-range" if "..." in key else "--partition", key,
+                "-m", "orchestration.definitions"]
+        env = {**os.environ, "DAGSTER_HOME": dagster_instance.root_directory, "ROWRELAY_CONFIG": str(h.config_file())}
+        started = time.monotonic()
+        try:
+            result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run was still trying {remote} after 120 s")
+        elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert remote in output and "spark.remote" in output, output[-3000:]
+    assert elapsed < 60, (elapsed, output[-3000:])
