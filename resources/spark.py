@@ -62,7 +62,8 @@ def check_connect_server(url: str, setting: str | None = None, timeout_s: float 
         raise SparkUnreachable(f"spark.remote {setting}: {str(exc).splitlines()[0]}") from None
     started = time.monotonic()
     try:
-        socket.create_connection((builder.host, builder._port), timeout=timeout_s).close()
+        host, port = builder.endpoint.rsplit(":", 1)
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         why = "did not answer" if isinstance(exc, TimeoutError) else f"cannot be reached ({exc.strerror or exc})"
         raise SparkUnreachable(unreachable_text(url, setting, why)) from None
