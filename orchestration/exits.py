@@ -3,7 +3,7 @@
     0    done: what was asked was done (or there was nothing to do, as for a backfill of a table up to date)
     1    failed or refused: an error a message names (a server away, a table missing, a run failed), nothing more
          was done than it says
-    2    usage: a bad command line or rowrelay.yaml (argparse's own code)
+    2    usage: a bad command line, rowrelay.yaml or DAGSTER_HOME (argparse's own code); nothing was done
     3    not final yet: a backfill found rows to send, but none final within --settle-timeout (an open
          transaction, settle_seconds): nothing was cut; run it again once they are
     130  interrupted by Ctrl-C (SIGINT), 143 by SIGTERM (128 + the signal, as a shell reports it)
