@@ -69,7 +69,7 @@ from resources.source_database import (
     null_watermark_error,
     schema_change,
 )
-from resources.spark import SparkResource
+from resources.spark import SparkResource, SparkUnreachable
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -547,8 +547,11 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         if max(s.hi for s in slices) > committed_hi:
             # Connect (or start) Spark while the table is reflected and checked: it is the slowest first step.
             def warm_spark(started: float = step) -> None:
-                context.resources.spark.get_session()
-                timings["spark_session_s"] = time.monotonic() - started  # overlaps the table check
+                # A server that does not answer is the slice's read's to report (it checks again), failing the run
+                # with its one-line message, not a thread's traceback here.
+                with contextlib.suppress(SparkUnreachable):
+                    context.resources.spark.get_session()
+                    timings["spark_session_s"] = time.monotonic() - started  # overlaps the table check
 
             threading.Thread(target=warm_spark, name="rowrelay-spark-warmup", daemon=True).start()
         try:

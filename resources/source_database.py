@@ -584,7 +584,14 @@ class SourceDatabaseResource(ConfigurableResource):
             # The code server evaluates up to eight sensors at once (the daemon's sensor threads), on one source
             # resource per URL: a smaller pool opened and closed connections above it on every burst of ticks.
             self._engine = sa.create_engine(self.sqlalchemy_url, pool_pre_ping=True, pool_size=8, max_overflow=2)
+            sa.event.listen(self._engine, "handle_error", self._mark_error)
         return self._engine
+
+    def _mark_error(self, context: sa.engine.ExceptionContext) -> None:
+        """Mark the error with the URL as configured (`source_url`): a refused login named neither the source nor
+        the variable its password comes from. The error itself is unchanged: callers tell transient ones apart."""
+        if context.sqlalchemy_exception is not None:
+            context.sqlalchemy_exception.source_url = self.url  # type: ignore[attr-defined]
 
     @property
     def sqlalchemy_url(self) -> sa.URL:
@@ -663,6 +670,36 @@ class SourceDatabaseResource(ConfigurableResource):
             return str(reflected)
         return repr(name) if name else ""
 
+    def _unreadable(self, t: sa.Table, name: str) -> str | None:
+        """Why column `name` cannot be sent (its type), None if it can."""
+        col_type = base_type(t.c[name].type)
+        if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
+            declared = self.declared_type(t, name)
+            kind = f"type {declared}" if declared else "no declared type"
+            return f"column {name!r} has {kind}, which rowrelay cannot serialize exactly"
+        if ((self.dialect == "mysql" and isinstance(col_type, sa.Uuid))
+                or (self.dialect == "sqlite" and isinstance(col_type, sa.JSON))):
+            # MariaDB's UUID is a type Spark's JDBC reader does not know (the read failed); SQLite has no JSON
+            # type and does not check the text, so it could not be spliced into the message as JSON.
+            return f"column {name!r} has type {col_type}, which rowrelay cannot read from {self.dialect}"
+        return None
+
+    def _refuse_unreadable(self, t: sa.Table, label: str, wanted: list[str]) -> None:
+        """SourceError naming every column whose type cannot be sent, at once: one at a time, a user left out one
+        column per try. The remedy names the `columns:` that leaves them all out."""
+        unreadable = {name: why for name in wanted if (why := self._unreadable(t, name)) is not None}
+        if not unreadable:
+            return
+        text = (" (on MariaDB select it as CAST(... AS CHAR) in a view; on SQLite declare it TEXT: sent as a string)"
+                if self.dialect in ("mysql", "sqlite") else "")
+        if len(unreadable) == 1:
+            ((name, why),) = unreadable.items()
+            remedy = "select it as text in a view" + text if "cannot read" in why else "cast it in a view"
+            raise SourceError(f"{label}: {why}; leave it out with `columns:` or {remedy}")
+        keep = ", ".join(c for c in wanted if c not in unreadable)
+        raise SourceError(f"{label}: {len(unreadable)} columns cannot be sent: {'; '.join(unreadable.values())}; "
+                          f"leave them out with `columns: [{keep}]` or cast or select them as text in a view{text}")
+
     def table_shape(self, schema: str | None, table: str, watermark: str, columns: list[str] | None = None,
                     where: str | None = None, tie_break: str | None = None, key: list[str] | None = None
                     ) -> TableShape:
@@ -691,20 +728,9 @@ class SourceDatabaseResource(ConfigurableResource):
                               "`key:` in rowrelay.yaml")
         infos = []
         charsets, shadowed = self._text_charsets(schema, table) if self.dialect == "mysql" else ({}, set())
+        self._refuse_unreadable(t, label, wanted)
         for name in wanted:
             col_type = base_type(t.c[name].type)
-            if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
-                declared = self.declared_type(t, name)
-                kind = f"type {declared}" if declared else "no declared type"
-                raise SourceError(f"{label}: column {name!r} has {kind}, which rowrelay cannot serialize exactly; "
-                                  "leave it out with `columns:` or cast it in a view")
-            if ((self.dialect == "mysql" and isinstance(col_type, sa.Uuid))
-                    or (self.dialect == "sqlite" and isinstance(col_type, sa.JSON))):
-                # MariaDB's UUID is a type Spark's JDBC reader does not know (the read failed); SQLite has no JSON
-                # type and does not check the text, so it could not be spliced into the message as JSON.
-                raise SourceError(f"{label}: column {name!r} has type {col_type}, which rowrelay cannot read from "
-                                  f"{self.dialect}; leave it out with `columns:` or select it as text in a view "
-                                  "(CAST(... AS CHAR) on MariaDB; on SQLite declare it TEXT: sent as a string)")
             if "`" in name:
                 raise SourceError(f"{label}: column {name!r} has a backtick in its name, which Spark's column "
                                   "references cannot carry; leave it out with `columns:` or rename it in a view")
