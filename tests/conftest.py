@@ -22,6 +22,8 @@ import yaml
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
 
+pytest_plugins = ["tests.ci_skips"]  # under CI=true, a skipped integration or fault test fails
+
 
 @dataclass(frozen=True)
 class Services:
