@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import settings
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
 
@@ -253,3 +254,9 @@ def dagster_instance(dagster_home: Path):
     yield instance
     instance.dispose()
 
+
+
+# Property tests (tests/test_properties_*.py): a bounded number of examples keeps each to seconds; no deadline, as
+# the two shared cores make one example's time vary.
+settings.register_profile("rowrelay", max_examples=150, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "rowrelay"))
