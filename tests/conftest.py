@@ -257,6 +257,7 @@ def dagster_instance(dagster_home: Path):
 
 
 # Property tests (tests/test_properties_*.py): a bounded number of examples keeps each to seconds; no deadline, as
-# the two shared cores make one example's time vary.
+# the two shared cores make one example's time vary. HYPOTHESIS_PROFILE=deep searches longer (minutes).
 settings.register_profile("rowrelay", max_examples=150, deadline=None)
+settings.register_profile("deep", max_examples=5000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "rowrelay"))

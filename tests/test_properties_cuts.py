@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from orchestration.sensors import known_chain, slice_rows_limit
@@ -129,7 +129,10 @@ def test_settle_takes_the_highest_final_candidate_and_keeps_only_those_above(dra
 
 @given(st.integers(1, 100_000), st.lists(st.tuples(st.integers(0, 50_000), st.floats(0, 1000)), max_size=8),
        st.integers(1_000, 900_000))
+@example(1, [(1000, 2.2250738585e-313)], 1000)  # a rate too large for a float: the tick failed, OverflowError
 def test_slice_rows_limit_stays_within_slice_max_rows_and_never_below_a_thousand(max_rows, recent, timeout_ms):
+    """A progress record is the product's own (transaction_s rounded to milliseconds) or any JSON a record may hold:
+    whatever time it states, the limit is a number of rows within bounds."""
     records = [ProgressRecord("t", SliceRange(0, 1).key, 0, 1, rows, 0, "", "topic", transaction_s=s)
                for rows, s in recent]
     limit = slice_rows_limit(max_rows, records, timeout_ms)
