@@ -1,4 +1,5 @@
-"""Under CI=true, a skipped integration or fault test fails the run: a suite must not pass by not running.
+"""Under CI=true, a skipped integration or fault test (or any test on the real services, marked or not) fails the
+run: a suite must not pass by not running.
 
 A skip is allowed only where it is a fact of the environment named below (testcontainers mode has no TLS, SASL
 listener, Spark Connect server or stack command of the local stack). Bench tests are neither integration nor
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 GUARDED_MARKERS = ("integration", "faults")
+# A test on the real services is guarded even if its marker was forgotten (every stack fixture asks for `services`).
+STACK_FIXTURE = "services"
 
 # Reasons a skip is the environment's, with the environment they are allowed in. Every other reason fails.
 CONTAINER_ONLY_SKIPS = (
@@ -39,13 +42,20 @@ def allowed(reason: str) -> bool:
     return os.environ.get("ROWRELAY_TEST_CONTAINERS") == "1" and reason in CONTAINER_ONLY_SKIPS
 
 
+def guarded(item: pytest.Item) -> bool:
+    if item.get_closest_marker("bench"):
+        return False
+    return (any(item.get_closest_marker(m) for m in GUARDED_MARKERS)
+            or STACK_FIXTURE in getattr(item, "fixturenames", ()))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     if not (report.skipped and ci_run()) or hasattr(report, "wasxfail"):
         return
-    if not any(item.get_closest_marker(m) for m in GUARDED_MARKERS):
+    if not guarded(item):
         return
     reason = skip_reason(report)
     if allowed(reason):

@@ -48,9 +48,16 @@ def test_xfail():
 @pytest.mark.integration
 def test_runs():
     pass
+
+@pytest.fixture
+def services():
+    pytest.skip("no stack here")
+
+def test_unmarked_on_the_stack(services):
+    pass
 '''
 
-GUARDED = ("test_body_skip", "test_skipif", "test_fixture_skip")
+GUARDED = ("test_body_skip", "test_skipif", "test_fixture_skip", "test_unmarked_on_the_stack")
 
 
 def run_tiny(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -81,12 +88,13 @@ def test_skips_fail_an_integration_or_fault_run_under_ci(tmp_path: Path) -> None
         assert got.get(name) in ("FAILED", "ERROR"), (name, res.stdout)
     assert got.get("test_runs") == "PASSED" and got.get("test_xfail") == "XFAIL", res.stdout
     for name, reason in (("test_body_skip", "no widget here"), ("test_skipif", "widget off"),
-                         ("test_fixture_skip", "fixture found no widget")):
+                         ("test_fixture_skip", "fixture found no widget"),
+                         ("test_unmarked_on_the_stack", "no stack here")):
         assert f"test_tiny.py::{name} was skipped under CI=true ({reason})" in res.stdout, res.stdout
     # Unmarked and bench tests keep their skips (reported as skips, not failures).
     assert "SKIPPED [1] test_tiny.py:26: pure test, skipped on purpose" in res.stdout, res.stdout
     assert "SKIPPED [1] test_tiny.py:30: no JVM peer" in res.stdout, res.stdout
-    assert "2 failed, 1 passed, 2 skipped, 1 xfailed, 2 errors" in res.stdout, res.stdout
+    assert "2 failed, 1 passed, 2 skipped, 1 xfailed, 3 errors" in res.stdout, res.stdout
 
 
 def test_environment_skip_is_allowed_only_where_the_environment_lacks_the_part(tmp_path: Path) -> None:
@@ -99,4 +107,4 @@ def test_environment_skip_is_allowed_only_where_the_environment_lacks_the_part(t
 def test_outside_ci_skips_stay_skips(tmp_path: Path) -> None:
     res = run_tiny(tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "1 passed, 6 skipped, 1 xfailed in" in res.stdout, res.stdout
+    assert "1 passed, 7 skipped, 1 xfailed in" in res.stdout, res.stdout
