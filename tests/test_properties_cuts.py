@@ -137,3 +137,22 @@ def test_slice_rows_limit_stays_within_slice_max_rows_and_never_below_a_thousand
                for rows, s in recent]
     limit = slice_rows_limit(max_rows, records, timeout_ms)
     assert min(max_rows, 1000) <= limit <= max_rows
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=30), st.integers(1, 7))
+def test_runs_take_at_most_max_slices_per_run_and_every_slice_once_in_order(widths, per_run):
+    from orchestration.sensors import batched_requests, run_slices
+
+    bounds = [0]
+    for w in widths:
+        bounds.append(bounds[-1] + w)
+    slices = [SliceRange(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    requests = batched_requests(slices, per_run)
+    covered: list[SliceRange] = []
+    for request in requests:
+        span = run_slices(request.tags)
+        first, last = span if span is not None else (SliceRange.from_key(request.partition_key),) * 2
+        taken = slices[slices.index(first):slices.index(last) + 1]
+        assert 1 <= len(taken) <= per_run
+        covered += taken
+    assert covered == slices and len(requests) == -(-len(slices) // per_run)
