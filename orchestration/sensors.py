@@ -312,7 +312,11 @@ def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transact
     if not timed:
         return slice_max_rows
     rate = min(r.rows / r.transaction_s for r in timed[-5:])  # the slowest recent slice
-    return min(slice_max_rows, max(1000, int(rate * transaction_timeout_ms / 1000 / 2)))
+    # Infinite for a record stating a time too small to divide by (any JSON a record may hold): no limit then.
+    budget = rate * transaction_timeout_ms / 1000 / 2
+    if budget >= slice_max_rows:
+        return slice_max_rows
+    return min(slice_max_rows, max(1000, int(budget)))
 
 
 def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, channel: TableChannel,
