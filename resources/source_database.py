@@ -61,6 +61,15 @@ INNODB_TRX_READS = 14
 
 _log = logging.getLogger(__name__)
 
+
+def _no_pause(point: str, conn: sa.Connection) -> None:
+    """`observe_pause` outside tests: nothing."""
+
+
+# Tests hold `observe` at a named point, on its own connection (the window between two of its reads), to drive another
+# session's statements into that window deterministically.
+observe_pause: Callable[[str, sa.Connection], None] = _no_pause
+
 # A type the dialect does not know is reflected as NullType with this warning; `table_shape` refuses such a column
 # by its database type name, so the warning is noise. Installed once, here: warnings.catch_warnings() around each
 # reflection is not thread-safe (the daemon's sensor threads reflect at once).
@@ -988,6 +997,7 @@ class SourceDatabaseResource(ConfigurableResource):
                                              sa.text("CONNECTION_ID()"), sa.text("NOW(6)"),
                                              _mysql_incarnation(shape)).select_from(t)).one()
                 clock, table_token = row[3], row[4]
+                observe_pause("max read", conn)
                 # Running statements first, then open transactions: a statement that ends between the two reads
                 # has touched a row by then, so its transaction, if still open, is in the second (the other order
                 # missed one that ended in between with its transaction open).
