@@ -595,6 +595,9 @@ def test_mariadb_statement_ending_before_the_processlist_read_is_in_the_innodb_t
             text(f"INSERT INTO {name} (v) VALUES ((SELECT GET_LOCK(:k, 30)))"), {"k": lock}))
         slow.start()
         assert eventually(lambda: _processlist_state(mariadb_engine, writer_id) == "User lock")
+        # Well before the max: the cache keeper's CALL, running at the PROCESSLIST read, holds the candidate below
+        # its own start (a statement that may write), which must stay above the writer's time.
+        time.sleep(2)
         with mariadb_engine.begin() as conn:
             conn.execute(text(f"INSERT INTO {name} (v) VALUES (3)"))  # a later time: the max
         held: list[int] = []
