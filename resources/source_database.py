@@ -9,6 +9,7 @@ import math
 import re
 import threading
 import time
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -988,7 +989,8 @@ class SourceDatabaseResource(ConfigurableResource):
                 clock, table_token = row[2], row[3]
                 waits = tuple(conn.execute(sa.text(_PG_OPEN_VXIDS)).scalars()) if row[0] is not None else ()
             elif self.dialect == "mysql":
-                # Our own InnoDB transaction, begun before the max is read, proves a later innodb_trx read fresh.
+                # Our own InnoDB transaction, begun before the max is read: innodb_trx lists it, with the statement
+                # it ran when the cache was filled (`_innodb_trx_open_since` proves its read fresh by that).
                 conn.execute(sa.text("START TRANSACTION WITH CONSISTENT SNAPSHOT"))
                 # NOW(6): the wall clock of this session's zone (the server's default unless the URL sets one),
                 # which is what writers in that zone store with CURRENT_TIMESTAMP: a DATETIME's own frame. The
@@ -998,9 +1000,10 @@ class SourceDatabaseResource(ConfigurableResource):
                                              _mysql_incarnation(shape)).select_from(t)).one()
                 clock, table_token = row[3], row[4]
                 observe_pause("max read", conn)
-                # Running statements first, then open transactions: a statement that ends between the two reads
-                # has touched a row by then, so its transaction, if still open, is in the second (the other order
-                # missed one that ended in between with its transaction open).
+                # Running statements first, then open transactions, from a cache filled during that second read: a
+                # statement that ends before it has touched a row by then, so its transaction, if still open, is
+                # listed (the other order, or a cache filled before the first read, missed one that ended in between
+                # with its transaction open).
                 if row[0] is not None and shape.timestamps:
                     earliest = self._earliest_running_write(conn, datetime_to_micros(row[3]))
                 waits = self._innodb_trx_open_since(conn, int(row[2])) if row[0] is not None else ()
@@ -1292,24 +1295,31 @@ class SourceDatabaseResource(ConfigurableResource):
         return None if time.time() - candidate.marker >= settle_seconds else _settling(settle_seconds)
 
     def _innodb_trx_open_since(self, conn: sa.Connection, connection_id: int) -> tuple[str, ...]:
-        """The other InnoDB transactions open now, from a read of innodb_trx made after this connection's
-        transaction began. innodb_trx is a cache that InnoDB refreshes only when nobody read it for 100 ms; a
-        client reading it often keeps it stale, blind to transactions begun since. Our own transaction in the
-        result proves it fresh; otherwise wait past 100 ms and read again."""
+        """The other InnoDB transactions open now, from a read of innodb_trx whose cache was filled by that very
+        read, so after everything this connection read before it (the max, the running statements). innodb_trx is a
+        cache that InnoDB refreshes only when nobody read it for 100 ms; a client reading it often keeps it stale,
+        blind to transactions that touched a row since. Our own transaction's row (`connection_id`, in a transaction
+        since before the max) carries the statement it ran when the cache was filled: this read's own token there
+        proves the fill came with this read. Our row alone would not: a fill by another client after our transaction
+        began, but before the running statements were read, lists it too, and misses a statement that ended in
+        between, its transaction left open. Otherwise wait past 100 ms and read again."""
         for _ in range(INNODB_TRX_READS):
-            rows = self._innodb_trx(conn)
-            if any(r.trx_mysql_thread_id == connection_id for r in rows):
+            token = uuid.uuid4().hex
+            rows = self._innodb_trx(conn, token)
+            if any(r.trx_mysql_thread_id == connection_id and token in (r.trx_query or "") for r in rows):
                 return tuple(_innodb_trx_key(r) for r in rows if r.trx_mysql_thread_id != connection_id)
             time.sleep(0.15)
         raise InnodbTrxStale(f"source {self.safe_description}: information_schema.innodb_trx stayed stale for "
                            f"{INNODB_TRX_READS * 0.15:.1f} s (another client reads it more often than every 100 ms), "
                            "so the transactions still open below the max watermark are unknown; retried next time")
 
-    def _innodb_trx(self, conn: sa.Connection) -> list[sa.Row]:
-        """InnoDB's (cached) list of open transactions."""
+    def _innodb_trx(self, conn: sa.Connection, token: str = "") -> list[sa.Row]:
+        """InnoDB's (cached) list of open transactions. `token` opens the statement's text, so that a cache filled by
+        this read shows it as our own transaction's trx_query (InnoDB keeps a statement's first 1024 characters)."""
         try:
             return list(conn.execute(sa.text(
-                "SELECT trx_id, trx_mysql_thread_id, trx_started FROM information_schema.innodb_trx")))
+                f"/* rowrelay {token} */ SELECT trx_id, trx_mysql_thread_id, trx_started, trx_query "
+                "FROM information_schema.innodb_trx")))
         except sa.exc.DBAPIError as exc:
             if _mysql_error_code(exc) in (1227, 1044, 1142):  # access denied: no PROCESS privilege
                 user = self.sqlalchemy_url.username or "<user>"
