@@ -23,7 +23,7 @@ from resources.slices import (
     micros_text,
     micros_to_datetime,
 )
-from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError
+from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, below_step_in_reach
 from tests.pipeline import Harness, assert_exactly_once, polled, read_topic, relay_config, source_url
 from tests.test_errors import failure_text
 
@@ -59,6 +59,19 @@ def test_time_keys_are_readable_sort_as_their_ranges_and_round_trip() -> None:
     assert a.span(5, 9).key == f"{micros_text(5)}_{micros_text(9)}"
     record = ProgressRecord("t", b.key, b.lo, b.hi, 1, 1, "", "topic")
     assert record.slice_range.key == b.key
+
+
+def test_a_candidate_stays_below_what_a_writer_starting_now_may_write() -> None:
+    second = 1_000_000
+    s = 1_796_000_000 * second  # a whole second
+    # Whole seconds: the max in the clock's second (or rounded up to the next) waits one microsecond below itself.
+    assert below_step_in_reach(s, s + 300_000, second) == s - 1
+    assert below_step_in_reach(s + second, s + 700_000, second) == s + second - 1
+    # A microsecond writer's value beside whole-second writers, in the clock's second: below that second's start.
+    assert below_step_in_reach(s + 123_456, s + 200_000, second) == s - 1
+    # A second the clock has left is final as it is; a step of 1 (microseconds) changes nothing.
+    assert below_step_in_reach(s, s + second, second) == s
+    assert below_step_in_reach(s + 123_456, s + 123_456, 1) == s + 123_456
 
 
 def test_a_cut_never_splits_one_timestamp() -> None:
