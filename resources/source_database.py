@@ -9,6 +9,7 @@ import math
 import re
 import threading
 import time
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -66,7 +67,31 @@ _STATEMENT_START_MARGIN_S = 0.01
 # Reads of innodb_trx, 150 ms apart, until one is known fresh (see `_innodb_trx_open_since`).
 INNODB_TRX_READS = 14
 
+# The newest rows whose values tell a timestamp watermark's step (`SourceDatabaseResource._shown_step_sql`).
+SHOWN_STEP_ROWS = 16
+
+
+def below_step_in_reach(value: int, clock: int, step: int) -> int:
+    """A timestamp candidate `value` kept below what a transaction starting at `clock` (microseconds, in the
+    values' frame) may still write, where writers write times in steps of `step` microseconds (truncated, or rounded
+    up to the next step: PostgreSQL's CURRENT_TIMESTAMP(0)): nothing from the start of the step `value` lies in, if
+    that is at or past the clock's step. A value of whole steps stops one microsecond below itself; a finer value in
+    the clock's step (a microsecond writer's, beside whole-second ones) below the step's start. A step of 1: as it
+    is."""
+    if step > 1 and value >= clock // step * step:
+        return value // step * step - 1
+    return value
+
 _log = logging.getLogger(__name__)
+
+
+def _no_pause(point: str, conn: sa.Connection) -> None:
+    """`observe_pause` outside tests: nothing."""
+
+
+# Tests hold `observe` at a named point, on its own connection (the window between two of its reads), to drive another
+# session's statements into that window deterministically.
+observe_pause: Callable[[str, sa.Connection], None] = _no_pause
 
 # A type the dialect does not know is reflected as NullType with this warning; `table_shape` refuses such a column
 # by its database type name, so the warning is noise. Installed once, here: warnings.catch_warnings() around each
@@ -366,9 +391,9 @@ class TableShape:
     # as microseconds since 1970-01-01 UTC, a zone-less value read as UTC (never shifted between zones).
     watermark_kind: Literal["integer", "timestamp", "timestamptz"] = "integer"
     tie_break: str | None = None  # orders rows that share one watermark value
-    # The timestamp watermark's step in microseconds: 1 for 6 fractional digits, 1,000,000 for whole seconds
+    # The timestamp watermark's declared step in microseconds: 1 for 6 fractional digits, 1,000,000 for whole seconds
     # (PostgreSQL timestamp(0), MariaDB DATETIME). A coarser column lets a transaction that starts after the max was
-    # seen write that same max (see `observe`).
+    # seen write that same max (see `observe`, which also takes the step its values show).
     watermark_unit: int = 1
 
     @property
@@ -1020,17 +1045,19 @@ class SourceDatabaseResource(ConfigurableResource):
         The transactions it must wait for are read in a second statement, AFTER the max: a transaction that
         took an id <= max before the max was read is, by then, either still open (and listed) or ended.
 
-        A timestamp column coarser than a microsecond (`watermark_unit`: timestamp(0), DATETIME) is another case: a
-        transaction that starts after this look, so waits for nothing, still writes the max's own value while the
-        database clock is in the max's step. Then the candidate stops one microsecond below the max, and the rows at
-        the max wait for a later look. The clock is read as the writers write: PostgreSQL's session time (the
+        A timestamp column whose values are coarser than a microsecond is another case: a transaction that starts
+        after this look, so waits for nothing, still writes the max's own value while the database clock is in the
+        max's step. Then the candidate stops below that step, and the rows at the max wait for a later look. The step
+        is the coarser of the declared one (`watermark_unit`: timestamp(0), DATETIME) and the one the newest values
+        show (`_shown_step_sql`): a `timestamptz` or DATETIME(6) written by `date_trunc('second', now())`,
+        `CURRENT_TIMESTAMP(0)` or MariaDB's NOW() holds whole seconds whatever its type. The clock is read as the
+        writers write: PostgreSQL's session time (the
         server's zone, as `DEFAULT now()` on a `timestamp` stores it; an instant for `timestamptz`), MariaDB's NOW(6)
         in this session's zone (the server's default, as `CURRENT_TIMESTAMP` stores a DATETIME for writers in it; a
         source URL that sets another zone must set the writers').
         """
         t = self._table(shape)
         wm = t.c[shape.watermark]
-        coarse = shape.watermark_unit > 1
         earliest: int | None = None  # MariaDB: the start of the earliest writing statement still running
         durable_at: int | None = None
         with self.engine.connect() as conn:
@@ -1046,23 +1073,27 @@ class SourceDatabaseResource(ConfigurableResource):
                     rowrelay_rel=self.engine.dialect.identifier_preparer.format_table(t))
                 row = conn.execute(sa.select(sa.func.max(wm), sa.text("pg_snapshot_xmax(pg_current_snapshot())::text"),
                                              sa.text(("LOCALTIMESTAMP" if shape.watermark_kind == "timestamp"
-                                                      else "now()") if coarse else "NULL"), incarnation)
-                                   .select_from(t)).one()
-                clock, table_token = row[2], row[3]
+                                                      else "now()") if shape.timestamps else "NULL"), incarnation,
+                                             self._shown_step_sql(shape, t)).select_from(t)).one()
+                clock, table_token, shown = row[2], row[3], row[4]
                 waits = tuple(conn.execute(sa.text(_PG_OPEN_VXIDS)).scalars()) if row[0] is not None else ()
             elif self.dialect == "mysql":
-                # Our own InnoDB transaction, begun before the max is read, proves a later innodb_trx read fresh.
+                # Our own InnoDB transaction, begun before the max is read: innodb_trx lists it, with the statement
+                # it ran when the cache was filled (`_innodb_trx_open_since` proves its read fresh by that).
                 conn.execute(sa.text("START TRANSACTION WITH CONSISTENT SNAPSHOT"))
                 # NOW(6): the wall clock of this session's zone (the server's default unless the URL sets one),
                 # which is what writers in that zone store with CURRENT_TIMESTAMP: a DATETIME's own frame. The
                 # epoch time only times the settle delay.
                 row = conn.execute(sa.select(sa.func.max(wm), sa.text("UNIX_TIMESTAMP(NOW(6))"),
                                              sa.text("CONNECTION_ID()"), sa.text("NOW(6)"),
-                                             _mysql_incarnation(shape)).select_from(t)).one()
-                clock, table_token = row[3], row[4]
-                # Running statements first, then open transactions: a statement that ends between the two reads
-                # has touched a row by then, so its transaction, if still open, is in the second (the other order
-                # missed one that ended in between with its transaction open).
+                                             _mysql_incarnation(shape), self._shown_step_sql(shape, t))
+                                   .select_from(t)).one()
+                clock, table_token, shown = row[3], row[4], row[5]
+                observe_pause("max read", conn)
+                # Running statements first, then open transactions, from a cache filled during that second read: a
+                # statement that ends before it has touched a row by then, so its transaction, if still open, is
+                # listed (the other order, or a cache filled before the first read, missed one that ended in between
+                # with its transaction open).
                 if row[0] is not None and shape.timestamps:
                     earliest = self._earliest_running_write(conn, datetime_to_micros(row[3]))
                 waits = self._innodb_trx_open_since(conn, int(row[2])) if row[0] is not None else ()
@@ -1070,20 +1101,36 @@ class SourceDatabaseResource(ConfigurableResource):
                 durable_at = _innodb_lsns(conn).get("innodb_lsn_current") if row[0] is not None else None
             else:
                 row, waits = (conn.execute(sa.select(sa.func.max(wm)).select_from(t)).scalar(), time.time()), ()
-                clock = table_token = None
+                clock = table_token = shown = None
         if row[0] is None:
             return None
         value = shape.watermark_value(row[0])
         if value > MAX_WATERMARK:
             raise SourceError(self._range_message(shape, value))
-        if coarse and clock is not None:
-            step_now = datetime_to_micros(clock) // shape.watermark_unit * shape.watermark_unit
-            if value >= step_now:  # a transaction starting now may still write `value`: leave its rows for later
-                value -= 1
+        step = max(shape.watermark_unit, int(shown or 1))
+        if clock is not None:
+            value = below_step_in_reach(value, datetime_to_micros(clock), step)
         if earliest is not None:
-            # Its rows carry its start time (CURRENT_TIMESTAMP is the statement's), in the watermark's unit.
-            value = min(value, earliest // shape.watermark_unit * shape.watermark_unit - 1)
+            # Its rows carry its start time (CURRENT_TIMESTAMP is the statement's), in the values' step.
+            value = min(value, earliest // step * step - 1)
         return WatermarkCandidate(value, float(row[1]), waits, durable_at, table_token)
+
+    def _shown_step_sql(self, shape: TableShape, t: sa.TableClause) -> sa.TextClause:
+        """A timestamp watermark's step as its newest values show it, in microseconds, as a scalar subquery to read
+        with the max: 1,000,000 if one of the SHOWN_STEP_ROWS newest rows holds a whole second, else 1,000 if one
+        holds a whole millisecond, else 1 (one index scan of those rows). Any one such value counts: a table written
+        by both whole-second and microsecond writers is held back a second while one of its whole seconds is among
+        them (a microsecond writer's value is whole by chance once in a million, and then costs a second's wait).
+        Not coarser than a second: a time truncated to the minute or the day is beyond it. NULL for an integer."""
+        if not shape.timestamps:
+            return sa.text("NULL")
+        column = self.engine.dialect.identifier_preparer.quote(shape.watermark)
+        fraction = {"postgresql": f"CAST(date_part('microseconds', {column}) AS bigint) % 1000000",
+                    "mysql": f"MICROSECOND({column})"}[self.dialect]
+        table = self.engine.dialect.identifier_preparer.format_table(t)
+        return sa.text(f"(SELECT MAX(CASE WHEN f = 0 THEN 1000000 WHEN MOD(f, 1000) = 0 THEN 1000 ELSE 1 END) FROM ("
+                       f"SELECT {fraction} AS f FROM {table} WHERE {column} IS NOT NULL ORDER BY {column} DESC "
+                       f"LIMIT {SHOWN_STEP_ROWS}) top_values)")
 
     def refuse_unknowable_finality(self, shape: TableShape, conn: sa.Connection | None = None) -> None:
         """Refuse a source where `is_final` cannot know when new rows are final, so a cut could skip a row for good:
@@ -1354,24 +1401,31 @@ class SourceDatabaseResource(ConfigurableResource):
         return None if time.time() - candidate.marker >= settle_seconds else _settling(settle_seconds)
 
     def _innodb_trx_open_since(self, conn: sa.Connection, connection_id: int) -> tuple[str, ...]:
-        """The other InnoDB transactions open now, from a read of innodb_trx made after this connection's
-        transaction began. innodb_trx is a cache that InnoDB refreshes only when nobody read it for 100 ms; a
-        client reading it often keeps it stale, blind to transactions begun since. Our own transaction in the
-        result proves it fresh; otherwise wait past 100 ms and read again."""
+        """The other InnoDB transactions open now, from a read of innodb_trx whose cache was filled by that very
+        read, so after everything this connection read before it (the max, the running statements). innodb_trx is a
+        cache that InnoDB refreshes only when nobody read it for 100 ms; a client reading it often keeps it stale,
+        blind to transactions that touched a row since. Our own transaction's row (`connection_id`, in a transaction
+        since before the max) carries the statement it ran when the cache was filled: this read's own token there
+        proves the fill came with this read. Our row alone would not: a fill by another client after our transaction
+        began, but before the running statements were read, lists it too, and misses a statement that ended in
+        between, its transaction left open. Otherwise wait past 100 ms and read again."""
         for _ in range(INNODB_TRX_READS):
-            rows = self._innodb_trx(conn)
-            if any(r.trx_mysql_thread_id == connection_id for r in rows):
+            token = uuid.uuid4().hex
+            rows = self._innodb_trx(conn, token)
+            if any(r.trx_mysql_thread_id == connection_id and token in (r.trx_query or "") for r in rows):
                 return tuple(_innodb_trx_key(r) for r in rows if r.trx_mysql_thread_id != connection_id)
             time.sleep(0.15)
         raise InnodbTrxStale(f"source {self.safe_description}: information_schema.innodb_trx stayed stale for "
                            f"{INNODB_TRX_READS * 0.15:.1f} s (another client reads it more often than every 100 ms), "
                            "so the transactions still open below the max watermark are unknown; retried next time")
 
-    def _innodb_trx(self, conn: sa.Connection) -> list[sa.Row]:
-        """InnoDB's (cached) list of open transactions."""
+    def _innodb_trx(self, conn: sa.Connection, token: str = "") -> list[sa.Row]:
+        """InnoDB's (cached) list of open transactions. `token` opens the statement's text, so that a cache filled by
+        this read shows it as our own transaction's trx_query (InnoDB keeps a statement's first 1024 characters)."""
         try:
             return list(conn.execute(sa.text(
-                "SELECT trx_id, trx_mysql_thread_id, trx_started FROM information_schema.innodb_trx")))
+                f"/* rowrelay {token} */ SELECT trx_id, trx_mysql_thread_id, trx_started, trx_query "
+                "FROM information_schema.innodb_trx")))
         except sa.exc.DBAPIError as exc:
             if _mysql_error_code(exc) in (1227, 1044, 1142):  # access denied: no PROCESS privilege
                 user = self.sqlalchemy_url.username or "<user>"

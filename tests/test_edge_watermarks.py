@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import yaml
@@ -15,7 +15,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
 
 from orchestration.cli import main
-from resources.slices import WatermarkCandidate
+from resources import source_database
+from resources.slices import WatermarkCandidate, datetime_to_micros
 from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, TableShape
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, source_url
 from tests.private_servers import private_mariadb_database
@@ -561,6 +562,80 @@ def innodb_trx_kept_stale(database: URL, seconds: float = 60.0) -> Iterator[None
             conn.execute(text("INSERT INTO keep_innodb_trx_stale_stop VALUES (1)"))
         loop.join(10)
         engine.dispose()
+
+
+def test_mariadb_statement_ending_before_the_processlist_read_is_in_the_innodb_trx_read(
+        services, mariadb_database, mariadb_engine, name, monkeypatch) -> None:
+    """A DATETIME watermark's writer whose statement began before the max was read (its CURRENT_TIMESTAMP(6) below
+    the max), blocked before it touched a row (so not in innodb_trx), ends in the window between observe's max read
+    and its PROCESSLIST read, its transaction left open: the PROCESSLIST read no longer sees it running, so only the
+    innodb_trx read can hold the cut for it. A cache filled before the statement ended (another client's read,
+    after observe's transaction began) listed observe's own transaction, was taken as fresh and missed the writer:
+    its row committed below a final candidate, never to be sent. The innodb_trx read must be fresh after the
+    PROCESSLIST read. Driven here: observe held after its max read while innodb_trx's cache is filled and kept
+    stale, the writer released and finished, then the cache kept stale a little longer."""
+    with mariadb_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (n int AUTO_INCREMENT PRIMARY KEY, "
+                          "at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), v int, INDEX (at))"))
+        conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
+    source = SourceDatabaseResource(url=source_url(mariadb_database))
+    lock = f"{name}_writer"
+    holder, writer = mariadb_engine.connect(), mariadb_engine.connect()
+    stale = ExitStack()
+    try:
+        shape = source.table_shape(None, name, "at")
+        assert holder.execute(text("SELECT GET_LOCK(:k, 10)"), {"k": lock}).scalar() == 1
+        writer_id = writer.execute(text("SELECT CONNECTION_ID()")).scalar()
+        writer.execute(text("BEGIN"))
+        # Its time is its statement's start; it touches a row only once the lock is granted.
+        slow = threading.Thread(target=lambda: writer.execute(
+            text(f"INSERT INTO {name} (v) VALUES ((SELECT GET_LOCK(:k, 30)))"), {"k": lock}))
+        slow.start()
+        assert eventually(lambda: _processlist_state(mariadb_engine, writer_id) == "User lock")
+        # Well before the max: the cache keeper's CALL, running at the PROCESSLIST read, holds the candidate below
+        # its own start (a statement that may write), which must stay above the writer's time.
+        time.sleep(2)
+        with mariadb_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (v) VALUES (3)"))  # a later time: the max
+        held: list[int] = []
+
+        def pause(point: str, conn) -> None:
+            if point != "max read" or held:
+                return
+            observer = int(conn.execute(text("SELECT CONNECTION_ID()")).scalar())
+            held.append(observer)
+            time.sleep(0.15)  # so the next read of innodb_trx fills its cache anew: observe's transaction is in it
+            stale.enter_context(innodb_trx_kept_stale(mariadb_database))
+            holder.execute(text("SELECT RELEASE_LOCK(:k)"), {"k": lock})
+            slow.join(10)  # the writer's statement ended: its row is written, its transaction open
+            assert not slow.is_alive()
+            with mariadb_engine.connect() as conn:  # the kept cache: filled after observe began, before the write
+                listed = set(conn.execute(text("SELECT trx_mysql_thread_id FROM information_schema.innodb_trx"))
+                             .scalars())
+            assert observer in listed and writer_id not in listed, (observer, writer_id, listed)
+            threading.Timer(0.6, stale.close).start()  # fresh again within observe's wait
+
+        monkeypatch.setattr(source_database, "observe_pause", pause)
+        seen = source.observe(shape)
+        assert held and seen is not None
+        at = writer.execute(text(f"SELECT at FROM {name} WHERE v = 1 AND n > 1")).scalar()
+        assert at is not None and datetime_to_micros(at) <= seen.watermark, (at, seen)
+        time.sleep(0.8)  # the cache is fresh again
+        assert not source.is_final(seen, 0), (
+            f"{seen} declared final while the writer's row at {at} is uncommitted: it would never be sent")
+        writer.execute(text("COMMIT"))
+        assert eventually(lambda: source.is_final(seen, 0)), f"{seen} never became final"
+    finally:
+        stale.close()
+        writer.close()
+        holder.close()
+        source.dispose()
+
+
+def _processlist_state(engine: Engine, connection_id: int) -> str | None:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT STATE FROM information_schema.PROCESSLIST WHERE ID = :id"),
+                            {"id": connection_id}).scalar()
 
 
 def test_mariadb_sensor_skips_a_tick_while_innodb_trx_stays_stale(services, mariadb_database, mariadb_engine,

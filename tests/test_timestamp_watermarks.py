@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from datetime import UTC, datetime, timedelta, timezone
+from functools import partial
 
 import pytest
 from confluent_kafka import Producer
@@ -13,9 +15,16 @@ from sqlalchemy import create_engine, text
 
 from orchestration.cli import verify_table
 from resources.exactly_once import ProgressRecord
-from resources.slices import SliceRange, cut_slices, datetime_to_micros, micros_text, micros_to_datetime
-from resources.source_database import SourceDatabaseResource, SourceError
-from tests.pipeline import Harness, assert_exactly_once, polled, read_topic, relay_config
+from resources.slices import (
+    SliceRange,
+    WatermarkCandidate,
+    cut_slices,
+    datetime_to_micros,
+    micros_text,
+    micros_to_datetime,
+)
+from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, below_step_in_reach
+from tests.pipeline import Harness, assert_exactly_once, polled, read_topic, relay_config, source_url
 from tests.test_errors import failure_text
 
 TIME_KEY = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z_\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
@@ -50,6 +59,19 @@ def test_time_keys_are_readable_sort_as_their_ranges_and_round_trip() -> None:
     assert a.span(5, 9).key == f"{micros_text(5)}_{micros_text(9)}"
     record = ProgressRecord("t", b.key, b.lo, b.hi, 1, 1, "", "topic")
     assert record.slice_range.key == b.key
+
+
+def test_a_candidate_stays_below_what_a_writer_starting_now_may_write() -> None:
+    second = 1_000_000
+    s = 1_796_000_000 * second  # a whole second
+    # Whole seconds: the max in the clock's second (or rounded up to the next) waits one microsecond below itself.
+    assert below_step_in_reach(s, s + 300_000, second) == s - 1
+    assert below_step_in_reach(s + second, s + 700_000, second) == s + second - 1
+    # A microsecond writer's value beside whole-second writers, in the clock's second: below that second's start.
+    assert below_step_in_reach(s + 123_456, s + 200_000, second) == s - 1
+    # A second the clock has left is final as it is; a step of 1 (microseconds) changes nothing.
+    assert below_step_in_reach(s, s + second, second) == s
+    assert below_step_in_reach(s + 123_456, s + 123_456, 1) == s + 123_456
 
 
 def test_a_cut_never_splits_one_timestamp() -> None:
@@ -601,13 +623,16 @@ def test_large_time_slice_through_spark_connect_partitioned_reads(
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("dialect", ["postgresql", "mariadb"])
+@pytest.mark.parametrize(("dialect", "declared"), [("postgresql", "timestamp(0)"), ("mariadb", "DATETIME"),
+                                                   ("postgresql", "timestamptz"), ("mariadb", "DATETIME(6)")])
 def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
-        services, request, dagster_instance, spark, name, dialect: str) -> None:
+        services, request, dagster_instance, spark, name, dialect: str, declared: str) -> None:
     """PostgreSQL timestamp(0) and MariaDB DATETIME hold whole seconds. A transaction that starts after the sensor
     saw the max, while the database clock is still in the max's second, writes the max's own value; it waits for
     nothing, so the cut went up to the max and that transaction's row, committed after the slice was read, was
-    never sent. The cut now stops one microsecond below the max while the clock is in its second.
+    never sent. The cut now stops one microsecond below the max while the clock is in its second. The same holds for
+    whole seconds in a column declared with fractions (`timestamptz`, `DATETIME(6)`: a `date_trunc('second', now())`
+    default, MariaDB's NOW()): what counts is the values the column holds, not its declared precision.
 
     The max is put well ahead of the clock (an explicit value), so "the clock is in the max's second" holds for as
     long as the test needs it, as it holds for up to a second for writers' own now(): a PostgreSQL cut also waits
@@ -618,15 +643,17 @@ def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
         url = request.getfixturevalue("pg_database")
         engine = create_engine(url)
         # The session's time, as `DEFAULT now()` stores it in a timestamp: the server's zone.
-        column, ahead = "timestamp(0)", "date_trunc('second', LOCALTIMESTAMP) + interval '60 seconds'"
-        past = "LOCALTIMESTAMP - interval '1 hour'"
+        now = "LOCALTIMESTAMP" if declared == "timestamp(0)" else "now()"
+        ahead = f"date_trunc('second', {now}) + interval '60 seconds'"
+        past = f"{now} - interval '1 hour'"
         table_name = f"public.{name}"
     else:
         url = request.getfixturevalue("mariadb_database")
         engine = create_engine(url)
-        column, ahead = "DATETIME", "UTC_TIMESTAMP() + INTERVAL 60 SECOND"
-        past = "UTC_TIMESTAMP() - INTERVAL 1 HOUR"
+        ahead = "UTC_TIMESTAMP() + INTERVAL 60 SECOND"
+        past = "UTC_TIMESTAMP(6) - INTERVAL 1 HOUR"
         table_name = name
+    column = declared
     with engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (n int PRIMARY KEY, created_at {column} NOT NULL)"))
         conn.execute(text(f"INSERT INTO {name} VALUES (1, {past}), (2, {ahead})"))
@@ -651,6 +678,76 @@ def test_whole_second_times_are_not_cut_while_their_second_can_still_be_written(
     h.drain(table, until_hi=datetime_to_micros(top), timeout=60)
     assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
     engine.dispose()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("dialect", ["postgresql", "mariadb"])
+def test_whole_seconds_written_into_a_fractional_column_are_final_only_once_their_second_has_passed(
+        request, name, dialect: str) -> None:
+    """A `timestamptz DEFAULT date_trunc('second', now())` (PostgreSQL) or a `DATETIME(6)` written with NOW()
+    (MariaDB) holds whole seconds though its type holds microseconds. The max S.000000 was seen; a transaction that
+    begins after that look, within the same second, writes S.000000 too, waits for nothing the look saw, and commits
+    after the slice is read: its row lay at or below committed progress and was never sent. A candidate at or above
+    such a writer's time must not turn final while it is open; and the second's rows are relayed once the database
+    clock has left it."""
+    if dialect == "postgresql":
+        url = request.getfixturevalue("pg_database")
+        ddl = f"CREATE TABLE {name} (n serial PRIMARY KEY, at timestamptz NOT NULL DEFAULT date_trunc('second', now()))"
+        insert, fraction = f"INSERT INTO {name} DEFAULT VALUES", "SELECT date_part('microseconds', clock_timestamp())"
+    else:
+        url = request.getfixturevalue("mariadb_database")
+        ddl = f"CREATE TABLE {name} (n int AUTO_INCREMENT PRIMARY KEY, at DATETIME(6) NOT NULL, INDEX (at))"
+        insert, fraction = f"INSERT INTO {name} (at) VALUES (NOW())", "SELECT MICROSECOND(NOW(6))"
+    engine = create_engine(url)
+    source = SourceDatabaseResource(url=source_url(url))
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(ddl))
+        shape = source.table_shape(None if dialect == "mariadb" else "public", name, "at")
+        for _ in range(5):  # each try needs the look and the writer in one second of the database clock
+            with engine.connect() as conn:
+                while int(conn.execute(text(fraction)).scalar()) % 1_000_000 > 200_000:
+                    time.sleep(0.02)
+                    conn.rollback()
+            with engine.begin() as conn:
+                conn.execute(text(insert))
+                top = conn.execute(text(f"SELECT max(at) FROM {name}")).scalar()
+            seen = _observed(source, shape)
+            with engine.connect() as writer:
+                writer.execute(text(insert))  # a transaction begun after the look
+                written = writer.execute(text(f"SELECT max(at) FROM {name}")).scalar()
+                if written != top:
+                    writer.rollback()  # the clock left the second in between: try again
+                    continue
+                if datetime_to_micros(written) <= seen.watermark:
+                    assert not polled(partial(source.is_final, seen, 0), bool, timeout=5), (
+                        f"{seen} turned final while a transaction begun after the look holds a row at {written}, "
+                        "below it: committed after the slice's read, that row would never be sent")
+                writer.commit()
+            break
+        else:
+            pytest.fail("the look and the writer never fell in one second of the database clock in 5 tries")
+        # A column of whole seconds still makes progress: once the clock has left S, S is final.
+        def final_past_top() -> bool:
+            later = _observed(source, shape)
+            return later.watermark >= datetime_to_micros(top) and source.is_final(later, 0)
+
+        assert polled(final_past_top, bool, timeout=20), f"rows at {top} never turned final"
+    finally:
+        source.dispose()
+        engine.dispose()
+
+
+def _observed(source: SourceDatabaseResource, shape) -> WatermarkCandidate:
+    """`observe`, asked again while MariaDB's innodb_trx cache stays stale (other clients of the shared server)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            seen = source.observe(shape)
+            assert seen is not None
+            return seen
+        except InnodbTrxStale:
+            assert time.monotonic() < deadline, "innodb_trx stayed stale for 30 s"
 
 
 @pytest.mark.integration
