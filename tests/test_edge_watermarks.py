@@ -14,6 +14,7 @@ import yaml
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
 
+from orchestration import exits
 from orchestration.cli import main
 from resources import source_database
 from resources.slices import WatermarkCandidate, datetime_to_micros
@@ -365,7 +366,9 @@ def test_postgres_backfill_does_not_skip_an_id_drawn_before_its_xid(services, pg
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     backfill = ["--config", str(config_file), "backfill", "--table", table.table_id, "--settle-timeout", "1"]
     with id_held_without_xid(pg_database, name, key) as (release, _):
-        assert main(backfill) == 0
+        # Row 1 goes out if it is final by then; other tests' transactions in the cluster can hold it too, and a
+        # backfill that finds nothing final says so (exits.NOT_FINAL).
+        assert main(backfill) in (exits.OK, exits.NOT_FINAL)
         early = [m.value["id"] for m in read_topic(services.kafka_bootstrap, table.topic_name)]
         assert set(early) <= {1}, f"published {early} while id 2 was uncommitted"
         assert release() == 2
@@ -624,7 +627,8 @@ def test_mariadb_statement_ending_before_the_processlist_read_is_in_the_innodb_t
         assert not source.is_final(seen, 0), (
             f"{seen} declared final while the writer's row at {at} is uncommitted: it would never be sent")
         writer.execute(text("COMMIT"))
-        assert eventually(lambda: source.is_final(seen, 0)), f"{seen} never became final"
+        # innodb_trx is server-wide: other tests' transactions open at the look hold the candidate too.
+        assert eventually(lambda: source.is_final(seen, 0), timeout=60), f"{seen} never became final"
     finally:
         stale.close()
         writer.close()
