@@ -61,6 +61,8 @@ from resources.kafka_io_manager import (
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import SliceRange, watermark_text
 from resources.source_database import (
+    SchemaChanged,
+    SchemaRaced,
     SourceDatabaseResource,
     SourceError,
     TableShape,
@@ -301,10 +303,6 @@ def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed
     return todo
 
 
-class SchemaChanged(SourceError):
-    """Columns changed since the last committed slice and the table's on_schema_change is `fail`."""
-
-
 def check_schema(table: TableConfig, shape: TableShape, committed_columns: list[list[str]]) -> str:
     """The change of columns since the last committed slice, described ("" if none, or nothing to compare with:
     a first slice, a record from an older version). With `on_schema_change: fail` a change stops the table."""
@@ -317,6 +315,36 @@ def check_schema(table: TableConfig, shape: TableShape, committed_columns: list[
             "on_schema_change is fail: nothing is published until a human accepts the new columns with "
             f"`rowrelay schema accept --table {table.table_id} --reason ...` (see README, runbook)")
     return change.describe() if change else ""
+
+
+@dataclass
+class SliceShapes:
+    """The table's shape for each slice of a run: taken from the catalog right before the slice's read (a column
+    added, dropped, retyped or moved during a run applies from the next slice read), and taken again after each of
+    its chunks is read, which must find it unchanged. A DDL waits for the reads of the table before it (PostgreSQL's
+    ACCESS EXCLUSIVE lock, MariaDB's metadata lock), so equal shapes on both sides prove every statement of the read
+    ran on that shape. Spark's JDBC reads use connections of their own: the catalog cannot be asked in their
+    snapshot, hence the check on both sides."""
+
+    source: SourceDatabaseResource
+    table: TableConfig
+    columns: list[list[str]]  # the columns the last slice read was prepared with (at first: the committed ones)
+
+    def before_read(self) -> tuple[TableShape, str]:
+        """The shape to read the next slice with, and how its columns changed from the slice before it
+        (on_schema_change applied: `fail` raises SchemaChanged)."""
+        shape = table_shape(self.source, self.table)
+        change = check_schema(self.table, shape, self.columns)
+        self.columns = shape.schema_columns
+        return shape, change
+
+    def after_read(self, shape: TableShape, slice_range: SliceRange) -> None:
+        """Raise SchemaRaced where the table's columns are no longer `shape`'s (a DDL landed during the read)."""
+        now = table_shape(self.source, self.table)
+        if now.columns != shape.columns:
+            change = schema_change(shape.schema_columns, now.schema_columns).describe() or "column details changed"
+            raise SchemaRaced(f"{self.table.table_id}: the table's columns changed while slice {slice_range} was "
+                              f"read ({change}): nothing of it is published from that read")
 
 
 def read_signature(source: SourceDatabaseResource, spark: SparkResource, table: TableConfig, channel: TableChannel,
@@ -333,8 +361,9 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
                        committed_columns: list[list[str]] | None = None) -> TableSlices:
     """The pure core of a table asset: the run's slices, each read lazily as an ordered Spark DataFrame.
 
-    The table is reflected and checked once per run; each slice's rows are read only when its turn comes.
-    `committed_columns`: the columns of the last committed slice (its progress record), for on_schema_change.
+    The table is checked once per run, and its shape taken again for each slice right before and after its read
+    (SliceShapes); each slice's rows are read only when its turn comes. `committed_columns`: the columns of the last
+    committed slice (its progress record), for on_schema_change.
     """
     todo = slices_to_publish(channel, slices, committed_hi)
     if not todo:
@@ -345,18 +374,21 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
     if source.has_null_watermarks(shape):
         raise null_watermark_error(table.table_id, table.watermark, shape.watermark_text(committed_hi))
     changed = check_schema(table, shape, committed_columns or [])
-    # Every chunk's read has the same Spark schema (the same columns, read once per run like the shape): asked of
-    # Spark once, not per chunk (a round trip and a JDBC schema query each).
+    shapes = SliceShapes(source, table, committed_columns or shape.schema_columns)
+    # Every chunk read with one shape has the same Spark schema: asked of Spark once per shape, not per chunk (a
+    # round trip and a JDBC schema query each).
     spark_schema: dict[str, list[Any]] = {}
 
     def read(slice_range: SliceRange) -> SliceFrame:
+        shape, change = shapes.before_read()
+
         def read_chunk(chunk: SliceRange, expected_rows: int) -> "DataFrame":
             frame = spark.read_slice(source, shape, chunk, expected_rows)
             if table.skip_watermarks:
                 from pyspark.sql import functions as F
 
                 frame = frame.where(~F.col(f"`{shape.frame_watermark}`").isin(table.skip_watermark_values))
-            schema = spark_schema.get("fields") or spark_schema.setdefault("fields", frame.schema.fields)
+            schema = spark_schema.get(repr(shape)) or spark_schema.setdefault(repr(shape), frame.schema.fields)
             return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key,
                                    schema=schema)
 
@@ -373,11 +405,12 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
                    if skipped and rows else rows)
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
-                          first_watermark=first, signature=signature, rows_to_send=to_send, skipped=skipped)
+                          first_watermark=first, signature=signature, rows_to_send=to_send, skipped=skipped,
+                          columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=change,
+                          verify=functools.partial(shapes.after_read, shape, slice_range))
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
-                       columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed,
-                       where=table.where or "", watermark=shape.watermark_id)
+                       schema_change=changed, where=table.where or "", watermark=shape.watermark_id)
 
 
 RECORDED_LOOKBACK = 1000  # materializations read back: a roll-up stored after newer slices is among them
