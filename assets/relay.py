@@ -317,7 +317,7 @@ def check_schema(table: TableConfig, shape: TableShape, committed_columns: list[
     return change.describe() if change else ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SliceShapes:
     """The table's shape for each slice of a run: taken from the catalog right before the slice's read (a column
     added, dropped, retyped or moved during a run applies from the next slice read), and taken again after each of
@@ -328,15 +328,15 @@ class SliceShapes:
 
     source: SourceDatabaseResource
     table: TableConfig
-    columns: list[list[str]]  # the columns the last slice read was prepared with (at first: the committed ones)
+    # What `on_schema_change: fail` holds each slice to: the last committed slice's columns (on a table's first
+    # run, the columns it started with).
+    accepted: list[list[str]]
 
-    def before_read(self) -> tuple[TableShape, str]:
-        """The shape to read the next slice with, and how its columns changed from the slice before it
-        (on_schema_change applied: `fail` raises SchemaChanged)."""
+    def before_read(self) -> TableShape:
+        """The shape to read the next slice with (on_schema_change applied: `fail` raises SchemaChanged)."""
         shape = table_shape(self.source, self.table)
-        change = check_schema(self.table, shape, self.columns)
-        self.columns = shape.schema_columns
-        return shape, change
+        check_schema(self.table, shape, self.accepted)
+        return shape
 
     def after_read(self, shape: TableShape, slice_range: SliceRange) -> None:
         """Raise SchemaRaced where the table's columns are no longer `shape`'s (a DDL landed during the read)."""
@@ -373,14 +373,14 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
     source.refuse_unknowable_finality(shape)
     if source.has_null_watermarks(shape):
         raise null_watermark_error(table.table_id, table.watermark, shape.watermark_text(committed_hi))
-    changed = check_schema(table, shape, committed_columns or [])
+    check_schema(table, shape, committed_columns or [])
     shapes = SliceShapes(source, table, committed_columns or shape.schema_columns)
     # Every chunk read with one shape has the same Spark schema: asked of Spark once per shape, not per chunk (a
     # round trip and a JDBC schema query each).
     spark_schema: dict[str, list[Any]] = {}
 
     def read(slice_range: SliceRange) -> SliceFrame:
-        shape, change = shapes.before_read()
+        shape = shapes.before_read()
 
         def read_chunk(chunk: SliceRange, expected_rows: int) -> "DataFrame":
             frame = spark.read_slice(source, shape, chunk, expected_rows)
@@ -406,11 +406,12 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
                           first_watermark=first, signature=signature, rows_to_send=to_send, skipped=skipped,
-                          columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=change,
+                          columns=shape.schema_columns, schema_fingerprint=shape.fingerprint,
                           verify=functools.partial(shapes.after_read, shape, slice_range))
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
-                       schema_change=changed, where=table.where or "", watermark=shape.watermark_id)
+                       committed_columns=committed_columns or [], where=table.where or "",
+                       watermark=shape.watermark_id)
 
 
 RECORDED_LOOKBACK = 1000  # materializations read back: a roll-up stored after newer slices is among them
@@ -529,9 +530,6 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
             raise Failure(description=str(exc), allow_retries=False) from exc
         if committed is None and result.pending:
             result.recorded = last_recorded_slice(context.instance, context.asset_key)
-        if result.schema_change:
-            context.log.warning(f"{table.table_id}: columns changed since the last committed slice: "
-                                f"{result.schema_change} (on_schema_change: follow)")
         timings["table_check_s"] = time.monotonic() - step
         result.timings = timings
         if not result.pending:

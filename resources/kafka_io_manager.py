@@ -34,7 +34,7 @@ from resources.exactly_once import (
 from resources.history import summarize
 from resources.messages import ReadAhead, SliceFrame, TableSlices
 from resources.slices import SliceRange
-from resources.source_database import SchemaChanged, SchemaRaced, SourceError
+from resources.source_database import SchemaChanged, SchemaRaced, SourceError, schema_change
 from resources.spark import SparkResource
 
 if TYPE_CHECKING:
@@ -129,6 +129,7 @@ class KafkaIOManager(ConfigurableIOManager):
         phase_times: dict[str, dict[str, float]] = {}  # per published slice: read, convert, produce, flush, commit
         early_chunks: dict[str, int] = {}
         changes: dict[str, str] = {}  # per published slice: how its columns changed from the slice before it
+        before = obj.committed_columns
         pending = {s.key for s in obj.pending}
         committed = [s for s in obj.slices if s.key not in pending]
         if committed:  # committed before this run (a re-run, a roll-up key): report what they published
@@ -190,10 +191,12 @@ class KafkaIOManager(ConfigurableIOManager):
                     timings[slice_range.key] = steps
                     phase_times[slice_range.key] = phases
                     records[slice_range.key] = (result, frame.expected_rows)
-                    changes[slice_range.key] = frame.schema_change
-                    if frame.schema_change and frame.slice != obj.pending[0]:  # the first's is logged by the asset
+                    if not result.already_committed:
+                        changes[slice_range.key] = schema_change(before, frame.columns).describe() if before else ""
+                        before = frame.columns
+                    if changes.get(slice_range.key):
                         context.log.warning(f"{obj.channel.table}: columns changed before slice {slice_range}: "
-                                            f"{frame.schema_change} (on_schema_change: follow)")
+                                            f"{changes[slice_range.key]} (on_schema_change: follow)")
                     context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
                                      f"rows in {result.duration_s:.1f} s")
                 completed = True

@@ -319,11 +319,9 @@ class SliceFrame:
     # What the read depends on (source, table settings, reflected shape, Spark settings, slice, rows): chunks
     # fetched under the same signature are the same rows in the same messages (see EarlyRead). "": not shareable.
     signature: str = ""
-    # The columns the slice is read with ([name, type]) and their fingerprint, recorded with its progress, and how
-    # they changed from the slice before it ("" none).
+    # The columns the slice is read with ([name, type]) and their fingerprint, recorded with its progress.
     columns: list[list[str]] = field(default_factory=list)
     schema_fingerprint: str = ""
-    schema_change: str = ""
     # Raises SchemaRaced where the table's columns are no longer those the slice is read with; asked after each of
     # its chunks is read (or fails to read), so every chunk is proven read with `columns`.
     verify: Callable[[], None] | None = None
@@ -576,9 +574,9 @@ class TableSlices:
     # Seconds per step of the run before publishing (launch -> worker, progress read, table check, Spark session):
     # reported with each slice's metadata, so a user sees where a run's time went.
     timings: dict[str, float] = field(default_factory=dict)
-    # How the columns changed since the last committed slice when the run started (each slice's own columns are
-    # its SliceFrame's: they may change during the run).
-    schema_change: str = ""
+    # The columns of the last committed slice when the run started ([] none recorded): each slice's own columns
+    # (its SliceFrame's, which may change during the run) are described against the slice before it.
+    committed_columns: list[list[str]] = field(default_factory=list)
     where: str = ""  # the table's `where:` ("" none), recorded with each slice's progress
     watermark: tuple[str, str] | None = None  # the watermark column and its kind, as reflected by the run
     # With Kafka's progress empty: the highest slice Dagster recorded as committed (`last_recorded_slice`), which
