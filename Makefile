@@ -51,8 +51,7 @@ run: stack
 # spent waiting on the stack (Spark, Kafka, the daemon), and every test has its own databases, topics and Dagster
 # instance. Time bounds left in tests are there to catch hangs, far from what a loaded host takes; two workers
 # took 13m41s on this session's host, three 11m01s.
-test: stack
-	$(PY) -m ruff check .
+test: stack lint
 	$(WITH_ENV) $(PY) -m pytest -q -n 3 --dist loadfile --durations=25 tests -m "not faults and not bench"
 
 test-unit: install
@@ -66,8 +65,12 @@ test-faults: stack
 test-bench: stack
 	$(WITH_ENV) $(PY) -m pytest -q tests -m bench
 
+# Checks that need no service: style, the direction of imports (.importlinter), and the documents' links, anchors
+# and README size (tests/test_docs.py).
 lint: install
 	$(PY) -m ruff check .
+	.venv/bin/lint-imports --no-cache
+	$(PY) -m pytest -q tests/test_docs.py
 
 # Not part of `make test`. BENCH_ARGS="--rows 200000 --rss-rows 0 ..." for a quicker run (see bench/run.py).
 BENCH_ARGS ?=

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import socket
 import threading
@@ -50,6 +51,7 @@ from resources.exactly_once import (
     read_back_slices,
     read_committed_progress,
     refuse_watermark_change,
+    skip_advice,
     tiles_by_range,
 )
 from resources.kafka_io_manager import (
@@ -59,7 +61,7 @@ from resources.kafka_io_manager import (
     stopped_tags,
 )
 from resources.messages import SliceFrame, TableSlices, message_columns
-from resources.slices import SliceRange, watermark_text
+from resources.slices import RowSkip, SliceRange, watermark_text
 from resources.source_database import (
     SchemaChanged,
     SchemaRaced,
@@ -69,7 +71,7 @@ from resources.source_database import (
     null_watermark_error,
     schema_change,
 )
-from resources.spark import SparkResource
+from resources.spark import SparkResource, SparkUnreachable
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -164,6 +166,8 @@ class TableLag:
     # baseline or reset may rightly sit above every row); else None: nothing to compare.
     newest_row: int | None = None
     newest_checked: bool = False
+    # Source rows the table's skip_watermarks entries name: left out on purpose, never sent and never lag.
+    skipped_rows: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """`rowrelay status --json`'s fields (the newest-row check speaks through `source_behind`)."""
@@ -208,7 +212,7 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
     # Only rows that will be sent: the table's `where:` and `skip_watermarks` apply, as to the rows counted (a
     # draft row the filter leaves out sat above progress for good and made every later lag look hours old).
     q = source.filtered(sa.select(sa.func.min(ts), now).where(wm > shape.watermark_param(after)), shape, wm,
-                        table.skip_watermark_values)
+                        table.skip_rows)
     with source.engine.connect() as conn:
         oldest, current = conn.execute(q).one()
     if oldest is None:
@@ -257,7 +261,7 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     top = source.max_watermark(shape)
     # `start_after: latest` before its baseline: the rows there now are never sent, so none of them is lag.
     awaiting_baseline = progress is None and table.start_after == "latest"
-    rows = (source.count_rows(shape, hi, top, table.skip_watermark_values)
+    rows = (source.count_rows(shape, hi, top, table.skip_rows)
             if top is not None and top > hi and not awaiting_baseline else 0)
     if progress is None and published is not None and (rows or awaiting_baseline):
         raise_if_progress_missing(published[0], published[1], shape.timestamps)
@@ -284,10 +288,11 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     # counts here (`where:` aside: a row it leaves out still exists), so one more query only where it filters.
     checked = progress is not None and progress.hi > progress.lo and progress.rows > 0
     newest = (top if not shape.where else source.max_watermark(replace(shape, where=None))) if checked else None
+    skipped = source.count_skipped(shape, None, top, table.skip_rows) if table.skip_rows and top is not None else 0
     return TableLag(table=table.table_id, committed_hi=progress.hi if progress else None, source_max=top,
                     lag_rows=rows, lag_seconds=None if seconds is None else round(seconds, 1), lag_basis=basis,
                     last_commit_at=last, watermark_kind=shape.watermark_kind, newest_row=newest,
-                    newest_checked=checked)
+                    newest_checked=checked, skipped_rows=skipped)
 
 
 def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed_hi: int) -> list[SliceRange]:
@@ -378,23 +383,20 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
     # Every chunk read with one shape has the same Spark schema: asked of Spark once per shape, not per chunk (a
     # round trip and a JDBC schema query each).
     spark_schema: dict[str, list[Any]] = {}
+    refuse_skips_of_many_rows(source, table, shape, SliceRange(committed_hi, max(s.hi for s in todo)))
 
     def read(slice_range: SliceRange) -> SliceFrame:
         shape = shapes.before_read()
+        skipped = table.skip_rows_in(slice_range.lo, slice_range.hi)
 
         def read_chunk(chunk: SliceRange, expected_rows: int) -> "DataFrame":
-            frame = spark.read_slice(source, shape, chunk, expected_rows)
-            if table.skip_watermarks:
-                from pyspark.sql import functions as F
-
-                frame = frame.where(~F.col(f"`{shape.frame_watermark}`").isin(table.skip_watermark_values))
+            frame = spark.read_slice(source, shape, chunk, expected_rows, skip=skipped)
             schema = spark_schema.get(repr(shape)) or spark_schema.setdefault(repr(shape), frame.schema.fields)
             return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key,
                                    schema=schema)
 
         # A cut slice holds settled rows: an early read of it and the run ask the source once.
         rows = source.count_rows(shape, slice_range.lo, slice_range.hi, settled=True)
-        skipped = table.skip_watermarks_in(slice_range.lo, slice_range.hi)
         misfit = (source.sqlite_misfit(shape, slice_range.lo, slice_range.hi, skipped)
                   if shape.dialect == "sqlite" and rows else None)
         if misfit is not None:  # raised in this slice's own turn, not the one before it (SliceFrame.failing)
@@ -406,12 +408,73 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
                           first_watermark=first, signature=signature, rows_to_send=to_send, skipped=skipped,
-                          columns=shape.schema_columns, schema_fingerprint=shape.fingerprint,
+                          skipped_rows=rows - to_send, columns=shape.schema_columns,
+                          schema_fingerprint=shape.fingerprint,
                           verify=functools.partial(shapes.after_read, shape, slice_range))
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
                        committed_columns=committed_columns or [], where=table.where or "",
-                       watermark=shape.watermark_id)
+                       watermark=shape.watermark_id,
+                       name_row=lambda bad: skip_advice_for(source, table, shape, bad))
+
+
+class SkipOfManyRows(SourceError):
+    """A `skip_watermarks` entry matches more than one row: a skip leaves out one row, never its neighbours."""
+
+
+def refuse_skips_of_many_rows(source: SourceDatabaseResource, table: TableConfig, shape: TableShape,
+                              span: SliceRange) -> None:
+    """Before anything of `span` (the run's slices) is read: a skip_watermarks entry inside it that matches more
+    than one row (a bare value shared by several, or a tie_break or key that does not tell them apart) is refused,
+    naming the table, the entry, the count and the entry form that names one row."""
+    for skip in table.skip_rows_in(span.lo, span.hi):
+        if (n := source.count_skipped(shape, skip.watermark - 1, skip.watermark, [skip])) > 1:
+            at = shape.watermark_text(skip.watermark)
+            what = ("every row at that watermark" if skip.bare else "its columns do not tell them apart") + (
+                ", within `where:`" if shape.where else "")
+            raise SkipOfManyRows(
+                f"{table.table_id}: skip_watermarks entry {skip.entry(shape.timestamps, table.tie_break)} matches {n} "
+                f"rows ({what}), and a skip leaves out one row; nothing is published and progress stays. Name the "
+                f"row: {one_row_form(table, at)}")
+
+
+def one_row_form(table: TableConfig, at: str) -> str:
+    """The entry form that names one row at watermark text `at`, for a user to fill in."""
+    if table.tie_break is not None:
+        return f"skip_watermarks: [{{watermark: {at}, tie_break: <its {table.tie_break}>}}]"
+    key = ", ".join(f"{c}: <its {c}>" for c in table.key) if isinstance(table.key, list) else "<column>: <value>"
+    return f"skip_watermarks: [{{watermark: {at}, key: {{{key}}}}}]"
+
+
+def skip_advice_for(source: SourceDatabaseResource, table: TableConfig, shape: TableShape, bad: BadRowError) -> str:
+    """The skip advice for the row `bad` stopped at: its watermark where no other row shares it, else the row named
+    by its tie_break (or its key columns), read from its message; where neither can be read, the form to fill in
+    and how many rows a bare value would leave out."""
+    at = int(bad.watermark or 0)
+    rows = source.count_rows(shape, at - 1, at)
+    if rows <= 1:
+        return skip_advice(shape.watermark_text(at))
+    named = message_fields(bad.value, table.envelope)
+    if table.tie_break is not None and bad.tie is not None:
+        named[table.tie_break] = bad.tie
+    for columns in ([table.tie_break] if table.tie_break else [], table.key if isinstance(table.key, list) else []):
+        if columns and all(named.get(c) is not None for c in columns):
+            row = RowSkip(at, tuple(sorted((c, str(named[c])) for c in columns)))
+            return skip_advice(row.entry(shape.timestamps, table.tie_break))
+    return (f"leave the row out by naming it ({rows} rows share its watermark, and a bare value is refused): "
+            f"{one_row_form(table, shape.watermark_text(at))}")
+
+
+def message_fields(value: bytes | None, envelope: bool) -> dict[str, Any]:
+    """A row's columns from its message (`envelope`: under "data"), {} where unknown or not an object."""
+    if value is None:
+        return {}
+    with contextlib.suppress(ValueError):
+        row = json.loads(value)
+        row = row.get("data") if envelope and isinstance(row, dict) else row
+        if isinstance(row, dict):
+            return {k: v for k, v in row.items() if isinstance(v, int | str) and not isinstance(v, bool)}
+    return {}
 
 
 RECORDED_LOOKBACK = 1000  # materializations read back: a roll-up stored after newer slices is among them
@@ -464,14 +527,14 @@ def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: 
                         ) -> BadRowError:
     """What a slice holding a SQLite value its column cannot carry stops with (see `sqlite_misfit`)."""
     # A misfit in the watermark itself (5.5 in an INTEGER column) is no watermark skip_watermarks can name.
-    skip = "" if column == table.watermark else f", or leave the row out with skip_watermarks: [{at}]"
+    skip = "" if column == table.watermark else f", or {skip_advice(shape.watermark_text(at))}"
     return BadRowError(
         f"{table.table_id}: row {shape.watermark_text(at)} ({table.watermark}) holds a {kind} value in column "
         f"{column!r} (reflected as {shape.column(column).type_name}): {value}. SQLite keeps it, but its driver would "
         "convert it (or, beyond the column's precision, the read would fail), so it would not arrive as stored; "
         "nothing of the slice is sent. Fix the value or the column's declared type (REAL for fractions, TEXT for "
         f"text, BLOB for anything){skip}; then re-run the slice.",
-        table=table.table_id, watermark=at, column=column)
+        table=table.table_id, watermark=at, column=column, entry=shape.watermark_text(at) if skip else None)
 
 
 # backfill_policy is a beta parameter: Dagster warns on every definitions load (twice per CLI command), noise for
@@ -517,15 +580,19 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
         if max(s.hi for s in slices) > committed_hi:
             # Connect (or start) Spark while the table is reflected and checked: it is the slowest first step.
             def warm_spark(started: float = step) -> None:
-                context.resources.spark.get_session()
-                timings["spark_session_s"] = time.monotonic() - started  # overlaps the table check
+                # A server that does not answer is the slice's read's to report (it checks again), failing the run
+                # with its one-line message, not a thread's traceback here.
+                with contextlib.suppress(SparkUnreachable):
+                    context.resources.spark.get_session()
+                    timings["spark_session_s"] = time.monotonic() - started  # overlaps the table check
 
             threading.Thread(target=warm_spark, name="rowrelay-spark-warmup", daemon=True).start()
         try:
             result = build_table_slices(source, context.resources.spark, table, channel, slices, committed_hi,
                                         committed.columns if committed else [])
         except SourceError as exc:
-            reason = "schema_change" if isinstance(exc, SchemaChanged) else "source"
+            reason = ("schema_change" if isinstance(exc, SchemaChanged) else "skip_of_many_rows"
+                      if isinstance(exc, SkipOfManyRows) else "source")
             context.instance.add_run_tags(context.run_id, stopped_tags(reason))
             raise Failure(description=str(exc), allow_retries=False) from exc
         if committed is None and result.pending:
@@ -560,7 +627,7 @@ def parity_result(table: TableConfig, source: SourceDatabaseResource, records: l
     for r in records:
         # By the row filter the slice was published with (`where:` or skip_watermarks changed since must not make
         # an old slice look wrong).
-        where, skipped = r.row_filter(table.where, table.skip_watermark_values)
+        where, skipped = r.row_filter(table.where, table.skip_rows)
         counted = source.count_rows(replace(shape, where=where or None), r.lo, r.hi, skip=skipped)
         if counted != r.rows:
             mismatches.append({"slice": r.slice, "what": "rows", "progress_record": r.rows, "source_now": counted})

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,6 +42,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
+from orchestration.exits import (  # noqa: E402
+    FAILED,
+    INTERRUPTED,
+    NOT_FINAL,
+    OK,
+    USAGE,
+    bound_process_end,
+    finish,
+)
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import (  # noqa: E402
     RESET_PREFIX,
@@ -59,6 +69,7 @@ from resources.exactly_once import (  # noqa: E402
     watermark_change,
 )
 from resources.slices import (  # noqa: E402
+    RowSkip,
     SliceRange,
     is_timestamp_key,
     micros_text,
@@ -97,6 +108,8 @@ class VerifyReport:
     # twice beside a row of the same value never sent is then a duplicate and a missing row, not an even count.
     rows_by_tie_break: int = 0
     tie_break_unchecked: str | None = None  # why rows sharing a value were compared by count only, if they were
+    # Source rows the slices' skip_watermarks entries left out: skipped on purpose, neither expected nor missing.
+    skipped_rows: int = 0
     # integer, or timestamp / timestamptz: the watermarks above are then microseconds since 1970 UTC, and the text
     # report shows them as UTC times (as keys, `rowrelay status` and the CLI's arguments do).
     watermark_kind: str = "integer"
@@ -270,26 +283,26 @@ def topic_watermarks(conf: dict[str, Any], topic: str, table: str, timeout: floa
 @dataclass(frozen=True)
 class FilterPiece:
     """A watermark range (lo, hi] whose rows were chosen by one row filter: `where` ("": none) and the
-    watermarks `skip` left out."""
+    rows `skip` left out."""
 
     lo: int | None
     hi: int
     where: str
-    skip: tuple[int, ...]
+    skip: tuple[RowSkip, ...]
 
 
 def filter_pieces(start: int | None, upto: int, slices: list[ProgressRecord], where: str | None,
-                  skip: list[int]) -> list[FilterPiece]:
+                  skip: list[RowSkip]) -> list[FilterPiece]:
     """(start, upto] in pieces by the row filter that chose their rows: each slice's as its progress record says
     (`where`, `skipped`: a `where:` or `skip_watermarks` changed since must not make its rows look extra or
     missing), consecutive ones with one `where` merged; a slice recorded before rowrelay kept its filter, and any
     range no slice covers, by today's (`where`, `skip`). `slices`: the live slice records, oldest first."""
     pieces: list[FilterPiece] = []
 
-    def add(lo: int | None, hi: int, piece_where: str, piece_skip: list[int]) -> None:
+    def add(lo: int | None, hi: int, piece_where: str, piece_skip: list[RowSkip]) -> None:
         if lo is not None and hi <= lo:
             return
-        inside = tuple(w for w in piece_skip if (lo is None or w > lo) and w <= hi)
+        inside = tuple(s for s in piece_skip if (lo is None or s.watermark > lo) and s.watermark <= hi)
         last = pieces[-1] if pieces else None
         if last is not None and last.hi == lo and last.where == piece_where:
             pieces[-1] = FilterPiece(last.lo, hi, last.where, last.skip + inside)
@@ -320,6 +333,7 @@ class SourceRows:
     # value with two rows or more -> the sum of its rows' `tie_hash` (modulo 2**64)
     fingerprints: dict[int, int] = field(default_factory=dict)
     unchecked: str | None = None  # why shared values are compared by count only (then no fingerprints)
+    skipped: int = 0  # rows the slices' skip_watermarks entries left out: not expected in the topic, by design
 
 
 def tie_fingerprints(rows: Iterable[tuple[int, Any]], tie_break: str) -> SourceRows:
@@ -356,7 +370,7 @@ def source_pieces(config: RelayConfig, table: TableConfig, start: int | None, up
         shape = table_shape(source, table)
         yield source, shape.watermark_kind, [
             (replace(shape, where=piece.where or None), piece)
-            for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_watermark_values)]
+            for piece in filter_pieces(start, upto, slices or [], table.where, table.skip_rows)]
     finally:
         source.dispose()
 
@@ -366,15 +380,16 @@ def source_watermarks(config: RelayConfig, table: TableConfig, start: int | None
     """The source's rows in (start, upto], each slice's by the row filter it was published with: counted per
     watermark, and fingerprinted by tie_break where they share one (`SourceRows`)."""
     with source_pieces(config, table, start, upto, slices) as (source, kind, pieces):
+        skipped = sum(source.count_skipped(shape, piece.lo, piece.hi, piece.skip) for shape, piece in pieces)
         if table.tie_break is None:
             counts: Counter[int] = Counter()
             for shape, piece in pieces:
                 counts.update(source.iter_watermarks(shape, piece.lo, piece.hi, skip=list(piece.skip)))
-            return SourceRows(counts, kind)
+            return SourceRows(counts, kind, skipped=skipped)
         found = tie_fingerprints((row for shape, piece in pieces
                                   for row in source.iter_watermark_ties(shape, piece.lo, piece.hi, list(piece.skip))),
                                  table.tie_break)
-        found.watermark_kind = kind
+        found.watermark_kind, found.skipped = kind, skipped
         return found
 
 
@@ -604,6 +619,7 @@ def verify_table(config: RelayConfig, table: TableConfig) -> VerifyReport:
     diff = compare_rows(source.counts, seen, rows, seen_ties)
     diff.by_count += by_count
     report.source_rows = sum(source.counts.values())
+    report.skipped_rows = source.skipped
     report.messages = sum(seen.values())
     report.rows_by_tie_break = sum(source.counts[w] for w in source.fingerprints)
     if diff.by_count:
@@ -627,7 +643,8 @@ def _tables(config: RelayConfig, table_id: str | None) -> list[TableConfig]:
     return tables
 
 
-def each_table(tables: list[TableConfig], work: Callable[[TableConfig], Any], failing: str) -> tuple[list[Any], int]:
+def each_table(config: RelayConfig, tables: list[TableConfig], work: Callable[[TableConfig], Any], failing: str
+               ) -> tuple[list[Any], int]:
     """`work` for each table, and how many failed: one table's error a user can act on (`user_error`) is printed
     and must not hide the other tables' results; any other error is a defect and raised."""
     results, failed = [], 0
@@ -635,7 +652,7 @@ def each_table(tables: list[TableConfig], work: Callable[[TableConfig], Any], fa
         try:
             results.append(work(table))
         except Exception as exc:
-            message = user_error(exc)
+            message = user_error(exc, config)
             if message is None:
                 raise
             print(f"rowrelay: {table.table_id} {failing}: {message}", file=sys.stderr)
@@ -644,7 +661,7 @@ def each_table(tables: list[TableConfig], work: Callable[[TableConfig], Any], fa
 
 
 def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
-    reports, failed = each_table(_tables(config, args.table), lambda t: verify_table(config, t), "not verified")
+    reports, failed = each_table(config, _tables(config, args.table), lambda t: verify_table(config, t), "not verified")
     if args.json:
         print(json.dumps([{**asdict(r), "ok": r.ok} for r in reports], indent=2))
     else:
@@ -655,6 +672,9 @@ def cmd_verify(config: RelayConfig, args: argparse.Namespace) -> int:
             if r.compared_from_record:
                 print(f"  compared from {r.text(r.compared_from)} ({r.compared_from_record}); {r.before_start} "
                       "messages at or below it left out")
+            if r.skipped_rows:
+                print(f"  {r.skipped_rows} source rows skipped (skip_watermarks, as each slice recorded): not sent, "
+                      "by design")
             if r.rows_by_tie_break:
                 print(f"  {r.rows_by_tie_break} source rows share a watermark value: compared by tie_break too "
                       "(a fingerprint per value; row by row where one differs)")
@@ -718,7 +738,7 @@ def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
 
 def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
     tables = _tables(config, args.table)
-    lags, failed = each_table(tables, lambda t: table_status(config, t), "no status")
+    lags, failed = each_table(config, tables, lambda t: table_status(config, t), "no status")
     if not lags:
         return 1
     rows = [lag.as_dict() for lag in lags]
@@ -735,10 +755,10 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
     from rich.table import Table
 
     view = Table(title="rowrelay status", title_justify="left")
-    for column in ("table", "committed", "source max", "lag rows", "lag s", "lag measured as", "last commit",
-                   "active runs"):
-        view.add_column(column, justify="right" if column in ("committed", "source max", "lag rows", "lag s",
-                                                             "active runs") else "left",
+    for column in ("table", "committed", "source max", "lag rows", "skipped rows", "lag s", "lag measured as",
+                   "last commit", "active runs"):
+        view.add_column(column, justify="right" if column in ("committed", "source max", "lag rows", "skipped rows",
+                                                             "lag s", "active runs") else "left",
                         no_wrap=column in ("committed", "source max"))  # a time watermark reads whole
     basis = {"oldest_unpublished_row": "age of oldest unpublished row", "since_last_commit": "time since last commit",
              "caught_up": "caught up", "unknown": "rows wait, nothing committed yet",
@@ -753,9 +773,9 @@ def cmd_status(config: RelayConfig, args: argparse.Namespace) -> int:
         return cell(value) if value is None else watermark_text(value, timestamps)
 
     for row in rows:
-        view.add_row(row["table"], mark(row, row["committed_hi"]), mark(row, row["source_max"]), cell(row["lag_rows"]),
-                     cell(row["lag_seconds"]), basis[row["lag_basis"]], cell(row["last_commit_at"]),
-                     cell(row["active_runs"]))
+        view.add_row(row["table"], mark(row, row["committed_hi"]), mark(row, row["source_max"]),
+                     cell(row["lag_rows"]), cell(row["skipped_rows"]), cell(row["lag_seconds"]),
+                     basis[row["lag_basis"]], cell(row["last_commit_at"]), cell(row["active_runs"]))
     Console(width=max(160, Console().width)).print(view)
     return 1 if failed else 0
 
@@ -959,11 +979,13 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     io_manager: KafkaIOManager = defs.resources["kafka_io_manager"]  # type: ignore[assignment]
     early_started = threading.Event()
     if not args.dry_run:
+        # A Spark Connect server that does not answer fails here, in seconds, before anything is cut.
+        io_manager.spark.check_server()
         # Spark first: the first slice's first chunks are read (EarlyRead) while Dagster's storage loads and the
         # run is created, on a core that would otherwise idle. The slice is worked out meanwhile (Kafka, the source).
         threading.Thread(target=start_early_read, args=(config, table, io_manager, early_started), daemon=True,
                          name="rowrelay-early-read").start()
-        with contextlib.suppress(Exception):  # a Spark that cannot connect fails the run, with its own message
+        with contextlib.suppress(Exception):  # a Spark that fails now fails the run, with its own message
             io_manager.spark.get_session()
     partitions = partitions_for(table)
     source = SourceDatabaseResource.for_source(config.sources[table.source])
@@ -997,7 +1019,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                 time.sleep(0.5)
             # One indexed count for the bar's total, on the cut's connection and shape (reflected moments ago).
             total_rows = (source.count_rows(cached_table_shape(source, table), plan.committed_hi, plan.chain[-1].hi,
-                                            table.skip_watermarks_in(plan.committed_hi, plan.chain[-1].hi) or None,
+                                            table.skip_rows_in(plan.committed_hi, plan.chain[-1].hi) or None,
                                             settled=True)
                           if plan.chain and not args.dry_run else 0)
         except (SourceError, RelayError, InnodbTrxStale) as exc:  # any other error keeps its traceback
@@ -1039,8 +1061,10 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             # Final rows beyond the cut's limit of slices: not waiting for anything, only for the next cut.
             print(f"{table.table_id}: rows above {plan.text(frontier)} (up to {plan.text(max(final))}) are final "
                   "but beyond this backfill's slices: the sensor or the next backfill sends them", flush=True)
-        if args.dry_run or not todo:
-            return 0
+        if args.dry_run:
+            return OK
+        if not todo:  # nothing to publish: up to date (done), or the rows there are are not final yet
+            return NOT_FINAL if plan.state.unsettled else OK
         job = defs.resolve_job_def(job_name(table))
         end_of_startup()
         early_started.wait(EARLY_READ_WAIT_S)  # a run takes early chunks only once they are registered
@@ -1076,7 +1100,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
             progress = read_committed_progress(io_manager.kafka_conf(), channel)
             upto = progress.hi if progress is not None else plan.committed_hi
             print(f"rowrelay: {interrupted_text(table.table_id, todo, upto, plan.text)}", file=sys.stderr, flush=True)
-            return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+            return INTERRUPTED  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped (143 for SIGTERM)
     print(f"{table.table_id}: backfill done in {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
@@ -1690,7 +1714,56 @@ def watermark_kind_error(table_id: str, timestamps: bool, flag: str, value: int)
             f"(the time would be read as {int(value)})")
 
 
-def user_error(exc: BaseException) -> str | None:
+def source_error_text(exc: Any, config: RelayConfig | None) -> str:
+    """A source database that cannot be reached or refuses the login: which source, and the setting and variables
+    its URL takes (SourceDatabaseResource marks the error with the URL as configured)."""
+    from resources.source_database import SourceDatabaseResource
+
+    cause = (str(exc.orig).strip().splitlines() or ["no detail"])[0]
+    url = getattr(exc, "source_url", None)
+    names = [n for n, src in (config.sources.items() if config else []) if src.url == url]
+    if url is None or not names:
+        return f"a database could not be reached or refused the request: {cause}"
+    where = SourceDatabaseResource(url=url).sqlalchemy_url.render_as_string(hide_password=True)
+    variables = re.findall(r"\$\{(\w+)", url)
+    takes = f" and the environment variable{'s' if len(variables) > 1 else ''} it reads ({', '.join(variables)})" \
+        if variables else ""
+    return (f"source {names[0]!r} ({where}) could not be reached or refused the login: {cause}; check "
+            f"sources.{names[0]}.url in rowrelay.yaml{takes}")
+
+
+def dagster_storage_text(exc: BaseException) -> str:
+    """dagster-postgres's `too many retries for DB connection`: the database it tried, and the settings to check."""
+    cause = str(exc.__cause__ or exc).strip().splitlines()
+    env = {k: os.environ.get(f"DAGSTER_PG_{k}", "?") for k in ("DB", "HOST", "PORT", "USER")}
+    return (f"the Dagster storage database {env['DB']!r} on {env['HOST']}:{env['PORT']} (user {env['USER']}) could "
+            f"not be reached: {cause[0] if cause else exc}; check the DAGSTER_PG_DB, DAGSTER_PG_HOST, DAGSTER_PG_PORT, "
+            "DAGSTER_PG_USER and DAGSTER_PG_PASSWORD settings rowrelay's dagster.yaml reads (in DAGSTER_HOME="
+            f"{os.environ.get('DAGSTER_HOME', '')}); `make stack` writes the local stack's to stack.env")
+
+
+def dagster_home_problem() -> str | None:
+    """DAGSTER_HOME set to a directory without a dagster.yaml: Dagster would keep runs and records in SQLite files of
+    its own there, out of the daemon's sight, and say nothing."""
+    home = os.environ.get("DAGSTER_HOME")
+    if not home or os.path.isfile(os.path.join(home, "dagster.yaml")):
+        return None
+    return (f"DAGSTER_HOME={home} holds no dagster.yaml: set DAGSTER_HOME to the directory holding rowrelay's "
+            "dagster.yaml (the checkout), or copy it there; nothing was done")
+
+
+class _StorageRetryLines(logging.Filter):
+    """dagster-postgres logs each retry of its storage connection on the root logger (`WARNING:root:Retrying failed
+    database connection`): noise before the one line that says what failed and what to check."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Retrying failed database")
+
+
+STORAGE_RETRY_LINES = _StorageRetryLines()
+
+
+def user_error(exc: BaseException, config: RelayConfig | None = None) -> str | None:
     """The message for an error a user causes or fixes (a database or Kafka away, a table missing, DAGSTER_HOME
     unset, a run's slices changed under it), instead of a traceback; None for anything else. Imported only here,
     once something failed: the happy path does not import these modules for it."""
@@ -1700,11 +1773,14 @@ def user_error(exc: BaseException) -> str | None:
 
     from resources.exactly_once import RelayError
     from resources.source_database import InnodbTrxStale, SourceError
+    from resources.spark import SparkUnreachable
 
-    if isinstance(exc, SourceError | RelayError | InnodbTrxStale):
+    if isinstance(exc, SourceError | RelayError | InnodbTrxStale | SparkUnreachable):
         return str(exc)
     if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError):
-        return f"a database could not be reached or refused the request: {str(exc.orig).strip()}"
+        return source_error_text(exc, config)
+    if type(exc).__name__ == "DagsterPostgresException":  # dagster-postgres gave up connecting to its storage
+        return dagster_storage_text(exc)
     if isinstance(exc, DagsterHomeNotSetError):
         return NO_DAGSTER_HOME
     if isinstance(exc, DagsterInvalidInvocationError) and "partition" in str(exc).lower():
@@ -1713,22 +1789,34 @@ def user_error(exc: BaseException) -> str | None:
     return None
 
 
+COMMAND_SUMMARIES = {
+    "verify": "compare a topic with its source table: duplicates, missing, extra, order; exit 1 on any",
+    "status": "committed progress, source max, lag and active runs of each table",
+    "pools": "create each table's pool (limit 1) on the Dagster instance",
+    "backfill": "cut the backlog into slices and run them now, in this process",
+    "reset": "set a deliberate new baseline: rows after it are sent, the rest never",
+    "replay": "republish committed slices once more, marked rowrelay.replay",
+    "history": "roll up old committed slices now: fewer partitions",
+    "schema": "accept a table's changed columns after on_schema_change: fail stopped it",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `rowrelay` command; called without `argv` it is the process (the entry point, `python -m`), whose end it
+    bounds (exits.bound_process_end, exits.finish); a caller passing `argv` keeps its own process as it is."""
+    own_process = argv is None
+    if own_process:
+        bound_process_end(next((a for a in sys.argv[1:] if a in COMMAND_SUMMARIES), "rowrelay"))
+    code = run_command(argv)
+    return finish(code) if own_process else code
+
+
+def run_command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="rowrelay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    summaries = {
-        "verify": "compare a topic with its source table: duplicates, missing, extra, order; exit 1 on any",
-        "status": "committed progress, source max, lag and active runs of each table",
-        "pools": "create each table's pool (limit 1) on the Dagster instance",
-        "backfill": "cut the backlog into slices and run them now, in this process",
-        "reset": "set a deliberate new baseline: rows after it are sent, the rest never",
-        "replay": "republish committed slices once more, marked rowrelay.replay",
-        "history": "roll up old committed slices now: fewer partitions",
-        "schema": "accept a table's changed columns after on_schema_change: fail stopped it",
-    }
-    for name, summary in summaries.items():
+    for name, summary in COMMAND_SUMMARIES.items():
         p = sub.add_parser(name, help=summary, description=summary)
         if name == "schema":
             p.add_argument("action", choices=["accept"], help="accept: record the table's current columns after a "
@@ -1769,23 +1857,27 @@ def main(argv: list[str] | None = None) -> int:
     collecting = gc.isenabled()
     if args.cmd == "backfill":
         gc.disable()  # until its startup is over (end_of_startup)
+    config = None
+    logging.getLogger().addFilter(STORAGE_RETRY_LINES)  # once: the same filter object is not added twice
     try:
         config = load_config(args.config)
+        if (problem := dagster_home_problem()) is not None:
+            raise ConfigError(problem)
         commands = {"verify": cmd_verify, "status": cmd_status, "pools": cmd_pools, "backfill": cmd_backfill,
                     "reset": cmd_reset, "replay": cmd_replay, "history": cmd_history, "schema": cmd_schema}
         return commands[args.cmd](config, args)
     except KeyboardInterrupt:  # Ctrl-C: not a defect, no traceback (a backfill's runs say what committed)
         print(f"rowrelay: {args.cmd} interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except ConfigError as exc:
         print(f"rowrelay: {exc}", file=sys.stderr)
-        return 2
+        return USAGE
     except Exception as exc:
-        message = user_error(exc)
+        message = user_error(exc, config)
         if message is None:
             raise  # a defect: its traceback is what to report
         print(f"rowrelay: {message}", file=sys.stderr)
-        return 1
+        return FAILED
     finally:
         if collecting:  # a backfill that ended before its runs (an error, --dry-run, nothing to do)
             gc.enable()

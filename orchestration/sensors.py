@@ -312,7 +312,11 @@ def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transact
     if not timed:
         return slice_max_rows
     rate = min(r.rows / r.transaction_s for r in timed[-5:])  # the slowest recent slice
-    return min(slice_max_rows, max(1000, int(rate * transaction_timeout_ms / 1000 / 2)))
+    # Infinite for a record stating a time too small to divide by (any JSON a record may hold): no limit then.
+    budget = rate * transaction_timeout_ms / 1000 / 2
+    if budget >= slice_max_rows:
+        return slice_max_rows
+    return min(slice_max_rows, max(1000, int(budget)))
 
 
 def latest_baseline(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, channel: TableChannel,
@@ -529,7 +533,8 @@ def stalled_slice(records: list[Any], chain: list[SliceRange], committed_hi: int
 TIMED_OUT = "transaction_timeout"  # the STOPPED_TAG value of a run whose transaction outlived its timeout
 
 # What to do after a run stopped, by its stop reason (resources/kafka_io_manager.py STOP_REASONS and the asset's
-# own: source, schema_change, bad_row), for the sensor's skip message and a failed `rowrelay backfill`.
+# own: source, schema_change, skip_of_many_rows, bad_row), for the sensor's skip message and a failed
+# `rowrelay backfill`.
 NEXT_STEP = {
     "schema_change": "the table's columns changed and `on_schema_change: fail` stops it: check the change, then "
                      "`rowrelay schema accept --table ID --reason ...` and run it again",
@@ -538,6 +543,8 @@ NEXT_STEP = {
     "fenced": "another publisher of the table took over (the daemon's run or a backfill): it publishes the "
               "slices; nothing is lost",
     "bad_row": "fix the row (or list its watermark in `skip_watermarks`) and run it again",
+    "skip_of_many_rows": "a bare `skip_watermarks` value matches several rows: name the one row as the run's message "
+                         "shows and run it again",
     "source": "fix what the run's message names and run it again",
     "rows_mismatch": "the source's rows changed under the read: see the run's message, fix the cause, and run it again",
     "progress_missing": "see the README runbook (\"A table dropped and re-created\": progress missing) before anything "

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from resources.names import portable_name, progress_topic_name
-from resources.slices import datetime_to_micros
+from resources.slices import RowSkip, datetime_to_micros
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
@@ -118,6 +118,25 @@ class SourceConfig(_Strict):
         return v
 
 
+SkipValue = int | str
+
+
+class SkipRow(_Strict):
+    """A `skip_watermarks` entry naming one row: its watermark and its `tie_break` value, or its watermark and
+    the values of columns that tell it from the other rows at that watermark (`key`)."""
+
+    watermark: int | datetime
+    tie_break: SkipValue | None = None
+    key: dict[str, SkipValue] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> SkipRow:
+        if (self.tie_break is None) == (self.key is None):
+            raise ValueError("a skip entry names its row by `tie_break: value` or by `key: {column: value, ...}`, "
+                             "one of the two")
+        return self
+
+
 class TableConfig(_Strict):
     # The other tables of the same config that write to this table's topic (RelayConfig sets it).
     _topic_shared_with: tuple[str, ...] = PrivateAttr(default=())
@@ -145,8 +164,10 @@ class TableConfig(_Strict):
     sensor_interval_seconds: int = Field(5, ge=1, le=86_400)
     max_slices_per_run: int = Field(20, ge=1, le=10_000, description="a backlog of slices runs as one run of up to "
                                     "this many slices (one worker start), each slice still its own transaction")
-    skip_watermarks: list[int | datetime] = Field(default_factory=list, description="rows never to send (runbook); "
-                                                  "times for a timestamp watermark")
+    skip_watermarks: list[int | datetime | SkipRow] = Field(
+        default_factory=list, description="rows never to send (runbook), each named by its watermark (a time for a "
+        "timestamp watermark) and, where rows share it, by its tie_break or key: {watermark: W, tie_break: T} or "
+        "{watermark: W, key: {column: value}}; a bare watermark is refused where it matches more than one row")
     where: str | None = Field(
         None, min_length=1, max_length=4000, description="a row filter in the source's SQL, applied identically to "
         "counts, cuts and reads, e.g. \"status <> 'draft'\"; it must be immutable per row (a row never enters or "
@@ -226,13 +247,32 @@ class TableConfig(_Strict):
         return self.start_after if isinstance(self.start_after, int) else None
 
     @property
-    def skip_watermark_values(self) -> list[int]:
-        """`skip_watermarks` as watermarks (times as microseconds since 1970 UTC)."""
-        return [datetime_to_micros(w) if isinstance(w, datetime) else w for w in self.skip_watermarks]
+    def skip_rows(self) -> list[RowSkip]:
+        """`skip_watermarks` as rows to leave out (times as microseconds since 1970 UTC)."""
+        def micros(w: int | datetime) -> int:
+            return datetime_to_micros(w) if isinstance(w, datetime) else w
 
-    def skip_watermarks_in(self, lo: int, hi: int) -> list[int]:
-        """The skipped watermarks inside a slice's range (lo, hi]."""
-        return [w for w in self.skip_watermark_values if lo < w <= hi]
+        out = []
+        for entry in self.skip_watermarks:
+            if not isinstance(entry, SkipRow):
+                out.append(RowSkip(micros(entry)))
+                continue
+            named = {self.tie_break: entry.tie_break} if entry.tie_break is not None else entry.key or {}
+            out.append(RowSkip(micros(entry.watermark), tuple(sorted((str(c), str(v)) for c, v in named.items()))))
+        return out
+
+    def skip_rows_in(self, lo: int, hi: int) -> list[RowSkip]:
+        """The skipped rows inside a slice's range (lo, hi]."""
+        return [s for s in self.skip_rows if lo < s.watermark <= hi]
+
+    @model_validator(mode="after")
+    def _skip_tie_break(self) -> TableConfig:
+        # An entry named by tie_break needs the table's: which column it is a value of.
+        if self.tie_break is None and any(isinstance(e, SkipRow) and e.tie_break is not None
+                                          for e in self.skip_watermarks):
+            raise ValueError("a skip_watermarks entry names its row by tie_break, but the table has no `tie_break:`; "
+                             "name it by `key: {column: value}` instead")
+        return self
 
     @property
     def schema_name(self) -> str | None:

@@ -48,7 +48,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetS
 
 from resources.arrow_produce import RowProducer
 from resources.names import progress_topic_name, progress_topic_suffix
-from resources.slices import SliceRange, is_timestamp_key, watermark_text
+from resources.slices import RowSkip, SliceRange, is_timestamp_key, watermark_text
 
 _log = logging.getLogger(__name__)
 
@@ -110,14 +110,37 @@ class PublisherFenced(RelayError):
     """A newer publisher took over this table's transactional id; this one must stop."""
 
 
-class BadRowError(RelayError):
-    """A row cannot be sent (too large, unserializable). Nothing of the slice is visible."""
+def skip_advice(entry: str) -> str:
+    """How a stop message tells a user to leave a row out: the one place its wording lives (`BadRowError.naming`
+    finds it by this text)."""
+    return f"leave the row out with skip_watermarks: [{entry}]"
 
-    def __init__(self, message: str, *, table: str, watermark: int | None, column: str | None = None) -> None:
+
+class BadRowError(RelayError):
+    """A row cannot be sent (too large, unserializable). Nothing of the slice is visible.
+
+    `entry`: the skip_watermarks entry the message suggests (`skip_advice`), by the row's watermark alone; the
+    table's run names the row itself where others share its watermark (`naming`). `value`: the row's message, where
+    known (a row too large), so that its tie_break or key can be read from it; `tie`: its tie_break's text, where
+    the read that stopped at it named it."""
+
+    def __init__(self, message: str, *, table: str, watermark: int | None, column: str | None = None,
+                 entry: str | None = None, value: bytes | None = None, tie: str | None = None) -> None:
         super().__init__(message)
         self.table = table
         self.watermark = watermark
         self.column = column
+        self.entry = entry
+        self.value = value
+        self.tie = tie
+
+    def naming(self, advice: str) -> BadRowError:
+        """The same error, its skip advice replaced by `advice` (one that names the row, not only its value)."""
+        if self.entry is None or skip_advice(self.entry) not in str(self):
+            return self
+        return BadRowError(str(self).replace(skip_advice(self.entry), advice), table=self.table,
+                           watermark=self.watermark, column=self.column, entry=self.entry, value=self.value,
+                           tie=self.tie)
 
 
 class SliceRowsMismatch(RelayError):
@@ -338,22 +361,24 @@ class ProgressRecord:
     # no topic yet). Messages below them were sent before the reset (`rowrelay verify` leaves those at or below the
     # reset out). None on other records, and on resets recorded by versions before it.
     topic_ends: dict[str, int] | None = None
-    # The row filter the slice was read with: `where:` ("" none) and the `skip_watermarks` inside it, so that
-    # `rowrelay verify` expects each slice's rows as chosen then, not by today's settings. None on older records.
+    # The row filter the slice was read with: `where:` ("" none) and the `skip_watermarks` entries inside it
+    # (`RowSkip.to_record`), so that `rowrelay verify` expects each slice's rows as chosen then, not by today's
+    # settings; and how many rows those entries left out. None on older records.
     where: str | None = None
-    skipped: list[int] | None = None
+    skipped: list[int | dict[str, Any]] | None = None
+    skipped_rows: int | None = None
     # The watermark the progress is a value of: its column and kind (integer | timestamp | timestamptz). A value of
     # one column says nothing about another, and a zone-less time is another instant once its column holds instants
     # (`watermark_change`). None on records of older versions, and on a reset made while the source was away.
     watermark: str | None = None
     watermark_kind: str | None = None
 
-    def row_filter(self, where: str | None, skip: list[int]) -> tuple[str, list[int]]:
-        """The `where:` ("" none) and skipped watermarks that chose this slice's rows: as recorded, else (a record
-        of an older version) today's `where` and the `skip` watermarks inside the slice."""
+    def row_filter(self, where: str | None, skip: Sequence[RowSkip]) -> tuple[str, list[RowSkip]]:
+        """The `where:` ("" none) and skipped rows that chose this slice's rows: as recorded, else (a record of an
+        older version) today's `where` and the `skip` entries inside the slice."""
         if self.where is not None:
-            return self.where, list(self.skipped or [])
-        return where or "", [w for w in skip if self.lo < w <= self.hi]
+            return self.where, [RowSkip.from_record(v) for v in self.skipped or []]
+        return where or "", [s for s in skip if self.lo < s.watermark <= self.hi]
 
     @property
     def is_start_mark(self) -> bool:
@@ -1649,12 +1674,14 @@ class SlicePublisher:
                 batches: Callable[[], Iterable[MessageBatch | Sequence[OutgoingMessage]]], *,
                 columns: list[list[str]] | None = None, schema_fingerprint: str = "",
                 expected_rows: int | None = None, where: str | None = None,
-                skipped: list[int] | None = None, watermark: tuple[str, str] | None = None) -> PublishResult:
+                skipped: Sequence[RowSkip] | None = None, skipped_rows: int | None = None,
+                watermark: tuple[str, str] | None = None) -> PublishResult:
         """Publish the slice's rows exactly once; `batches` re-reads the rows if a retry needs them. `columns` and
         `schema_fingerprint` (the columns the rows were read with) go into the slice's progress record.
         `expected_rows`: the rows the source counts in the slice; a read that yields another number is aborted
         (SliceRowsMismatch) instead of committed. `where` and `skipped`: the row filter the rows were chosen by
-        (`where:`, "" for none, and the skip_watermarks in the slice), kept in the progress record. `watermark`:
+        (`where:`, "" for none, and the skip_watermarks entries in the slice, which left out `skipped_rows`), kept in
+        the progress record. `watermark`:
         the table's watermark column and kind as read now, kept in the record; progress measured in another one is
         refused (WatermarkChanged)."""
         started = time.monotonic()
@@ -1689,7 +1716,7 @@ class SlicePublisher:
             attempt += 1
             try:
                 record = self._transaction(slice_range, batches(), columns or [], schema_fingerprint,
-                                           expected_rows, where, skipped, watermark)
+                                           expected_rows, where, skipped, skipped_rows, watermark)
                 self._own_progress = record
                 return PublishResult(record, already_committed=False, duration_s=time.monotonic() - started,
                                      attempts=attempt, phases=dict(self.last_phases))
@@ -1705,7 +1732,7 @@ class SlicePublisher:
                     # Another publisher moved progress meanwhile: the checks a publish starts with say what stands.
                     return self.publish(slice_range, batches, columns=columns, schema_fingerprint=schema_fingerprint,
                                         expected_rows=expected_rows, where=where, skipped=skipped,
-                                        watermark=watermark)
+                                        skipped_rows=skipped_rows, watermark=watermark)
                 if attempt >= self.max_attempts:
                     raise KafkaUnavailable(f"{self.channel.table}: slice {slice_range}: the commit failed {attempt} "
                                            f"times without an answer (last: {exc}); nothing of it committed") from exc
@@ -1878,7 +1905,8 @@ class SlicePublisher:
     def _transaction(self, slice_range: SliceRange, batches: Iterable[MessageBatch | Sequence[OutgoingMessage]],
                      columns: list[list[str]], schema_fingerprint: str,
                      expected_rows: int | None = None, where: str | None = None,
-                     skipped: list[int] | None = None, watermark: tuple[str, str] | None = None) -> ProgressRecord:
+                     skipped: Sequence[RowSkip] | None = None, skipped_rows: int | None = None,
+                     watermark: tuple[str, str] | None = None) -> ProgressRecord:
         ch = self.channel
         offsets: dict[int, list[int]] = {}
         errors: list[tuple[KafkaError, int | None]] = []
@@ -1968,11 +1996,12 @@ class SlicePublisher:
                     largest = (biggest, batch.watermarks[at].as_py(), batch.values[at].as_py())
                 if biggest > self.max_message_bytes:
                     column, hint = _column_hint(largest[2])
+                    named = watermark_text(int(largest[1] or 0), slice_range.timestamps)
                     raise BadRowError(
-                        f"{ch.table}: row with watermark {largest[1]} is {biggest} bytes as a message{hint}, over "
-                        f"the producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on "
-                        "the producer and the topic (max.message.bytes), or skip the row (see README, runbook)",
-                        table=ch.table, watermark=largest[1], column=column)
+                        f"{ch.table}: row with watermark {named} is {biggest} bytes as a message{hint}, over the "
+                        f"producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on the "
+                        f"producer and the topic (max.message.bytes), or {skip_advice(named)} (see README, runbook)",
+                        table=ch.table, watermark=largest[1], column=column, entry=named, value=largest[2])
                 if every_row_reports or n <= 2:
                     send(batch.rows(0, n), delivered)
                 else:  # the first and the last row report their offsets, in order around the rest
@@ -2027,11 +2056,12 @@ class SlicePublisher:
             if err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE):
                 size, wm, value = largest
                 column, hint = _column_hint(value)
+                named = watermark_text(int(wm or 0), slice_range.timestamps)
                 raise BadRowError(
                     f"{ch.table}: the broker rejected a message as too large ({err.str()}); the largest row of slice "
-                    f"{slice_range} has watermark {wm} ({size} bytes{hint}). Raise the topic's max.message.bytes "
-                    "(and the producer's message.max.bytes) or skip the row (see README, runbook)",
-                    table=ch.table, watermark=wm, column=column)
+                    f"{slice_range} has watermark {named} ({size} bytes{hint}). Raise the topic's max.message.bytes "
+                    f"(and the producer's message.max.bytes) or {skip_advice(named)} (see README, runbook)",
+                    table=ch.table, watermark=wm, column=column, entry=named, value=value)
             if _is_fenced(err) or err.fatal():
                 raise PublisherFenced(f"{ch.table}: {_fatal_message(err)}")
             raise _AbortAndRedo(_fatal_message(err))
@@ -2053,7 +2083,8 @@ class SlicePublisher:
             offsets={str(p): span for p, span in sorted(offsets.items())},
             transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
             transaction_s=round(time.monotonic() - self._txn_began, 3) if self._txn_began is not None else 0.0,
-            columns=columns, schema_fingerprint=schema_fingerprint, where=where, skipped=skipped,
+            columns=columns, schema_fingerprint=schema_fingerprint, where=where,
+            skipped=None if skipped is None else [s.to_record() for s in skipped], skipped_rows=skipped_rows,
             **watermark_fields(watermark),
         )
         self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None,
@@ -2094,10 +2125,13 @@ class SlicePublisher:
                 err = exc.args[0]
                 if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
                     column, hint = _column_hint(value)
+                    # The watermark as a number (a time's microseconds, which skip_watermarks reads as that time):
+                    # the run names the row as its table writes it (`BadRowError.naming`).
                     raise BadRowError(
                         f"{self.channel.table}: row with watermark {watermark} is too large for Kafka "
-                        f"({len(value)} bytes{hint}); raise message.max.bytes or skip the row (see README, runbook)",
-                        table=self.channel.table, watermark=watermark, column=column) from exc
+                        f"({len(value)} bytes{hint}); raise message.max.bytes or {skip_advice(str(watermark))} (see "
+                        "README, runbook)", table=self.channel.table, watermark=watermark, column=column,
+                        entry=str(watermark), value=value) from exc
                 if refused is not None and err.code() == KafkaError._STATE:
                     refused.append(err)
                     return

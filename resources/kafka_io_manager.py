@@ -83,11 +83,24 @@ CHANNEL_METADATA = ("rowrelay/table", "rowrelay/topic", "rowrelay/progress_topic
                     "rowrelay/start_after")
 
 
+def named_row(obj: TableSlices, bad: BadRowError) -> BadRowError:
+    """`bad` with skip advice that names its row (`TableSlices.name_row`); as it was where that cannot be asked (the
+    source away: the stop itself must still be said)."""
+    if obj.name_row is None or bad.entry is None:
+        return bad
+    try:
+        return bad.naming(obj.name_row(bad))
+    except Exception:  # noqa: BLE001 - the advice is a courtesy; the stop is the message
+        return bad
+
+
 def progress_metadata(p: ProgressRecord) -> dict[str, Any]:
     """A committed slice's materialization metadata from its progress record: what it published, and where."""
     return {"rows": p.rows, "bytes": p.bytes, "topic": p.topic, "offsets": MetadataValue.json(p.offsets),
             "watermark_lo": p.lo, "watermark_hi": p.hi, "checksum": p.checksum,
-            "transactional_id": p.transactional_id, "committed_at": p.committed_at}
+            "transactional_id": p.transactional_id, "committed_at": p.committed_at,
+            # Rows `skip_watermarks` left out of the slice: skipped, not missing.
+            **({"skipped_rows": p.skipped_rows} if p.skipped_rows else {})}
 
 
 def channel_metadata(channel: TableChannel) -> dict[str, Any]:
@@ -203,6 +216,7 @@ class KafkaIOManager(ConfigurableIOManager):
             except BadRowError as exc:
                 # Retrying cannot help: the slice stays unpublished and later slices wait behind it.
                 self._mark_stopped(context, "bad_row")
+                exc = named_row(obj, exc)
                 raise Failure(description=str(exc), allow_retries=False,
                               metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
                               ) from exc
@@ -315,7 +329,8 @@ class KafkaIOManager(ConfigurableIOManager):
                  batches: Callable[[], Iterator[MessageBatch]]) -> PublishResult:
         return publisher.publish(frame.slice, batches, columns=frame.columns,
                                  schema_fingerprint=frame.schema_fingerprint, expected_rows=frame.rows_to_send,
-                                 where=obj.where, skipped=frame.skipped, watermark=obj.watermark)
+                                 where=obj.where, skipped=frame.skipped, skipped_rows=frame.skipped_rows,
+                                 watermark=obj.watermark)
 
     @staticmethod
     def _mark_stopped(context: OutputContext, reason: str) -> None:

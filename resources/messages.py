@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from math import ceil
 from typing import TYPE_CHECKING
 
-from resources.exactly_once import BadRowError, MessageBatch, TableChannel
-from resources.slices import SliceRange, watermark_text
+from resources.exactly_once import BadRowError, MessageBatch, TableChannel, skip_advice
+from resources.slices import RowSkip, SliceRange, watermark_text
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -113,7 +113,27 @@ def json_object_expr(fields: list[StructField], json_columns: set[str], texts: d
 
 # How a row whose text is not valid UTF-8 stops the read (raise_error in Spark), for SliceFrame.fetch to name it.
 BAD_UTF8 = "rowrelay-bad-utf8"
-_BAD_UTF8_AT = re.compile(BAD_UTF8 + r"\[(-?\d+)\] column (\"(?:[^\"\\]|\\.)*\")(?: charset ([a-z0-9_]+))?")
+# A stopped row's mark: its watermark and, where the table has one, its tie_break as {"t": text} (JSON) to tell
+# it from the rows sharing its watermark.
+_ROW_MARK = r"(-?\d+)(?: tie (\{(?:[^\"}]|\"(?:[^\"\\]|\\.)*\")*\}))?"
+_BAD_UTF8_AT = re.compile(BAD_UTF8 + r"\[" + _ROW_MARK + r"\] column (\"(?:[^\"\\]|\\.)*\")(?: charset ([a-z0-9_]+))?")
+
+
+def row_mark(shape: TableShape) -> Column:
+    """The text a read stopped at a row names it by (`_ROW_MARK`), computed per row in Spark."""
+    from pyspark.sql import functions as F
+
+    wm = F.col(f"`{shape.frame_watermark}`").cast("long").cast("string")
+    if shape.tie_break is None:
+        return wm
+    tie = F.to_json(F.struct(F.col(f"`{shape.tie_break}`").cast("string").alias("t")))
+    return F.concat(wm, F.lit(" tie "), tie)
+
+
+def _marked_row(found: re.Match[str]) -> tuple[int, str | None]:
+    """The watermark and the tie_break text (None: none, or NULL) of a row a read stopped at."""
+    tie = json.loads(found.group(2)).get("t") if found.group(2) else None
+    return int(found.group(1)), tie
 
 
 def utf8_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShape
@@ -124,7 +144,7 @@ def utf8_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShap
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField
 
-    wm = F.col(f"`{shape.frame_watermark}`").cast("long").cast("string")
+    wm = row_mark(shape)
     checked = {}
     shadows = shape.utf8_shadows
     for c in shape.columns:
@@ -147,7 +167,7 @@ def bad_utf8_error(table: str, message: str, timestamps: bool) -> BadRowError | 
     found = _BAD_UTF8_AT.search(message)
     if found is None:
         return None
-    at, column, charset = int(found.group(1)), json.loads(found.group(2)), found.group(3)
+    (at, tie), column, charset = _marked_row(found), json.loads(found.group(3)), found.group(4)
     row = watermark_text(at, timestamps)
     if charset:
         what = (f"bytes that are not {charset} text in column {column!r} (a connection with the binary charset "
@@ -157,13 +177,13 @@ def bad_utf8_error(table: str, message: str, timestamps: bool) -> BadRowError | 
                 "the bytes ED A0 80 in a utf8 column); the JDBC driver would replace it with U+FFFD")
     return BadRowError(
         f"{table}: row {row} holds {what}, so it would not arrive as stored; nothing of the slice is sent. Fix the "
-        f"value, or leave the row out with skip_watermarks: [{row}]; then re-run the slice.", table=table,
-        watermark=at, column=column)
+        f"value, or {skip_advice(row)}; then re-run the slice.", table=table, watermark=at, column=column, entry=row,
+        tie=tie)
 
 
 # How a row whose JSON column holds text that is not JSON stops the read (raise_error in Spark), for SliceFrame.fetch.
 BAD_JSON = "rowrelay-bad-json"
-_BAD_JSON_AT = re.compile(BAD_JSON + r"\[(-?\d+)\] column (\"(?:[^\"\\]|\\.)*\")")
+_BAD_JSON_AT = re.compile(BAD_JSON + r"\[" + _ROW_MARK + r"\] column (\"(?:[^\"\\]|\\.)*\")")
 
 # A JSON text is reduced to its bare structure, then parsed. The reductions, left to right: each valid escape to a
 # plain character, each string (no control character, no other backslash) to "", each number (RFC 8259's grammar,
@@ -217,7 +237,7 @@ def json_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShap
     names = [c for c in shape.column_names if c in fields and is_json_field(fields[c], json_cols)]
     if not names:
         return df
-    wm = F.col(f"`{shape.frame_watermark}`").cast("long").cast("string")
+    wm = row_mark(shape)
     checked = {}
     for name in names:
         col = F.col(f"`{name}`")
@@ -231,13 +251,13 @@ def bad_json_error(table: str, message: str, timestamps: bool) -> BadRowError | 
     found = _BAD_JSON_AT.search(message)
     if found is None:
         return None
-    at, column = int(found.group(1)), json.loads(found.group(2))
+    (at, tie), column = _marked_row(found), json.loads(found.group(3))
     row = watermark_text(at, timestamps)
     return BadRowError(
         f"{table}: row {row} holds text that is not JSON in column {column!r} (MariaDB's json_valid() accepts some, "
         "such as 1. or -, and any text with check_constraint_checks=0; or JSON nested deeper than 999 levels), so "
-        f"its message would not be JSON; nothing of the slice is sent. Fix the value, or leave the row out with "
-        f"skip_watermarks: [{row}]; then re-run the slice.", table=table, watermark=at, column=column)
+        f"its message would not be JSON; nothing of the slice is sent. Fix the value, or {skip_advice(row)}; then "
+        "re-run the slice.", table=table, watermark=at, column=column, entry=row, tie=tie)
 
 
 def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: bool, table: str,
@@ -311,11 +331,13 @@ class SliceFrame:
     read_chunk: ChunkReader | None  # None: already committed
     expected_rows: int
     first_watermark: int | None = None  # the slice's lowest watermark, if known
-    # The rows the slice must publish (in (lo, hi], admitted by `where:`, minus skip_watermarks), checked before
+    # The rows the slice must publish (in (lo, hi], admitted by `where:`, minus the skipped rows), checked before
     # its commit; None: not known, not checked.
     rows_to_send: int | None = None
-    # The skip_watermarks inside the slice (left out of its read), recorded with its progress.
-    skipped: list[int] = field(default_factory=list)
+    # The skip_watermarks entries inside the slice (their rows left out of its read) and how many rows they left
+    # out, recorded with its progress.
+    skipped: list[RowSkip] = field(default_factory=list)
+    skipped_rows: int = 0
     # What the read depends on (source, table settings, reflected shape, Spark settings, slice, rows): chunks
     # fetched under the same signature are the same rows in the same messages (see EarlyRead). "": not shareable.
     signature: str = ""
@@ -582,3 +604,6 @@ class TableSlices:
     # With Kafka's progress empty: the highest slice Dagster recorded as committed (`last_recorded_slice`), which
     # the publisher refuses to send again (a progress topic deleted after the data topic's messages expired).
     recorded: SliceRange | None = None
+    # The skip advice for a row that stopped the run (`BadRowError.naming`): by the row itself where others share
+    # its watermark. None: the message's own advice.
+    name_row: Callable[[BadRowError], str] | None = None

@@ -219,3 +219,48 @@ def reconcile(slices: list[SliceRange], committed_hi: int) -> SliceLedger:
             position = s.hi
     on_chain = set(chain)
     return SliceLedger(committed_hi, chain, [s for s in open_slices if s not in on_chain])
+
+
+@dataclass(frozen=True)
+class RowSkip:
+    """One `skip_watermarks` entry: the rows at `watermark` whose `match` columns hold those values (compared as
+    the source renders them as text). A bare value has no `match`: it stands for every row at its watermark, so it
+    is refused where it matches more than one (one row is what a skip leaves out)."""
+
+    watermark: int
+    match: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def bare(self) -> bool:
+        return not self.match
+
+    def to_record(self) -> int | dict[str, object]:
+        """As a progress record keeps it: a bare value as the integer (as records have always kept it), a row as
+        its watermark and columns."""
+        return self.watermark if self.bare else {"watermark": self.watermark, "match": dict(self.match)}
+
+    @classmethod
+    def from_record(cls, value: int | dict[str, object]) -> RowSkip:
+        if isinstance(value, dict):
+            match = value.get("match") or {}
+            assert isinstance(match, dict)
+            return cls(int(value["watermark"]), tuple(sorted((str(c), str(v)) for c, v in match.items())))  # type: ignore[call-overload]
+        return cls(int(value))
+
+    def entry(self, timestamps: bool, tie_break: str | None) -> str:
+        """The entry as a user writes it in rowrelay.yaml (YAML flow style): the bare value, or a mapping naming
+        the row by its tie_break or its key columns."""
+        at = watermark_text(self.watermark, timestamps)
+        if self.bare:
+            return at
+        if tie_break is not None and [c for c, _ in self.match] == [tie_break]:
+            return f"{{watermark: {at}, tie_break: {_yaml_scalar(self.match[0][1])}}}"
+        key = ", ".join(f"{c}: {_yaml_scalar(v)}" for c, v in self.match)
+        return f"{{watermark: {at}, key: {{{key}}}}}"
+
+
+def _yaml_scalar(text: str) -> str:
+    """A column's value as YAML reads back the same text: an integer bare, anything else quoted."""
+    if re.fullmatch(r"-?[1-9][0-9]*|0", text):
+        return text
+    return "'" + text.replace("'", "''") + "'"

@@ -24,7 +24,14 @@ from sqlalchemy.exc import NoSuchTableError
 
 from resources.config import ConfigError, SourceConfig, env_names, resolve_url_env
 from resources.jdbc import UrlParameterError, jdbc_options
-from resources.slices import WatermarkCandidate, datetime_to_micros, micros_sql_text, micros_to_datetime, watermark_text
+from resources.slices import (
+    RowSkip,
+    WatermarkCandidate,
+    datetime_to_micros,
+    micros_sql_text,
+    micros_to_datetime,
+    watermark_text,
+)
 
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
 SUPPORTED_TYPES: tuple[type, ...] = (
@@ -546,6 +553,25 @@ def schema_change(before: list[list[str]], after: list[list[str]]) -> SchemaChan
                         reordered=kept_after if kept_after != kept_before else [])
 
 
+def skipped_rows_predicate(shape: TableShape, skip: Sequence[RowSkip]) -> sa.ColumnElement[bool]:
+    """The rows `skip` names: those at a bare entry's watermark, and each row whose watermark and named columns
+    hold an entry's values (a column compared as the source renders it as text; a NULL matches no value). The
+    watermarks as the source's own literals, so that the same predicate runs as a query and inside Spark's read."""
+    wm = sa.column(shape.watermark)
+
+    def at(w: int) -> sa.ColumnElement[Any]:
+        return sa.literal_column(shape.watermark_sql_literal(w))
+
+    bare = sorted({s.watermark for s in skip if s.bare})
+    parts: list[sa.ColumnElement[bool]] = [wm.in_([at(w) for w in bare])] if bare else []
+    for s in skip:
+        if not s.bare:
+            parts.append(sa.and_(wm == at(s.watermark), *(
+                sa.and_(sa.column(c).is_not(None), sa.cast(sa.column(c), sa.String) == sa.literal(v, sa.String))
+                for c, v in s.match)))
+    return sa.or_(*parts)
+
+
 class SourceDatabaseResource(ConfigurableResource):
     """One source database. `url` may hold ${VAR} placeholders (resolved only to connect)."""
 
@@ -567,7 +593,14 @@ class SourceDatabaseResource(ConfigurableResource):
             # The code server evaluates up to eight sensors at once (the daemon's sensor threads), on one source
             # resource per URL: a smaller pool opened and closed connections above it on every burst of ticks.
             self._engine = sa.create_engine(self.sqlalchemy_url, pool_pre_ping=True, pool_size=8, max_overflow=2)
+            sa.event.listen(self._engine, "handle_error", self._mark_error)
         return self._engine
+
+    def _mark_error(self, context: sa.engine.ExceptionContext) -> None:
+        """Mark the error with the URL as configured (`source_url`): a refused login named neither the source nor
+        the variable its password comes from. The error itself is unchanged: callers tell transient ones apart."""
+        if context.sqlalchemy_exception is not None:
+            context.sqlalchemy_exception.source_url = self.url  # type: ignore[attr-defined]
 
     @property
     def sqlalchemy_url(self) -> sa.URL:
@@ -646,6 +679,36 @@ class SourceDatabaseResource(ConfigurableResource):
             return str(reflected)
         return repr(name) if name else ""
 
+    def _unreadable(self, t: sa.Table, name: str) -> str | None:
+        """Why column `name` cannot be sent (its type), None if it can."""
+        col_type = base_type(t.c[name].type)
+        if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
+            declared = self.declared_type(t, name)
+            kind = f"type {declared}" if declared else "no declared type"
+            return f"column {name!r} has {kind}, which rowrelay cannot serialize exactly"
+        if ((self.dialect == "mysql" and isinstance(col_type, sa.Uuid))
+                or (self.dialect == "sqlite" and isinstance(col_type, sa.JSON))):
+            # MariaDB's UUID is a type Spark's JDBC reader does not know (the read failed); SQLite has no JSON
+            # type and does not check the text, so it could not be spliced into the message as JSON.
+            return f"column {name!r} has type {col_type}, which rowrelay cannot read from {self.dialect}"
+        return None
+
+    def _refuse_unreadable(self, t: sa.Table, label: str, wanted: list[str]) -> None:
+        """SourceError naming every column whose type cannot be sent, at once: one at a time, a user left out one
+        column per try. The remedy names the `columns:` that leaves them all out."""
+        unreadable = {name: why for name in wanted if (why := self._unreadable(t, name)) is not None}
+        if not unreadable:
+            return
+        text = (" (on MariaDB select it as CAST(... AS CHAR) in a view; on SQLite declare it TEXT: sent as a string)"
+                if self.dialect in ("mysql", "sqlite") else "")
+        if len(unreadable) == 1:
+            ((name, why),) = unreadable.items()
+            remedy = "select it as text in a view" + text if "cannot read" in why else "cast it in a view"
+            raise SourceError(f"{label}: {why}; leave it out with `columns:` or {remedy}")
+        keep = ", ".join(c for c in wanted if c not in unreadable)
+        raise SourceError(f"{label}: {len(unreadable)} columns cannot be sent: {'; '.join(unreadable.values())}; "
+                          f"leave them out with `columns: [{keep}]` or cast or select them as text in a view{text}")
+
     def table_shape(self, schema: str | None, table: str, watermark: str, columns: list[str] | None = None,
                     where: str | None = None, tie_break: str | None = None, key: list[str] | None = None
                     ) -> TableShape:
@@ -674,20 +737,9 @@ class SourceDatabaseResource(ConfigurableResource):
                               "`key:` in rowrelay.yaml")
         infos = []
         charsets, shadowed = self._text_charsets(schema, table) if self.dialect == "mysql" else ({}, set())
+        self._refuse_unreadable(t, label, wanted)
         for name in wanted:
             col_type = base_type(t.c[name].type)
-            if not isinstance(col_type, SUPPORTED_TYPES) or isinstance(col_type, sa.ARRAY | sa.Interval):
-                declared = self.declared_type(t, name)
-                kind = f"type {declared}" if declared else "no declared type"
-                raise SourceError(f"{label}: column {name!r} has {kind}, which rowrelay cannot serialize exactly; "
-                                  "leave it out with `columns:` or cast it in a view")
-            if ((self.dialect == "mysql" and isinstance(col_type, sa.Uuid))
-                    or (self.dialect == "sqlite" and isinstance(col_type, sa.JSON))):
-                # MariaDB's UUID is a type Spark's JDBC reader does not know (the read failed); SQLite has no JSON
-                # type and does not check the text, so it could not be spliced into the message as JSON.
-                raise SourceError(f"{label}: column {name!r} has type {col_type}, which rowrelay cannot read from "
-                                  f"{self.dialect}; leave it out with `columns:` or select it as text in a view "
-                                  "(CAST(... AS CHAR) on MariaDB; on SQLite declare it TEXT: sent as a string)")
             if "`" in name:
                 raise SourceError(f"{label}: column {name!r} has a backtick in its name, which Spark's column "
                                   "references cannot carry; leave it out with `columns:` or rename it in a view")
@@ -802,16 +854,21 @@ class SourceDatabaseResource(ConfigurableResource):
 
     @staticmethod
     def filtered(q: sa.Select, shape: TableShape, watermark: sa.ColumnElement | None = None,
-                 skip: list[int] | None = None) -> sa.Select:
+                 skip: Sequence[RowSkip] | None = None) -> sa.Select:
         """Counts, cuts, reads and the lag's oldest row see the same rows: the table's `where:` (its own SQL), as
-        one predicate, and, given the `watermark` column, none whose watermark is in `skip`."""
+        one predicate, and, given the `watermark` column, none of the rows `skip` names."""
         if shape.where:
             # A literal, not sa.text: a `:word` inside the predicate's strings (`note <> ':draft'`, JSON) is SQL, not a
             # bind parameter (sa.text failed such a predicate with "a value is required for bind parameter").
             q = q.where(sa.literal_column(f"({shape.where})"))
         if skip and watermark is not None:
-            q = q.where(watermark.not_in([shape.watermark_param(w) for w in skip]))
+            q = q.where(sa.not_(skipped_rows_predicate(shape, skip)))
         return q
+
+    def skip_sql(self, shape: TableShape, skip: Sequence[RowSkip]) -> str:
+        """`filtered`'s skip as this source's SQL text (literals inline), for the slice read Spark sends."""
+        return str(sa.not_(skipped_rows_predicate(shape, skip)).compile(
+            dialect=self.engine.dialect, compile_kwargs={"literal_binds": True}))
 
     def check_where(self, shape: TableShape, label: str) -> None:
         """The filter must run on this source: a predicate that does not parse (or names a missing column) is a
@@ -858,9 +915,9 @@ class SourceDatabaseResource(ConfigurableResource):
 
         return self._asked(shape, ("nth", after, n, upto), ask, settled)
 
-    def count_rows(self, shape: TableShape, after: int, upto: int, skip: list[int] | None = None, *,
+    def count_rows(self, shape: TableShape, after: int, upto: int, skip: Sequence[RowSkip] | None = None, *,
                    settled: bool = False) -> int:
-        """Rows in (after, upto] that the table's `where:` admits, minus those whose watermark is in `skip`.
+        """Rows in (after, upto] that the table's `where:` admits, minus the rows `skip` names.
         `settled`: see `SETTLED_ANSWERS` (a check that recounts the source now leaves it off)."""
         def ask() -> int:
             t = self._table(shape)
@@ -873,7 +930,21 @@ class SourceDatabaseResource(ConfigurableResource):
 
         return self._asked(shape, ("count", after, upto, tuple(skip or ())), ask, settled)
 
-    def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None
+    def count_skipped(self, shape: TableShape, after: int | None, upto: int, skip: Sequence[RowSkip]) -> int:
+        """Rows in (after, upto] (None: from the first) that the table's `where:` admits and `skip` names: the rows
+        a skip leaves out, for `rowrelay verify` and `status` to report as skipped."""
+        if not skip:
+            return 0
+        t = self._table(shape)
+        wm = t.c[shape.watermark]
+        q = self.filtered(sa.select(sa.func.count()).select_from(t).where(wm <= shape.watermark_param(upto)), shape
+                          ).where(skipped_rows_predicate(shape, skip))
+        if after is not None:
+            q = q.where(wm > shape.watermark_param(after))
+        with self.engine.connect() as conn:
+            return int(conn.execute(q).scalar())
+
+    def iter_watermarks(self, shape: TableShape, after: int | None, upto: int, skip: Sequence[RowSkip] | None = None
                         ) -> Iterator[int]:
         """Every row's watermark in (after, upto] that the table's `where:` admits, minus `skip`, streamed (for
         `rowrelay verify`: the one full pass over the rows, never on the relay path)."""
@@ -882,8 +953,9 @@ class SourceDatabaseResource(ConfigurableResource):
             for (value,) in conn.execute(self._watermark_rows(shape, t, [t.c[shape.watermark]], after, upto, skip)):
                 yield shape.watermark_value(value)
 
-    def iter_watermark_ties(self, shape: TableShape, after: int | None, upto: int, skip: list[int] | None = None,
-                            only: Sequence[int] | None = None) -> Iterator[tuple[int, Any]]:
+    def iter_watermark_ties(self, shape: TableShape, after: int | None, upto: int,
+                            skip: Sequence[RowSkip] | None = None, only: Sequence[int] | None = None
+                            ) -> Iterator[tuple[int, Any]]:
         """As `iter_watermarks`, each with its row's tie_break value, for the watermarks in `only` if given."""
         assert shape.tie_break is not None
         t = self._table(shape, shape.tie_break)
@@ -895,7 +967,7 @@ class SourceDatabaseResource(ConfigurableResource):
                 yield shape.watermark_value(value), tie
 
     def _watermark_rows(self, shape: TableShape, t: sa.TableClause, columns: list[Any], after: int | None,
-                        upto: int, skip: list[int] | None) -> sa.Select:
+                        upto: int, skip: Sequence[RowSkip] | None) -> sa.Select:
         wm = t.c[shape.watermark]
         q = self.filtered(sa.select(*columns).select_from(t).where(wm <= shape.watermark_param(upto)), shape, wm, skip)
         return q if after is None else q.where(wm > shape.watermark_param(after))
@@ -908,9 +980,9 @@ class SourceDatabaseResource(ConfigurableResource):
             return conn.execute(sa.select(sa.literal(1)).select_from(t)
                                 .where(t.c[shape.watermark].is_(None)).limit(1)).first() is not None
 
-    def sqlite_misfit(self, shape: TableShape, after: int, upto: int, skip: list[int] | None = None
+    def sqlite_misfit(self, shape: TableShape, after: int, upto: int, skip: Sequence[RowSkip] | None = None
                       ) -> tuple[int, str, str, str] | None:
-        """SQLite only: the first row in (after, upto] that the table's `where:` admits, its watermark not in `skip`,
+        """SQLite only: the first row in (after, upto] that the table's `where:` admits, not named by `skip`,
         holding a value its column's declared type cannot carry exactly, as (watermark, column, storage class, the
         value as an SQL literal); None if every value fits.
 
@@ -935,7 +1007,7 @@ class SourceDatabaseResource(ConfigurableResource):
         if shape.where:
             conditions.append(f"({shape.where})")
         if skip:
-            conditions.append(f"{wm} NOT IN ({', '.join(str(int(w)) for w in skip)})")
+            conditions.append(self.skip_sql(shape, skip))
         columns = ", ".join(f"{q(name)}, CASE WHEN typeof({q(name)}) = 'real' THEN "
                             f"{SQLITE_REAL_TEXT.format(c=q(name))} END AS {q(texts[name])}" for name, _ in rules)
         inner = f"SELECT {wm} AS __rowrelay_wm, {columns} FROM {table} WHERE {' AND '.join(conditions)}"

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import threading
+import time
 import weakref
+from collections.abc import Sequence
 from math import ceil
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +16,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from resources.config import ConfigError, resolve_env
-from resources.slices import SliceRange, micros_sql_text
+from resources.slices import RowSkip, SliceRange, micros_sql_text
 from resources.source_database import MAX_MICROS, MAX_WATERMARK, read_as_text, sqlite_affinity
 
 if TYPE_CHECKING:
@@ -26,6 +29,54 @@ _lock = threading.Lock()
 _lazy_sessions: dict[str, Any] = {}
 # The Spark Connect sessions this process made, to release at its end (release_sessions).
 _connect_sessions: dict[str, Any] = {}
+# Spark Connect URLs this process found answering (check_connect_server): checked once, not per session use.
+_answering: set[str] = set()
+CONNECT_CHECK_S = 5.0
+
+
+class SparkUnreachable(RuntimeError):
+    """The Spark Connect server does not answer; the message names the URL and the setting to check."""
+
+
+def unreachable_text(url: str, setting: str, why: str) -> str:
+    named = f"spark.remote in rowrelay.yaml ({setting})" if setting != url else "spark.remote in rowrelay.yaml"
+    return (f"the Spark Connect server {url} {why}: check {named}: its host and port, and that the server is "
+            "running there (the local stack's URL is ROWRELAY_SPARK_REMOTE in stack.env)")
+
+
+def check_connect_server(url: str, setting: str | None = None, timeout_s: float = CONNECT_CHECK_S) -> None:
+    """Raise SparkUnreachable unless a Spark Connect server answers at `url` within `timeout_s`.
+
+    PySpark's client retries a server that refuses or never answers for about ten minutes before its first error,
+    and its exit hook retries again: a wrong port must fail in seconds, before anything is cut. A TCP connect tells
+    a refused or unroutable address; a gRPC channel becoming ready tells a port that takes connections but does not
+    speak HTTP/2 (another service, a firewall that swallows them). `setting`: the URL as written in the config."""
+    import grpc
+    from pyspark.sql.connect.client import DefaultChannelBuilder
+
+    setting = setting or url
+    if url in _answering:
+        return
+    try:
+        builder = DefaultChannelBuilder(url)
+    except Exception as exc:  # noqa: BLE001 - PySpark's URL errors share no narrower base
+        raise SparkUnreachable(f"spark.remote {setting}: {str(exc).splitlines()[0]}") from None
+    started = time.monotonic()
+    try:
+        host, port = builder.endpoint.rsplit(":", 1)
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = "did not answer" if isinstance(exc, TimeoutError) else f"cannot be reached ({exc.strerror or exc})"
+        raise SparkUnreachable(unreachable_text(url, setting, why)) from None
+    channel = builder.toChannel()
+    try:
+        grpc.channel_ready_future(channel).result(timeout=max(0.5, timeout_s - (time.monotonic() - started)))
+    except grpc.FutureTimeoutError:
+        why = f"takes connections but gave no Spark Connect (gRPC) answer within {timeout_s:g} s"
+        raise SparkUnreachable(unreachable_text(url, setting, why)) from None
+    finally:
+        channel.close()
+    _answering.add(url)
 
 
 def release_sessions(timeout_s: float = 5.0) -> None:
@@ -171,6 +222,11 @@ class SparkResource(ConfigurableResource):
             **{key: resolve_env(value) for key, value in self.conf.items()},
         }
 
+    def check_server(self) -> None:
+        """With Spark Connect: SparkUnreachable within seconds unless its server answers (check_connect_server)."""
+        if self.remote:
+            check_connect_server(resolve_env(self.remote), self.remote)
+
     def get_session(self) -> SparkSession:
         """The session, created once per process by dagster-pyspark's LazyPySparkResource (on first use)."""
         from dagster_pyspark import LazyPySparkResource
@@ -187,6 +243,7 @@ class SparkResource(ConfigurableResource):
                     spark_config=self.session_config())
             if not self.remote:
                 return _with_sql_conf(lazy.spark_session)
+            self.check_server()
             session = lazy.spark_session
             if not _connect_sessions:
                 atexit.register(release_sessions)  # at a normal exit (a forked warm worker's end calls it itself)
@@ -194,8 +251,9 @@ class SparkResource(ConfigurableResource):
             return _with_sql_conf(session, {key: resolve_env(value) for key, value in self.conf.items()})
 
     def read_slice(self, source: SourceDatabaseResource, shape: TableShape, slice_range: SliceRange,
-                   expected_rows: int) -> DataFrame:
-        """The slice's rows (lo < watermark <= hi), ordered by watermark within each ordered partition."""
+                   expected_rows: int, skip: Sequence[RowSkip] = ()) -> DataFrame:
+        """The slice's rows (lo < watermark <= hi) but those `skip` names, ordered by watermark within each ordered
+        partition."""
         from pyspark.sql import functions as F
 
         preparer = source.engine.dialect.identifier_preparer
@@ -203,6 +261,8 @@ class SparkResource(ConfigurableResource):
         if shape.schema:
             qualified = f"{preparer.quote_schema(shape.schema)}.{qualified}"
         predicates = [f"({shape.where})"] if shape.where else []  # the same predicate counts and cuts use
+        if skip:  # the rows counts leave out, by the same predicate (in the source, where its columns are)
+            predicates.append(source.skip_sql(shape, skip))
         tie_order = shape.tie_order
         if shape.timestamps or tie_order:
             # The slice's bounds inside the subquery, as the source's own literals: a timestamp's (indexed, exact to

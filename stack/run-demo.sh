@@ -11,7 +11,10 @@ if [[ -z "${ROWRELAY_PG_PASSWORD:-}" ]]; then
   set -a; source "$env_file"; set +a
 fi
 
-export ROWRELAY_CONFIG="$ROOT/stack/demo.yaml"
+# ROWRELAY_DEMO_CONFIG, ROWRELAY_UI_PORT and ROWRELAY_DEMO_RATE=0 (no writer) let a test run this script on a
+# config, port and Dagster database of its own (DAGSTER_PG_DB, ROWRELAY_DAGSTER_DIR) next to a running demo.
+export ROWRELAY_CONFIG="${ROWRELAY_DEMO_CONFIG:-$ROOT/stack/demo.yaml}"
+port="${ROWRELAY_UI_PORT:-3000}"
 # dagster.yaml lives in the checkout; the dirs it points Dagster's own files at live under ROWRELAY_HOME.
 export DAGSTER_HOME="$ROOT"
 export ROWRELAY_DAGSTER_DIR="${ROWRELAY_DAGSTER_DIR:-${ROWRELAY_HOME:-$HOME/.cache/rowrelay}/dagster}"
@@ -25,11 +28,16 @@ fi
 # Pools must exist before the daemon's first dequeue, else it may start two runs of one table at once.
 "$ROOT/.venv/bin/python" -m stack.demo pools
 
-# --exit-with-parent: after the exec below this shell *is* dagster, so the writer stops when dagster does.
-"$ROOT/.venv/bin/python" -m stack.demo write --rate "${ROWRELAY_DEMO_RATE:-3}" --exit-with-parent &
-writer=$!
-# Covers a failure before the exec (the trap does not survive exec).
-trap 'kill "$writer" 2>/dev/null || true' EXIT
+if [[ "${ROWRELAY_DEMO_RATE:-3}" != 0 ]]; then
+  # --exit-with-parent: after the exec below this shell *is* the supervisor, so the writer stops when it does.
+  "$ROOT/.venv/bin/python" -m stack.demo write --rate "${ROWRELAY_DEMO_RATE:-3}" --exit-with-parent &
+  writer=$!
+  # Covers a failure before the exec (the trap does not survive exec).
+  trap 'kill "$writer" 2>/dev/null || true' EXIT
+fi
 
-echo "rowrelay demo: Dagster UI at http://127.0.0.1:3000 (config $ROWRELAY_CONFIG, Dagster files in $ROWRELAY_DAGSTER_DIR)"
-exec "$ROOT/.venv/bin/dagster" dev -w "$ROOT/workspace.yaml" -h 127.0.0.1 -p 3000
+echo "rowrelay demo: Dagster UI at http://127.0.0.1:$port (config $ROWRELAY_CONFIG, Dagster files in $ROWRELAY_DAGSTER_DIR)"
+# The supervisor runs `dagster dev` in a process group of its own and stops that whole group on one Ctrl-C
+# (stack/supervise.py): `dagster dev` alone left its webserver, daemon and code servers running.
+exec "$ROOT/.venv/bin/python" -m stack.supervise -- \
+  "$ROOT/.venv/bin/dagster" dev -w "$ROOT/workspace.yaml" -h 127.0.0.1 -p "$port"

@@ -19,8 +19,11 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import settings
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
+
+pytest_plugins = ["tests.ci_skips"]  # under CI=true, a skipped integration or fault test fails
 
 
 @dataclass(frozen=True)
@@ -251,3 +254,10 @@ def dagster_instance(dagster_home: Path):
     yield instance
     instance.dispose()
 
+
+
+# Property tests (tests/test_properties_*.py): a bounded number of examples keeps each to seconds; no deadline, as
+# the two shared cores make one example's time vary. HYPOTHESIS_PROFILE=deep searches longer (minutes).
+settings.register_profile("rowrelay", max_examples=150, deadline=None)
+settings.register_profile("deep", max_examples=5000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "rowrelay"))

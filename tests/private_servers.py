@@ -210,3 +210,13 @@ def mariadb_servers() -> Iterator[Callable[..., MariadbServer]]:
         finally:
             for server in made:
                 server.crash()
+
+
+@contextmanager
+def private_mariadb_database(*args: str) -> Iterator[tuple[MariadbServer, URL]]:
+    """A MariaDB server of the test's own (these mariadbd arguments) and a database on it that `rowrelay` owns: for
+    a test that changes server-wide settings (SET GLOBAL), which every other test on a shared server would see."""
+    with mariadb_servers() as make:
+        server = make(*args)
+        server.root("CREATE DATABASE relay")
+        yield server, server.url("relay", USER, "pw")

@@ -462,7 +462,7 @@ def test_a_backfill_says_when_its_rows_are_not_final_and_counts_only_rows_it_sen
         code = main(["--config", str(config_file), "backfill", "--table", table_id, "--settle-timeout", "1"])
         open_below.rollback()
     err = capsys.readouterr().err
-    assert code == 0  # what could be cut safely was (nothing here); the rest waits for the next backfill
+    assert code == 3  # nothing was final, so nothing published: exit 3 (orchestration/exits.py), not "done"
     assert f"rowrelay: warning: {table_id}: rows above 10 (up to 13) are not final after 1 s" in err, err
     assert "raise --settle-timeout" in err, err
 

@@ -16,7 +16,7 @@ from assets.relay import asset_key, channel_for
 from orchestration.cli import main
 from orchestration.sensors import SensorState, cached_table_shape, latest_baseline
 from resources.exactly_once import ProgressRecord, read_committed_progress, read_progress_history
-from resources.slices import SliceRange
+from resources.slices import RowSkip, SliceRange
 from resources.source_database import SETTLED_ANSWERS, SourceDatabaseResource
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 
@@ -593,7 +593,7 @@ def test_settled_rows_are_asked_about_once_and_a_recount_asks_again(services, pg
 
         # Another range, another n, the skip list: other questions, asked.
         assert source.count_rows(shape, 0, 9, settled=True) == 9
-        assert source.count_rows(shape, 0, 10, [3], settled=True) == 9
+        assert source.count_rows(shape, 0, 10, [RowSkip(3)], settled=True) == 9
         assert source.nth_watermark(shape, 0, 5, 10, settled=True) == 5
         assert len(asked) == 5
 

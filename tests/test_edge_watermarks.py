@@ -18,6 +18,7 @@ from orchestration.cli import main
 from resources.slices import WatermarkCandidate
 from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, TableShape
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, source_url
+from tests.private_servers import private_mariadb_database
 from tests.test_errors import failure_text
 
 pytestmark = pytest.mark.integration
@@ -376,48 +377,44 @@ def test_postgres_backfill_does_not_skip_an_id_drawn_before_its_xid(services, pg
 # --------------------------------------------------------------------------- MariaDB: one clock, open transactions
 
 
-@contextmanager
-def global_time_zone(services, zone: str) -> Iterator[None]:
-    """The server's global time_zone (new connections take it), restored afterwards."""
-    admin = create_engine(services.mariadb_url(), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        previous = conn.execute(text("SELECT @@global.time_zone")).scalar()
-        conn.execute(text("SET GLOBAL time_zone = :z"), {"z": zone})
-        try:
-            yield
-        finally:
-            conn.execute(text("SET GLOBAL time_zone = :z"), {"z": previous})
-    admin.dispose()
-
-
 @pytest.mark.parametrize("zone", ["+05:00", "-05:00"])
-def test_mariadb_open_transaction_holds_the_watermark_in_any_time_zone(services, mariadb_database, mariadb_engine,
-                                                                       name, zone) -> None:
-    with mariadb_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
-        conn.execute(text(f"INSERT INTO {name} (v) VALUES (0)"))
-    source = SourceDatabaseResource(url=source_url(mariadb_database))
-    holder = create_engine(mariadb_database)
+def test_mariadb_open_transaction_holds_the_watermark_in_any_time_zone(name, zone) -> None:
+    """A server whose default zone is not UTC (new connections take it): on a server of the test's own, since a
+    zone set on a shared one reaches every other test's connections."""
+    with private_mariadb_database(f"--default-time-zone={zone}") as (_, database):
+        mariadb_engine = create_engine(database)
+        try:
+            with mariadb_engine.begin() as conn:
+                assert conn.execute(text("SELECT @@session.time_zone")).scalar() == zone
+                conn.execute(text(f"CREATE TABLE {name} (id bigint AUTO_INCREMENT PRIMARY KEY, v int)"))
+                conn.execute(text(f"INSERT INTO {name} (v) VALUES (0)"))
+            _open_transaction_holds_the_watermark(database, mariadb_engine, name, zone)
+        finally:
+            mariadb_engine.dispose()
+
+
+def _open_transaction_holds_the_watermark(database: URL, mariadb_engine: Engine, name: str, zone: str) -> None:
+    source = SourceDatabaseResource(url=source_url(database))
+    holder = create_engine(database)
     a, c = holder.connect(), holder.connect()
     try:
-        with global_time_zone(services, zone):
-            with source.engine.connect() as conn:  # the resource connects after the zone changed
-                assert conn.execute(text("SELECT @@session.time_zone")).scalar() == zone
-            shape = source.table_shape(None, name, "id")
-            a_tx = a.begin()
-            assert a.execute(text(f"INSERT INTO {name} (v) VALUES (-1)")).lastrowid == 2  # open, holds id 2
-            with mariadb_engine.begin() as conn:
-                assert conn.execute(text(f"INSERT INTO {name} (v) VALUES (2)")).lastrowid == 3
-            seen = observe_when_fresh(source, shape)
-            assert seen is not None and seen.watermark == 3
-            time.sleep(0.7)  # past the settle delay
-            assert not source.is_final(seen, 0.5), f"{seen} declared final while id 2 is uncommitted ({zone})"
-            a_tx.commit()
-            # A transaction that began after the max was seen holds only higher ids: it must not hold it back.
-            c_tx = c.begin()
-            c.execute(text(f"INSERT INTO {name} (v) VALUES (4)"))
-            assert eventually(lambda: source.is_final(seen, 0.5)), f"{seen} never became final ({zone})"
-            c_tx.rollback()
+        with source.engine.connect() as conn:
+            assert conn.execute(text("SELECT @@session.time_zone")).scalar() == zone
+        shape = source.table_shape(None, name, "id")
+        a_tx = a.begin()
+        assert a.execute(text(f"INSERT INTO {name} (v) VALUES (-1)")).lastrowid == 2  # open, holds id 2
+        with mariadb_engine.begin() as conn:
+            assert conn.execute(text(f"INSERT INTO {name} (v) VALUES (2)")).lastrowid == 3
+        seen = observe_when_fresh(source, shape)
+        assert seen is not None and seen.watermark == 3
+        time.sleep(0.7)  # past the settle delay
+        assert not source.is_final(seen, 0.5), f"{seen} declared final while id 2 is uncommitted ({zone})"
+        a_tx.commit()
+        # A transaction that began after the max was seen holds only higher ids: it must not hold it back.
+        c_tx = c.begin()
+        c.execute(text(f"INSERT INTO {name} (v) VALUES (4)"))
+        assert eventually(lambda: source.is_final(seen, 0.5)), f"{seen} never became final ({zone})"
+        c_tx.rollback()
     finally:
         a.close()  # an open transaction would block the database's DROP
         c.close()

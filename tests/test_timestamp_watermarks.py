@@ -418,44 +418,44 @@ def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_
 
 
 @pytest.mark.integration
-def test_mariadb_event_scheduler_statement_holds_the_cut(services, mariadb_database, dagster_instance, spark,
-                                                         name) -> None:
+def test_mariadb_event_scheduler_statement_holds_the_cut(services, dagster_instance, spark, name) -> None:
     """The same slow INSERT run by the event scheduler: its thread's COMMAND is 'Connect', not 'Query', so the
     running-statement guard did not see it; the row committed meanwhile was cut once settled, and the event's row
-    (its time the statement's start, 4 s earlier) committed below progress and was never sent (found by review)."""
+    (its time the statement's start, 4 s earlier) committed below progress and was never sent (found by review).
+    The scheduler is server-wide: it runs on a server of the test's own, started with it on."""
+    from tests.private_servers import private_mariadb_database
+
+    with private_mariadb_database("--event-scheduler=ON") as (_, mariadb_database):
+        engine, cfg, h, table = _relayed_datetime_table(services, mariadb_database, dagster_instance, name)
+        try:
+            _event_inserts_while_ticks_publish(engine, h, table, name)
+            h.drain(table)
+            with engine.connect() as conn:
+                times = dict(conn.execute(text(f"SELECT n, created_at FROM {name}")).all())
+            assert times[2] < times[3], "the event's row's time is below the row committed while it ran"
+            assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
+            assert verify_table(cfg, table).ok
+        finally:
+            engine.dispose()
+
+
+def _event_inserts_while_ticks_publish(engine, h: Harness, table, name: str) -> None:
+    """An event inserts row 2 in a 4 s statement; row 3 commits meanwhile; the daemon's ticks publish what they cut."""
     import time
 
-    engine, cfg, h, table = _relayed_datetime_table(services, mariadb_database, dagster_instance, name)
     with engine.connect() as conn:
-        scheduler_was = conn.execute(text("SELECT @@GLOBAL.event_scheduler")).scalar()
-    try:
-        with engine.connect() as conn:
-            conn.execute(text("SET GLOBAL event_scheduler = ON"))
-            conn.execute(text(f"CREATE EVENT {name}_e ON SCHEDULE AT CURRENT_TIMESTAMP ON COMPLETION NOT PRESERVE "
-                              f"DO INSERT INTO {name} (n) VALUES (2 + SLEEP(4))"))
-            running = polled(lambda: conn.execute(text(
-                "SELECT COMMAND FROM information_schema.PROCESSLIST WHERE INFO LIKE '%SLEEP(4)%' "
-                "AND ID <> CONNECTION_ID()")).scalar(), bool, 10.0)
-            assert running == "Connect", running  # what the case is about: not a 'Query'
-            conn.execute(text(f"INSERT INTO {name} (n) VALUES (3)"))
-
-            def event_running() -> bool:
-                return bool(conn.execute(text(f"SELECT COUNT(*) FROM {name} WHERE n = 2")).scalar() == 0)
-
-            while event_running():  # the daemon's ticks meanwhile: whatever they cut is published at once
-                for key in h.tick(table):
-                    h.run(table, key)
-                time.sleep(0.3)
-    finally:
-        with engine.connect() as conn:
-            conn.execute(text(f"SET GLOBAL event_scheduler = {'ON' if scheduler_was == 'ON' else 'OFF'}"))
-    h.drain(table)
-    with engine.connect() as conn:
-        times = dict(conn.execute(text(f"SELECT n, created_at FROM {name}")).all())
-    engine.dispose()
-    assert times[2] < times[3], "the event's row's time is below the row committed while it ran"
-    assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3], id_field="n")
-    assert verify_table(cfg, table).ok
+        assert conn.execute(text("SELECT @@GLOBAL.event_scheduler")).scalar() == "ON"
+        conn.execute(text(f"CREATE EVENT {name}_e ON SCHEDULE AT CURRENT_TIMESTAMP ON COMPLETION NOT PRESERVE "
+                          f"DO INSERT INTO {name} (n) VALUES (2 + SLEEP(4))"))
+        running = polled(lambda: conn.execute(text(
+            "SELECT COMMAND FROM information_schema.PROCESSLIST WHERE INFO LIKE '%SLEEP(4)%' "
+            "AND ID <> CONNECTION_ID()")).scalar(), bool, 10.0)
+        assert running == "Connect", running  # what the case is about: not a 'Query'
+        conn.execute(text(f"INSERT INTO {name} (n) VALUES (3)"))
+        while conn.execute(text(f"SELECT COUNT(*) FROM {name} WHERE n = 2")).scalar() == 0:
+            for key in h.tick(table):
+                h.run(table, key)
+            time.sleep(0.3)
 
 
 BULK_INSERT_JAVA = """

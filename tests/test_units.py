@@ -620,16 +620,25 @@ def test_verify_expects_each_slice_by_the_row_filter_it_was_published_with() -> 
     def rec(lo: int, hi: int, where: str | None, skipped: list[int] | None = None) -> ProgressRecord:
         return ProgressRecord("t", SliceRange(lo, hi).key, lo, hi, 1, 1, "", "topic", where=where, skipped=skipped)
 
+    from resources.slices import RowSkip
+
+    def skips(*watermarks: int) -> list[RowSkip]:
+        return [RowSkip(w) for w in watermarks]
+
     history = [rec(0, 40, ""), rec(40, 100, "", [55]), rec(100, 150, "s <> 'draft'"), rec(150, 160, None)]
-    assert filter_pieces(0, 170, history, "s <> 'draft'", [5, 155]) == [
-        FilterPiece(0, 100, "", (55,)),  # no filter then; 55 skipped then
+    assert filter_pieces(0, 170, history, "s <> 'draft'", skips(5, 155)) == [
+        FilterPiece(0, 100, "", tuple(skips(55))),  # no filter then; 55 skipped then
         # The filter since; an old record and the range no slice covers yet take today's (its skip inside them).
-        FilterPiece(100, 170, "s <> 'draft'", (155,)),
+        FilterPiece(100, 170, "s <> 'draft'", tuple(skips(155))),
     ]
     # The compared range cuts records; a gap between records takes today's filter (here none, as the slice before).
-    assert filter_pieces(20, 120, [rec(0, 40, ""), rec(60, 150, "x")], None, [50]) == [
-        FilterPiece(20, 60, "", (50,)), FilterPiece(60, 120, "x", ())]
-    assert filter_pieces(None, 10, [], "w", [3, 12]) == [FilterPiece(None, 10, "w", (3,))]
+    assert filter_pieces(20, 120, [rec(0, 40, ""), rec(60, 150, "x")], None, skips(50)) == [
+        FilterPiece(20, 60, "", tuple(skips(50))), FilterPiece(60, 120, "x", ())]
+    assert filter_pieces(None, 10, [], "w", skips(3, 12)) == [FilterPiece(None, 10, "w", tuple(skips(3)))]
+    # A row named by its tie_break, as a record keeps it, comes back as that row.
+    row = RowSkip(70, (("uid", "7"),))
+    assert filter_pieces(40, 100, [rec(40, 100, "", [row.to_record()])], None, []) == [
+        FilterPiece(40, 100, "", (row,))]
 
 
 def test_a_source_below_its_committed_progress_is_flagged() -> None:
@@ -737,3 +746,48 @@ def test_the_recorded_slice_is_the_highest_not_the_latest_materialization() -> N
         for lo, hi in ((0, 2), (2, 4), (4, 6), (0, 4)):
             instance.report_runless_asset_event(AssetMaterialization(key, partition=SliceRange(lo, hi).key))
         assert last_recorded_slice(instance, key) == SliceRange(4, 6)
+
+
+def test_skip_watermarks_entries_name_a_value_or_one_row() -> None:
+    """`skip_watermarks` takes a bare value (as before: valid only where it matches one row), or a mapping naming
+    one row by its watermark and tie_break, or by its watermark and key columns; each entry's suggested text
+    reads back as the same entry."""
+    import yaml
+
+    from resources.slices import RowSkip
+
+    def table(**more: object) -> dict[str, object]:
+        return {"source": "s", "table": "t", "watermark": "at", **more}
+
+    def parsed(*tables: dict[str, object]):  # noqa: ANN202 - the config's tables
+        return parse_config({"sources": {"s": {"url": "postgresql://u@h/d"}}, "tables": list(tables),
+                             "kafka": {"bootstrap_servers": "k:9092"}, "spark": {"master": "local[1]"}}).tables
+
+    (t,) = parsed(table(tie_break="uid", skip_watermarks=yaml.safe_load(
+        "[7, 2026-11-23T07:00:00.5Z, {watermark: 2026-11-23T07:00:00Z, tie_break: 500},"
+        " {watermark: 9, key: {region: 'eu', n: 3}}]")))
+    at = 1_795_417_200_000_000  # 2026-11-23T07:00:00Z
+    assert t.skip_rows == [RowSkip(7), RowSkip(at + 500_000), RowSkip(at, (("uid", "500"),)),
+                           RowSkip(9, (("n", "3"), ("region", "eu")))]
+    assert [s.watermark for s in t.skip_rows_in(8, at)] == [at, 9]
+    # The text a stop message suggests reads back as the same row, through rowrelay.yaml.
+    for skip, timestamps in ((RowSkip(at, (("uid", "500"),)), True), (RowSkip(7), False), (RowSkip(at), True),
+                             (RowSkip(9, (("n", "3"), ("region", "e'u"))), False)):
+        entry = skip.entry(timestamps, "uid")
+        (again,) = parsed(table(tie_break="uid", skip_watermarks=yaml.safe_load(f"[{entry}]")))
+        assert again.skip_rows == [skip], entry
+    assert RowSkip(at, (("uid", "500"),)).entry(True, "uid") == (
+        "{watermark: 2026-11-23T07:00:00.000000Z, tie_break: 500}")
+    # A progress record keeps a bare value as the integer (as records always have), a row as a mapping.
+    for skip in t.skip_rows:
+        assert RowSkip.from_record(json.loads(json.dumps(skip.to_record()))) == skip
+    assert RowSkip(7).to_record() == 7
+    # One way to name the row; a tie_break entry needs the table's tie_break.
+    with pytest.raises(ConfigError, match="tie_break: value` or by `key"):
+        parsed(table(tie_break="uid", skip_watermarks=[{"watermark": 1, "tie_break": 2, "key": {"a": 1}}]))
+    with pytest.raises(ConfigError, match="tie_break: value` or by `key"):
+        parsed(table(skip_watermarks=[{"watermark": 1}]))
+    with pytest.raises(ConfigError, match="has no `tie_break:`"):
+        parsed(table(skip_watermarks=[{"watermark": 1, "tie_break": 2}]))
+    with pytest.raises(ConfigError, match="skip_watermarks"):
+        parsed(table(skip_watermarks=[{"watermark": 1, "key": {"a": 1}, "other": 3}]))
