@@ -104,13 +104,13 @@ def ddl_before_read(engine: Any, statements: list[str], slice_index: int) -> Cal
 
     read_slice, done = SparkResource.read_slice, [False]
 
-    def racing(self: Any, source: Any, shape: Any, chunk: Any, expected_rows: int) -> Any:
+    def racing(self: Any, source: Any, shape: Any, chunk: Any, expected_rows: int, **more: Any) -> Any:
         if chunk.lo == slice_index * SLICE_ROWS and not done[0]:
             done[0] = True
             with engine.begin() as conn:
                 for statement in statements:
                     conn.execute(text(statement))
-        return read_slice(self, source, shape, chunk, expected_rows)
+        return read_slice(self, source, shape, chunk, expected_rows, **more)
 
     return racing
 
