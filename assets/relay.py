@@ -63,6 +63,8 @@ from resources.kafka_io_manager import (
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import RowSkip, SliceRange, watermark_text
 from resources.source_database import (
+    SchemaChanged,
+    SchemaRaced,
     SourceDatabaseResource,
     SourceError,
     TableShape,
@@ -306,10 +308,6 @@ def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed
     return todo
 
 
-class SchemaChanged(SourceError):
-    """Columns changed since the last committed slice and the table's on_schema_change is `fail`."""
-
-
 def check_schema(table: TableConfig, shape: TableShape, committed_columns: list[list[str]]) -> str:
     """The change of columns since the last committed slice, described ("" if none, or nothing to compare with:
     a first slice, a record from an older version). With `on_schema_change: fail` a change stops the table."""
@@ -322,6 +320,36 @@ def check_schema(table: TableConfig, shape: TableShape, committed_columns: list[
             "on_schema_change is fail: nothing is published until a human accepts the new columns with "
             f"`rowrelay schema accept --table {table.table_id} --reason ...` (see README, runbook)")
     return change.describe() if change else ""
+
+
+@dataclass(frozen=True)
+class SliceShapes:
+    """The table's shape for each slice of a run: taken from the catalog right before the slice's read (a column
+    added, dropped, retyped or moved during a run applies from the next slice read), and taken again after each of
+    its chunks is read, which must find it unchanged. A DDL waits for the reads of the table before it (PostgreSQL's
+    ACCESS EXCLUSIVE lock, MariaDB's metadata lock), so equal shapes on both sides prove every statement of the read
+    ran on that shape. Spark's JDBC reads use connections of their own: the catalog cannot be asked in their
+    snapshot, hence the check on both sides."""
+
+    source: SourceDatabaseResource
+    table: TableConfig
+    # What `on_schema_change: fail` holds each slice to: the last committed slice's columns (on a table's first
+    # run, the columns it started with).
+    accepted: list[list[str]]
+
+    def before_read(self) -> TableShape:
+        """The shape to read the next slice with (on_schema_change applied: `fail` raises SchemaChanged)."""
+        shape = table_shape(self.source, self.table)
+        check_schema(self.table, shape, self.accepted)
+        return shape
+
+    def after_read(self, shape: TableShape, slice_range: SliceRange) -> None:
+        """Raise SchemaRaced where the table's columns are no longer `shape`'s (a DDL landed during the read)."""
+        now = table_shape(self.source, self.table)
+        if now.columns != shape.columns:
+            change = schema_change(shape.schema_columns, now.schema_columns).describe() or "column details changed"
+            raise SchemaRaced(f"{self.table.table_id}: the table's columns changed while slice {slice_range} was "
+                              f"read ({change}): nothing of it is published from that read")
 
 
 def read_signature(source: SourceDatabaseResource, spark: SparkResource, table: TableConfig, channel: TableChannel,
@@ -338,8 +366,9 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
                        committed_columns: list[list[str]] | None = None) -> TableSlices:
     """The pure core of a table asset: the run's slices, each read lazily as an ordered Spark DataFrame.
 
-    The table is reflected and checked once per run; each slice's rows are read only when its turn comes.
-    `committed_columns`: the columns of the last committed slice (its progress record), for on_schema_change.
+    The table is checked once per run, and its shape taken again for each slice right before and after its read
+    (SliceShapes); each slice's rows are read only when its turn comes. `committed_columns`: the columns of the last
+    committed slice (its progress record), for on_schema_change.
     """
     todo = slices_to_publish(channel, slices, committed_hi)
     if not todo:
@@ -349,18 +378,20 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
     source.refuse_unknowable_finality(shape)
     if source.has_null_watermarks(shape):
         raise null_watermark_error(table.table_id, table.watermark, shape.watermark_text(committed_hi))
-    changed = check_schema(table, shape, committed_columns or [])
-    # Every chunk's read has the same Spark schema (the same columns, read once per run like the shape): asked of
-    # Spark once, not per chunk (a round trip and a JDBC schema query each).
+    check_schema(table, shape, committed_columns or [])
+    shapes = SliceShapes(source, table, committed_columns or shape.schema_columns)
+    # Every chunk read with one shape has the same Spark schema: asked of Spark once per shape, not per chunk (a
+    # round trip and a JDBC schema query each).
     spark_schema: dict[str, list[Any]] = {}
     refuse_skips_of_many_rows(source, table, shape, SliceRange(committed_hi, max(s.hi for s in todo)))
 
     def read(slice_range: SliceRange) -> SliceFrame:
+        shape = shapes.before_read()
         skipped = table.skip_rows_in(slice_range.lo, slice_range.hi)
 
         def read_chunk(chunk: SliceRange, expected_rows: int) -> "DataFrame":
             frame = spark.read_slice(source, shape, chunk, expected_rows, skip=skipped)
-            schema = spark_schema.get("fields") or spark_schema.setdefault("fields", frame.schema.fields)
+            schema = spark_schema.get(repr(shape)) or spark_schema.setdefault(repr(shape), frame.schema.fields)
             return message_columns(frame, shape, table.key, table.envelope, table.table_id, slice_range.key,
                                    schema=schema)
 
@@ -377,11 +408,13 @@ def build_table_slices(source: SourceDatabaseResource, spark: SparkResource, tab
         signature = read_signature(source, spark, table, channel, shape, slice_range, rows, first)
         return SliceFrame(channel=channel, slice=slice_range, read_chunk=read_chunk, expected_rows=rows,
                           first_watermark=first, signature=signature, rows_to_send=to_send, skipped=skipped,
-                          skipped_rows=rows - to_send)
+                          skipped_rows=rows - to_send, columns=shape.schema_columns,
+                          schema_fingerprint=shape.fingerprint,
+                          verify=functools.partial(shapes.after_read, shape, slice_range))
 
     return TableSlices(channel=channel, slices=sorted(slices, key=lambda s: s.lo), pending=todo, read=read,
-                       columns=shape.schema_columns, schema_fingerprint=shape.fingerprint, schema_change=changed,
-                       where=table.where or "", watermark=shape.watermark_id,
+                       committed_columns=committed_columns or [], where=table.where or "",
+                       watermark=shape.watermark_id,
                        name_row=lambda bad: skip_advice_for(source, table, shape, bad))
 
 
@@ -564,9 +597,6 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrel
             raise Failure(description=str(exc), allow_retries=False) from exc
         if committed is None and result.pending:
             result.recorded = last_recorded_slice(context.instance, context.asset_key)
-        if result.schema_change:
-            context.log.warning(f"{table.table_id}: columns changed since the last committed slice: "
-                                f"{result.schema_change} (on_schema_change: follow)")
         timings["table_check_s"] = time.monotonic() - step
         result.timings = timings
         if not result.pending:

@@ -2,7 +2,7 @@
 
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dagster import AssetMaterialization, ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
@@ -34,6 +34,7 @@ from resources.exactly_once import (
 from resources.history import summarize
 from resources.messages import ReadAhead, SliceFrame, TableSlices
 from resources.slices import SliceRange
+from resources.source_database import SchemaChanged, SchemaRaced, SourceError, schema_change
 from resources.spark import SparkResource
 
 if TYPE_CHECKING:
@@ -140,6 +141,8 @@ class KafkaIOManager(ConfigurableIOManager):
         timings: dict[str, dict[str, float]] = {}  # per published slice: seconds per step of the run
         phase_times: dict[str, dict[str, float]] = {}  # per published slice: read, convert, produce, flush, commit
         early_chunks: dict[str, int] = {}
+        changes: dict[str, str] = {}  # per published slice: how its columns changed from the slice before it
+        before = obj.committed_columns
         pending = {s.key for s in obj.pending}
         committed = [s for s in obj.slices if s.key not in pending]
         if committed:  # committed before this run (a re-run, a roll-up key): report what they published
@@ -188,11 +191,7 @@ class KafkaIOManager(ConfigurableIOManager):
                             steps.setdefault("first_batch_s", time.monotonic() - t0)  # fencing + first read
                             yield batch
 
-                    result = publisher.publish(slice_range, batches, columns=obj.columns,
-                                               schema_fingerprint=obj.schema_fingerprint,
-                                               expected_rows=frame.rows_to_send, where=obj.where,
-                                               skipped=frame.skipped, skipped_rows=frame.skipped_rows,
-                                               watermark=obj.watermark)
+                    result, frame = self._publish_read_once_more(context, publisher, obj, frame, batches, read)
                     if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
                         ahead.skip(frame)
                     steps["transaction_s"] = result.progress.transaction_s
@@ -205,6 +204,12 @@ class KafkaIOManager(ConfigurableIOManager):
                     timings[slice_range.key] = steps
                     phase_times[slice_range.key] = phases
                     records[slice_range.key] = (result, frame.expected_rows)
+                    if not result.already_committed:
+                        changes[slice_range.key] = schema_change(before, frame.columns).describe() if before else ""
+                        before = frame.columns
+                    if changes.get(slice_range.key):
+                        context.log.warning(f"{obj.channel.table}: columns changed before slice {slice_range}: "
+                                            f"{changes[slice_range.key]} (on_schema_change: follow)")
                     context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
                                      f"rows in {result.duration_s:.1f} s")
                 completed = True
@@ -215,6 +220,11 @@ class KafkaIOManager(ConfigurableIOManager):
                 raise Failure(description=str(exc), allow_retries=False,
                               metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
                               ) from exc
+            except SourceError as exc:  # the table's columns changed under `fail`, or no longer fit its settings
+                reason = "schema_change" if isinstance(exc, SchemaChanged) else "source"
+                self._mark_stopped(context, reason)
+                raise Failure(description=str(exc), allow_retries=False,
+                              metadata={"table": obj.channel.table, "reason": reason}) from exc
             except _STOPPING_ERRORS as exc:
                 reason = next(r for cls, r in STOP_REASONS if isinstance(exc, cls))
                 self._mark_stopped(context, reason)
@@ -240,8 +250,8 @@ class KafkaIOManager(ConfigurableIOManager):
             if result.progress.schema_fingerprint:
                 metadata["schema_fingerprint"] = result.progress.schema_fingerprint
                 metadata["columns"] = MetadataValue.json(result.progress.columns)
-            if key in timings and obj.schema_change:  # published by this run, with columns that changed
-                metadata["schema_change"] = MetadataValue.text(obj.schema_change)
+            if changes.get(key):  # published by this run, with columns that changed from the slice before
+                metadata["schema_change"] = MetadataValue.text(changes[key])
             context.step_context.add_asset_metadata(metadata, partition_key=key)
         # The run's figures: Dagster adds output metadata to each partition's materialization, so they are named
         # as the run's (a 500-row slice showed "rows_published: 2000", and "slices" is a roll-up's own count).
@@ -299,6 +309,28 @@ class KafkaIOManager(ConfigurableIOManager):
                     description=f"slice {key} committed by run {step.run_id}, which failed at a later slice"))
             except Exception as exc:  # noqa: BLE001 - the run's own failure is what must surface (storage down?)
                 context.log.warning(f"{obj.channel.table}: could not record committed slice {key}: {exc}")
+
+    def _publish_read_once_more(self, context: OutputContext, publisher: SlicePublisher, obj: TableSlices,
+                                frame: SliceFrame, batches: Callable[[], Iterator[MessageBatch]],
+                                read: Callable[[SliceRange], SliceFrame]) -> tuple[PublishResult, SliceFrame]:
+        """Publish `frame`'s slice. Where the table's columns changed while it was read (SchemaRaced; its
+        transaction aborted, nothing visible), it is read once more with the columns the table has now,
+        on_schema_change applied to them, and that read is published. Returns the result and the frame published."""
+        try:
+            return self._publish(publisher, obj, frame, batches), frame
+        except SchemaRaced as exc:
+            context.log.warning(f"{exc}; reading it again with the table's columns now")
+        again = read(frame.slice)
+        return self._publish(publisher, obj, again,
+                             lambda: again.iter_batches(self.chunk_rows, self.prefetch_chunks)), again
+
+    @staticmethod
+    def _publish(publisher: SlicePublisher, obj: TableSlices, frame: SliceFrame,
+                 batches: Callable[[], Iterator[MessageBatch]]) -> PublishResult:
+        return publisher.publish(frame.slice, batches, columns=frame.columns,
+                                 schema_fingerprint=frame.schema_fingerprint, expected_rows=frame.rows_to_send,
+                                 where=obj.where, skipped=frame.skipped, skipped_rows=frame.skipped_rows,
+                                 watermark=obj.watermark)
 
     @staticmethod
     def _mark_stopped(context: OutputContext, reason: str) -> None:

@@ -341,6 +341,12 @@ class SliceFrame:
     # What the read depends on (source, table settings, reflected shape, Spark settings, slice, rows): chunks
     # fetched under the same signature are the same rows in the same messages (see EarlyRead). "": not shareable.
     signature: str = ""
+    # The columns the slice is read with ([name, type]) and their fingerprint, recorded with its progress.
+    columns: list[list[str]] = field(default_factory=list)
+    schema_fingerprint: str = ""
+    # Raises SchemaRaced where the table's columns are no longer those the slice is read with; asked after each of
+    # its chunks is read (or fails to read), so every chunk is proven read with `columns`.
+    verify: Callable[[], None] | None = None
 
     @classmethod
     def failing(cls, channel: TableChannel, slice_range: SliceRange, error: Exception) -> SliceFrame:
@@ -365,8 +371,10 @@ class SliceFrame:
     def fetch(self, sub: SliceRange, expected_rows: int) -> pa.Table:
         assert self.read_chunk is not None
         try:
-            return self.read_chunk(sub, expected_rows).toArrow()
+            table = self.read_chunk(sub, expected_rows).toArrow()
         except Exception as exc:
+            if self.verify is not None:  # a read that failed because the columns changed (one dropped) says so
+                self.verify()
             bad = (bad_utf8_error(self.channel.table, str(exc), sub.timestamps)
                    or bad_json_error(self.channel.table, str(exc), sub.timestamps))
             if bad is not None:
@@ -377,6 +385,9 @@ class SliceFrame:
                 raise
             raise SourceReadError(f"{self.channel.table}: reading watermarks {sub} from the source failed: "
                                   f"{summary}; caused by {cause}") from exc
+        if self.verify is not None:
+            self.verify()
+        return table
 
     def iter_batches(self, chunk_rows: int, prefetch: int = 2) -> Iterator[MessageBatch]:
         """Stream the slice in watermark order, one Arrow batch of one sub-range at a time (flat memory).
@@ -585,10 +596,9 @@ class TableSlices:
     # Seconds per step of the run before publishing (launch -> worker, progress read, table check, Spark session):
     # reported with each slice's metadata, so a user sees where a run's time went.
     timings: dict[str, float] = field(default_factory=dict)
-    # The columns read ([name, type]), their fingerprint, and how they changed since the last committed slice.
-    columns: list[list[str]] = field(default_factory=list)
-    schema_fingerprint: str = ""
-    schema_change: str = ""
+    # The columns of the last committed slice when the run started ([] none recorded): each slice's own columns
+    # (its SliceFrame's, which may change during the run) are described against the slice before it.
+    committed_columns: list[list[str]] = field(default_factory=list)
     where: str = ""  # the table's `where:` ("" none), recorded with each slice's progress
     watermark: tuple[str, str] | None = None  # the watermark column and its kind, as reflected by the run
     # With Kafka's progress empty: the highest slice Dagster recorded as committed (`last_recorded_slice`), which

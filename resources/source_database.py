@@ -218,6 +218,15 @@ class SourceError(ValueError):
     """A configured table cannot be read as configured; the message says what to change."""
 
 
+class SchemaChanged(SourceError):
+    """Columns changed since the last committed slice and the table's on_schema_change is `fail`."""
+
+
+class SchemaRaced(RuntimeError):
+    """The table's columns changed while a slice was read: which columns its rows were read with is not known, so
+    nothing of it is published; read again, it is read (and recorded) with the columns the table has then."""
+
+
 def null_watermark_error(table_id: str, watermark: str, committed: str | None) -> SourceError:
     """Rows with a NULL watermark are never in any slice. Filling them is only a fix above the committed watermark:
     a value at or below it falls in a slice already published, and the row would still never be sent."""

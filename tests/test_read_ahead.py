@@ -192,3 +192,28 @@ def test_early_chunks_span_consecutive_slices_smaller_than_a_chunk() -> None:
     assert sorted(early_log, key=lambda s: s.lo) == slices[:3]
     assert run_log == [SliceRange(30, 40)]
     assert ahead.early_chunks == {s.key: 1 for s in slices[:3]}
+
+
+def test_each_chunk_is_verified_after_its_read_and_a_failed_read_says_the_columns_changed() -> None:
+    """A slice's `verify` (the table's shape taken again) is asked after each of its chunks is read; where the
+    columns changed, the slice fails with SchemaRaced, also where the read itself failed (a dropped column)."""
+    from resources.source_database import SchemaRaced
+
+    asked: list[int] = []
+    log: list[SliceRange] = []
+    s = SliceRange(0, 20)
+    frame = SliceFrame(channel=CHANNEL, slice=s, read_chunk=lambda sub, _r: FakeChunk(sub, log), expected_rows=20,
+                       verify=lambda: asked.append(len(log)))
+    assert [w for b in frame.iter_batches(chunk_rows=10) for w in b.watermarks.to_pylist()] == list(range(1, 21))
+    assert len(asked) == 2 and min(asked) >= 1  # once per chunk, each after a chunk was read
+
+    def changed() -> None:
+        raise SchemaRaced("src.public.t: the table's columns changed while slice (0, 20] was read (dropped b)")
+
+    def dropped(_sub: SliceRange, _rows: int) -> FakeChunk:
+        raise RuntimeError('ERROR: column "b" does not exist')
+
+    for read_chunk in (lambda sub, _r: FakeChunk(sub, []), dropped):
+        raced = SliceFrame(channel=CHANNEL, slice=s, read_chunk=read_chunk, expected_rows=20, verify=changed)
+        with pytest.raises(SchemaRaced, match="dropped b"):
+            list(raced.iter_batches(chunk_rows=10))
