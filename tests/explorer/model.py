@@ -10,6 +10,7 @@ class TableModel:
     committed: set[str] = field(default_factory=set)
     rolled_back: set[str] = field(default_factory=set)
     pending: dict[int, list[str]] = field(default_factory=dict)  # held transaction (its step) -> its rows
+    replays: dict[str, tuple[int, int]] = field(default_factory=dict)  # `rowrelay replay` id -> its range (lo, hi]
 
     def written(self, txn: int | None, toks: list[str]) -> None:
         """Rows inserted: committed at once (`txn` None) or held in transaction `txn` until `ended`."""

@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 
 from orchestration.cli import verify_table
 from resources.config import RelayConfig, TableConfig
-from resources.exactly_once import TABLE_HEADER, WATERMARK_HEADER
+from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER
 from resources.slices import datetime_to_micros
 from tests.explorer.model import TableModel
 from tests.pipeline import Consumed, read_topic
@@ -28,13 +28,18 @@ def watermark_of(value: Any) -> int:
     return datetime_to_micros(value) if isinstance(value, datetime) else int(value)
 
 
-def payload_problems(msg: Consumed, row: dict[str, Any], table: TableConfig, table_id: str) -> list[str]:
-    """The message's value equals the source row column by column; its headers name the table and the row's
+def payload_problems(msg: Consumed, row: dict[str, Any], table: TableConfig, table_id: str,
+                     added: frozenset[str] | set[str]) -> list[str]:
+    """The message's value equals the source row column by column (a column added later may be absent from a
+    message published before it, where the row holds NULL in it); its headers name the table and the row's
     watermark."""
     out = []
-    if set(msg.value) != set(row):
+    absent = set(row) - set(msg.value)
+    if set(msg.value) - set(row) or absent - {c for c in added if row[c] is None}:
         out.append(f"columns {sorted(msg.value)} != source {sorted(row)}")
     for col, want in row.items():
+        if col in absent:
+            continue
         got = msg.value.get(col)
         if isinstance(want, datetime):
             got = datetime.fromisoformat(got) if isinstance(got, str) else got
@@ -63,8 +68,27 @@ def order_problems(messages: list[Consumed], table: TableConfig) -> list[str]:
     return out
 
 
+def replay_problems(copies: list[Consumed], rows: dict[str, dict[str, Any]], model: TableModel,
+                    table: TableConfig) -> list[str]:
+    """Each `rowrelay replay` copied exactly the source rows of its range (lo, hi], once each, values unchanged."""
+    out = []
+    by_id: dict[str, list[str]] = {}
+    for m in copies:
+        by_id.setdefault(m.headers[REPLAY_HEADER].decode(), []).append(m.value.get("tok"))
+        row = rows.get(m.value.get("tok"))
+        if row is None or any(m.value.get(c) != v for c, v in row.items() if not isinstance(v, datetime)
+                              and c in m.value):
+            out.append(f"replay copy {m.value} differs from its source row {row}")
+    for replay_id, (lo, hi) in model.replays.items():
+        want = sorted(t for t, r in rows.items() if lo < watermark_of(r[table.watermark]) <= hi)
+        if sorted(by_id.pop(replay_id, [])) != want:
+            out.append(f"replay {replay_id} of ({lo}, {hi}] did not copy its {len(want)} rows exactly once")
+    out.extend(f"replay copies nobody made: {rid}" for rid in by_id)
+    return out
+
+
 def check_table(config: RelayConfig, table: TableConfig, engine: Engine, model: TableModel,
-                table_id: str, bootstrap: str) -> list[str]:
+                table_id: str, bootstrap: str, added: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Every problem found: [] when the topic holds each row the model must send exactly once, in order, equal to
     its source row, nothing else, and `verify` agrees."""
     must = model.must_send()
@@ -74,6 +98,9 @@ def check_table(config: RelayConfig, table: TableConfig, engine: Engine, model: 
         problems.append(f"model vs source: only in source {sorted(set(rows) - must)[:5]}, "
                         f"only in model {sorted(must - set(rows))[:5]}")
     messages = read_topic(bootstrap, table.topic_name)
+    copies = [m for m in messages if REPLAY_HEADER in m.headers]
+    messages = [m for m in messages if REPLAY_HEADER not in m.headers]
+    problems.extend(replay_problems(copies, rows, model, table))
     seen = Counter(m.value.get("tok") for m in messages)
     dupes = sorted(t for t, n in seen.items() if n > 1)
     missing = sorted(must - set(seen))
@@ -86,7 +113,7 @@ def check_table(config: RelayConfig, table: TableConfig, engine: Engine, model: 
         problems.append(f"missing rows' (watermark, id): {lost[:5]}")
     for m in messages:
         if m.value.get("tok") in rows:
-            problems.extend(payload_problems(m, rows[m.value["tok"]], table, table_id)[:3])
+            problems.extend(payload_problems(m, rows[m.value["tok"]], table, table_id, added)[:3])
     problems.extend(order_problems(messages, table))
     report = verify_table(config, table)
     if report.ok != (not problems):

@@ -16,7 +16,9 @@ from resources.exactly_once import STAGES
 # (dialect, watermark kind): the tables every schedule writes to and relays.
 TABLES = (("pg", "int"), ("pg", "ts"), ("maria", "int"), ("maria", "ts"))
 
-# What writers do; `ts_only` kinds need a timestamp watermark.
+# What writers do; `ts_only` kinds need a timestamp watermark. Besides these, a `burst` step starts a writer thread
+# that commits small transactions, each held 0-2 s, for some seconds beside the schedule (writers.py), and `op`
+# steps are an operator's: a column added, or `rowrelay replay` of a committed slice.
 WRITER_KINDS = ("autocommit", "long_txn", "rollback", "batch_now", "whole_second", "client_stamped", "out_of_order")
 TS_ONLY = {"batch_now", "whole_second", "client_stamped"}
 HELD = {"long_txn", "rollback", "out_of_order", "client_stamped"}  # their transaction stays open over later steps
@@ -36,7 +38,7 @@ FAULT_KINDS = ("kill", "freeze_takeover", "kill_early")
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # "write" | "end" | "relay"
+    kind: str  # "write" | "end" | "relay" | "op" (an operator's action)
     table: int  # index into TABLES
     args: dict[str, Any] = field(default_factory=dict)
 
@@ -68,7 +70,16 @@ class Schedule:
             self.open.remove(due[0])
             return Step("end", due[0][1], {"txn": due[0][2], "commit": self.rng.random() < 0.8})
         table = self.rng.choice(self.tables)
-        if self.rng.random() < 0.6:
+        draw = self.rng.random()
+        if draw < 0.04 and not any(o[1] == table for o in self.open):  # a held transaction would block the DDL
+            return Step("op", table, {"op": "add_column"})
+        if draw < 0.08:  # `rowrelay replay` of a committed slice, `pick` choosing which
+            return Step("op", table, {"op": "replay", "pick": round(self.rng.random(), 3)})
+        if draw < 0.13:
+            whole = TABLES[table][1] == "ts" and "whole_second" in self.kinds and self.rng.random() < 0.5
+            return Step("write", table, {"writer": "burst", "seconds": self.rng.randint(5, 20), "seed": self.token(),
+                                         **({"whole_second": True} if whole else {})})
+        if draw < 0.6:
             return self._write(table)
         return self._relay(table)
 

@@ -7,6 +7,8 @@ kind leaves its transaction open (a connection of its own) until the schedule's 
 from __future__ import annotations
 
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,8 @@ class Writers:
     engines: dict[str, Engine]
     models: dict[int, TableModel] = field(default_factory=dict)
     held: dict[int, tuple[Connection, Any, str]] = field(default_factory=dict)  # txn -> (connection, its txn, kind)
+    added: dict[int, list[str]] = field(default_factory=dict)  # table -> columns added since it was created
+    bursts: list[threading.Thread] = field(default_factory=list)  # writer threads running beside the schedule
 
     def create_tables(self, tables: tuple[int, ...]) -> None:
         for i in tables:
@@ -54,8 +58,12 @@ class Writers:
     def write(self, table: int, args: dict[str, Any]) -> None:
         dialect = TABLES[table][0]
         rng, kind, txn = random.Random(args["seed"]), args["writer"], args.get("txn")
+        if kind == "burst":
+            self.burst(table, args)
+            return
         rows = [{"tok": f"{args['seed']}-{n}", "v": rng.randint(-10**12, 10**12),
-                 "s": "".join(rng.choice("abcxyz é") for _ in range(rng.randint(0, 40)))}
+                 "s": "".join(rng.choice("abcxyz é") for _ in range(rng.randint(0, 40))),
+                 **{c: rng.randint(0, 10**6) for c in self.added.get(table, [])}}
                 for n in range(args["rows"])]
         if kind == "autocommit":
             for row in rows:  # each row its own commit
@@ -70,7 +78,7 @@ class Writers:
                 stamp = other.execute(text(CLOCK[dialect])).scalar()
         self._insert(conn, table, rows, WHOLE_SECOND[dialect] if kind == "whole_second" else None, stamp)
         if kind == "out_of_order":  # a later id (and time) committed before this transaction's
-            late = {"tok": f"{args['seed']}-late", "v": 0, "s": "late"}
+            late = {**rows[0], "tok": f"{args['seed']}-late"}
             self._insert(self.engines[dialect], table, [late], None)
             self.models[table].written(None, [late["tok"]])
         if txn is None:
@@ -83,6 +91,36 @@ class Writers:
         self.held[txn] = (conn, tx, kind)
         self.models[table].written(txn, [r["tok"] for r in rows])
 
+    def burst(self, table: int, args: dict[str, Any]) -> None:
+        """A writer thread that keeps committing small transactions, each held open 0-2 s, for `seconds`, while the
+        schedule goes on: the only writer whose commits race the relay's cuts in time (its timing is the clock's,
+        not the seed's; its rows and values are the seed's)."""
+        thread = threading.Thread(target=self._burst, args=(table, args), daemon=True)
+        thread.start()
+        self.bursts.append(thread)
+
+    def _burst(self, table: int, args: dict[str, Any]) -> None:
+        dialect, rng = TABLES[table][0], random.Random(args["seed"])
+        ts_sql = WHOLE_SECOND[dialect] if args.get("whole_second") else None
+        deadline, n = time.monotonic() + args["seconds"], 0
+        while time.monotonic() < deadline:
+            rows = [{"tok": f"{args['seed']}-{n}-{k}", "v": rng.randint(0, 10**9), "s": "burst",
+                     **{c: rng.randint(0, 10**6) for c in self.added.get(table, [])}} for k in range(rng.randint(1, 3))]
+            n += 1
+            with self.engines[dialect].connect() as conn:
+                tx = conn.begin()
+                self._insert(conn, table, rows, ts_sql)
+                time.sleep(rng.choice((0, 0, 0.2, 0.5, 1.0, 2.0)))
+                tx.commit()
+            self.models[table].written(None, [r["tok"] for r in rows])
+
+    def add_column(self, table: int) -> None:
+        """A nullable column added (the relay follows it); rows written from now on fill it."""
+        column = f"c{len(self.added.setdefault(table, [])) + 1}"
+        with self.engines[TABLES[table][0]].begin() as conn:
+            conn.execute(text(f"ALTER TABLE {table_name(table)} ADD COLUMN {column} bigint"))
+        self.added[table].append(column)
+
     def end(self, table: int, args: dict[str, Any]) -> None:
         conn, tx, kind = self.held.pop(args["txn"])
         commit = args["commit"] and kind != "rollback"
@@ -91,14 +129,18 @@ class Writers:
         self.models[table].ended(args["txn"], commit)
 
     def end_all(self) -> None:
-        """Commit every transaction still held (the schedule stopped before its end step)."""
+        """Commit every transaction still held (the schedule stopped before its end step); wait for writer threads."""
+        for thread in self.bursts:
+            thread.join()
+        self.bursts.clear()
         for txn in list(self.held):
             table = next(t for t, m in self.models.items() if txn in m.pending)
             self.end(table, {"txn": txn, "commit": True})
 
     def _insert(self, target: Engine | Connection, table: int, rows: list[dict[str, Any]], ts_sql: str | None,
                 stamp: Any = None) -> None:
-        cols, values = "tok, v, s", ":tok, :v, :s"
+        names = ["tok", "v", "s", *self.added.get(table, [])]
+        cols, values = ", ".join(names), ", ".join(f":{n}" for n in names)
         if stamp is not None:
             cols, values, rows = cols + ", ts", values + ", :ts", [{**r, "ts": stamp} for r in rows]
         elif ts_sql is not None:
