@@ -32,6 +32,12 @@ class FaultRecord:
         return asdict(self)
 
 
+# A publisher frozen at these stages holds a fenced epoch and a stale view of progress: resumed after a newer one
+# took over, it must stop as fenced (at `initialized` it reads progress only after resuming and finds the slice
+# committed; at `committed` its own commit had landed).
+MUST_STOP_FENCED = ("progress_read", "begun", "rows_produced", "flushed", "before_commit")
+
+
 def committed_hi(h: Harness, table: TableConfig) -> int:
     progress = h.progress(table)
     return progress.hi if progress else 0
@@ -85,6 +91,9 @@ def freeze_then_takeover(h: Harness, table: TableConfig, key: str, stage: str) -
         problems.append(f"frozen run of {key} did not end within 300 s of its SIGCONT")
     text = Path(log).read_text(errors="replace")
     fenced = "fenced" in text.lower() or "another publisher took over" in text or "PRODUCER_FENCED" in text
+    if stage in MUST_STOP_FENCED and not (zombie.returncode != 0 and fenced):
+        problems.append(f"run of {key} frozen at {stage}, resumed after a takeover, did not stop as fenced "
+                        f"(exit {zombie.returncode}): {text[-1500:]}")
     outcome = (f"frozen, taken over, resumed: exit {zombie.returncode}{' (fenced)' if fenced else ''}"
                + ("; its commit had landed before the freeze" if committed_before else ""))
     return FaultRecord(table.table_id, key, "freeze_takeover", stage, outcome, not committed_before), problems
