@@ -11,7 +11,7 @@ PY := .venv/bin/python
 # Load the stack's connection settings (written by `python -m stack up`) into a recipe's environment.
 WITH_ENV := set -a; source $(STACK_ENV); set +a;
 
-.PHONY: help install stack stack-down stack-status run test test-unit test-faults test-bench lint bench clean
+.PHONY: help install stack stack-down stack-status run test test-unit test-faults test-bench lint bench clean explore
 
 help:
 	@echo "make run    - install, start the local stack, create demo tables + writer, serve the Dagster UI on :3000"
@@ -60,6 +60,13 @@ test-unit: install
 # Fault scenarios against the Dagster daemon (broker/database restarts, SIGKILL loop, zombie publisher).
 test-faults: stack
 	$(WITH_ENV) $(PY) -m pytest -q -s tests -m faults
+
+# The randomized schedule explorer (tests/explorer): SEED= replays a schedule (default: a fresh seed, printed
+# first), MINUTES= how long it explores.
+SEED ?=
+MINUTES ?= 10
+explore: stack
+	$(WITH_ENV) $(PY) -m tests.explorer --minutes $(MINUTES) $(if $(SEED),--seed $(SEED))
 
 # The benchmark peers' own tests (Debezium's JVM runs, ~1 min): not part of `make test`.
 test-bench: stack

@@ -1863,6 +1863,21 @@ class SlicePublisher:
         if committed.topic and committed.topic != self.channel.topic:
             self._topic_checked_back = True
 
+    def _refuse_if_overtaken(self) -> None:
+        """The empty progress this publisher read is stale when a newer publisher fenced it and committed since
+        (this one stalled in between): the messages in the topic are that one's, and this one stops as fenced. Read a
+        few times: the commit marker on the progress partition may follow the data partitions' by a moment."""
+        for attempt in range(3):
+            if (now := self.committed_progress()) is not None:
+                break
+            if attempt < 2:
+                time.sleep(1.0)
+        else:
+            return
+        raise PublisherFenced(
+            f"{self.channel.table}: another publisher took over transactional id {self.channel.transactional_id} "
+            f"and committed progress up to {now.hi_text} since this one read it; this one stops without publishing")
+
     def _refuse_if_progress_missing(self, timestamps: bool) -> None:
         """Empty progress but the table's messages already in its data topic (e.g. a new transactional_id_prefix
         gave it a new, empty progress topic), or slices of it recorded committed by the orchestrator (`recorded`:
@@ -1871,6 +1886,7 @@ class SlicePublisher:
         if self._topic_checked:
             return
         if (missing := progress_missing(self.kafka_conf, self.channel, timestamps)) is not None:
+            self._refuse_if_overtaken()
             raise missing
         if (missing := progress_recorded_refusal(self.channel, self.recorded)) is not None:
             raise missing

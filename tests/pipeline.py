@@ -149,15 +149,20 @@ class Harness:
         path.write_text(yaml.safe_dump(self.config.model_dump(mode="json", exclude_none=True)))
         return path
 
-    def run_cli(self, table: TableConfig, key: str, env: dict[str, str] | None = None) -> CliRun:
+    def cli_command(self, table: TableConfig, key: str) -> list[str]:
+        """`dagster asset materialize` of a slice or a range `first...last`: the run in a process of its own."""
         from assets.relay import asset_key
 
-        proc = subprocess.run(
-            [sys.executable, "-m", "dagster", "asset", "materialize", "--select", "/".join(asset_key(table).path),
-             "--partition-range" if "..." in key else "--partition", key, "-m", "orchestration.definitions"],
-            cwd=ROOT, capture_output=True, text=True, timeout=600,
-            env={**os.environ, "DAGSTER_HOME": self.instance.root_directory,
-                 "ROWRELAY_CONFIG": str(self.config_file()), **(env or {})})
+        return [sys.executable, "-m", "dagster", "asset", "materialize", "--select", "/".join(asset_key(table).path),
+                "--partition-range" if "..." in key else "--partition", key, "-m", "orchestration.definitions"]
+
+    def cli_env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        return {**os.environ, "DAGSTER_HOME": self.instance.root_directory,
+                "ROWRELAY_CONFIG": str(self.config_file()), **(env or {})}
+
+    def run_cli(self, table: TableConfig, key: str, env: dict[str, str] | None = None) -> CliRun:
+        proc = subprocess.run(self.cli_command(table, key), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env=self.cli_env(env))
         return CliRun(proc.returncode, proc.stdout + proc.stderr)
 
     def drain(self, table: TableConfig, until_hi: int | None = None, timeout: float = 120.0,

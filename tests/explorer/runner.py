@@ -1,0 +1,235 @@
+"""The explorer's world (fresh databases, tables, topics and a Dagster instance on the shared stack) and the loop
+that carries out a schedule in it, checking exactly-once with the oracle after each round."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from sqlalchemy import create_engine, text
+
+from assets.relay import channel_for
+from resources.config import RelayConfig, TableConfig
+from tests.conftest import Services, unique
+from tests.explorer import faults, oracle
+from tests.explorer.schedule import TABLES, Schedule, Step
+from tests.explorer.writers import Writers, table_name
+from tests.pipeline import Harness, relay_config
+
+
+@dataclass
+class World:
+    services: Services
+    config: RelayConfig
+    harness: Harness
+    writers: Writers
+    tables: dict[int, TableConfig]  # schedule table index -> its config
+    records: list[faults.FaultRecord] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+
+    def say(self, line: str) -> None:
+        self.log.append(line)
+        print(line, flush=True)
+
+
+@contextlib.contextmanager
+def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = True) -> Iterator[World]:
+    """Fresh PostgreSQL and MariaDB databases with the schedule's tables, a PostgreSQL-backed Dagster instance, a
+    config on the stack's Spark Connect server; all dropped afterwards (kept, and named, if a check failed)."""
+    from dagster import DagsterInstance
+
+    names = {k: unique(k) for k in ("dagster", "xpg", "xmaria")}
+    pg_admin = create_engine(services.pg_url(), isolation_level="AUTOCOMMIT")
+    maria_admin = create_engine(services.mariadb_url(), isolation_level="AUTOCOMMIT")
+    with pg_admin.connect() as conn:
+        for k in ("dagster", "xpg"):
+            conn.execute(text(f'CREATE DATABASE "{names[k]}"'))
+    with maria_admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE `{names['xmaria']}`"))
+    urls = {"pg": services.pg_url(names["xpg"]), "maria": services.mariadb_url(names["xmaria"])}
+    engines = {k: create_engine(u, pool_pre_ping=True) for k, u in urls.items()}
+    writers = Writers(engines)
+    writers.create_tables(tables)
+    sources = {k: unique(k) for k in urls}  # a new table identity each time: progress topic, transactional id
+    settings = [{"source": sources[TABLES[i][0]], "table": table_name(i), "watermark": "id" if TABLES[i][1] == "int"
+                 else "ts", "topic": f"explore.{names['xpg']}.{table_name(i)}", "slice_max_rows": 150,
+                 "max_slices_per_run": 3, "settle_seconds": 1, "rollup_after_seconds": None,
+                 **({"tie_break": "id"} if TABLES[i][1] == "ts" else {})}
+                for i in tables]
+    for s in settings:
+        if s["source"] == sources["pg"]:
+            s["table"] = f"public.{s['table']}"
+    config = relay_config(services, {sources[k]: u for k, u in urls.items()}, settings, spark_remote=True)
+    home = Path(tempfile.mkdtemp(prefix="explore-"))
+    (home / "dagster.yaml").write_text(yaml.safe_dump({
+        "storage": services.dagster_storage(names["dagster"]), "telemetry": {"enabled": False},
+        # As the product's dagster.yaml: a table's pool limits its queued runs, never a run's own step.
+        "concurrency": {"pools": {"granularity": "run", "default_limit": 1}}}))
+    instance = DagsterInstance.from_config(str(home))
+    w = World(services, config, Harness(config, instance), writers, dict(zip(tables, config.tables, strict=True)))
+    failed = True
+    try:
+        yield w
+        failed = bool(w.problems)
+    finally:
+        writers.end_all()
+        instance.dispose()
+        for e in engines.values():
+            e.dispose()
+        if failed and keep_on_failure:
+            print(f"[explore] kept for inspection: databases {names}, DAGSTER_HOME {home}")
+        else:
+            with pg_admin.connect() as conn:
+                for k in ("dagster", "xpg"):
+                    conn.execute(text(f'DROP DATABASE IF EXISTS "{names[k]}" WITH (FORCE)'))
+            with maria_admin.connect() as conn:
+                conn.execute(text(f"DROP DATABASE IF EXISTS `{names['xmaria']}`"))
+            delete_topics(services.kafka_bootstrap, [names["xpg"], *sources.values()])
+        pg_admin.dispose()
+        maria_admin.dispose()
+
+
+def delete_topics(bootstrap: str, marks: list[str]) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topics = [t for t in admin.list_topics(timeout=10).topics if any(m in t for m in marks)]
+    if topics:
+        for future in admin.delete_topics(topics, operation_timeout=30).values():
+            with contextlib.suppress(Exception):
+                future.result()
+
+
+def relay(w: World, step: Step) -> None:
+    """One tick of the table; each requested run carried out, the first with the step's fault, then (as a run
+    retry would) run again normally."""
+    table = w.tables[step.table]
+    keys = w.harness.cut(table, timeout=step.args.get("wait_s", 5))
+    for n, key in enumerate(keys):
+        fault = step.args.get("fault") if n == 0 else None
+        if fault == "kill":
+            rec = faults.kill_at_stage(w.harness, table, key, step.args["stage"])
+        elif fault == "freeze_takeover":
+            rec, problems = faults.freeze_then_takeover(w.harness, table, key, step.args["stage"])
+            w.problems.extend(problems)
+        elif fault == "kill_early":
+            rec = faults.kill_early(w.harness, table, key, step.args["after_s"])
+        else:
+            rec = None
+        if rec is not None:
+            w.records.append(rec)
+            w.say(f"  fault {json.dumps(rec.as_dict())}")
+        result = w.harness.run_cli(table, key)
+        if not result.success:
+            w.problems.append(f"run of {table.table_id} {key} failed: {result.output[-2000:]}")
+            w.say(f"  run {key} FAILED")
+            return
+    if not keys:
+        w.say("  nothing cut")
+        if "fault" in step.args:  # a drawn fault with no run to hit is reported, as one without effect
+            w.records.append(faults.FaultRecord(table.table_id, "-", step.args["fault"],
+                                                step.args.get("stage", "-"), "not injected: the tick cut nothing",
+                                                False))
+
+
+def replay(w: World, step: Step) -> None:
+    """`rowrelay replay` of one committed slice (drawn by `pick`), its copies recorded in the model."""
+    from orchestration.cli import kafka_conf, replay_range
+    from resources.exactly_once import read_progress_history
+
+    table = w.tables[step.table]
+    history = [r for r in read_progress_history(kafka_conf(w.config), channel_for(table)) if r.rows and r.hi > r.lo]
+    if not history:
+        w.say("  nothing committed to replay")
+        return
+    record = history[int(step.args["pick"] * len(history))]
+    done = replay_range(w.config, table, record.lo, record.hi, None)
+    w.writers.models[step.table].replays[done["replay_id"]] = (record.lo, record.hi)
+    w.say(f"  replayed ({record.lo}, {record.hi}]: {done['rows']} rows as {done['replay_id']}")
+
+
+def catch_up_and_check(w: World, timeout: float = 300.0, only: int | None = None) -> list[str]:
+    """End held transactions, relay every table (or table `only`) up to its max watermark, then the oracle on each."""
+    w.writers.end_all()
+    problems: list[str] = []
+    for i, table in w.tables.items():
+        if only is not None and i != only:
+            continue
+        try:
+            if w.harness.max_watermark(table):  # an empty table has nothing to drain (its progress stays empty)
+                w.harness.drain(table, timeout=timeout)
+        except AssertionError as exc:
+            problems.append(f"{table.table_id}: no catch-up: {exc}")
+            continue
+        engine = w.writers.engines[TABLES[i][0]]
+        found = oracle.check_table(w.config, table, engine, w.writers.models[i], channel_for(table).table,
+                                   w.services.kafka_bootstrap, set(w.writers.added.get(i, [])))
+        problems.extend(f"{table.table_id}: {p}" for p in found)
+    w.problems.extend(problems)
+    return problems
+
+
+def execute(w: World, step: Step) -> None:
+    w.say(f"step {step.text()}")
+    if step.kind == "write":
+        w.writers.write(step.table, step.args)
+    elif step.kind == "end":
+        w.writers.end(step.table, step.args)
+    elif step.kind == "relay":
+        relay(w, step)
+    elif step.args["op"] == "add_column":
+        w.writers.add_column(step.table)
+    else:
+        replay(w, step)
+
+
+def explore(w: World, schedule: Schedule, minutes: float, round_steps: int = 12,
+            max_steps: int | None = None) -> dict[str, Any]:
+    """Steps from the schedule until `minutes` passed (or `max_steps` were taken), checked every `round_steps`."""
+    started = time.monotonic()
+    rounds = 0
+    while schedule.index < (max_steps or 10**9) and time.monotonic() - started < minutes * 60:
+        for _ in range(round_steps):
+            execute(w, schedule.next())
+        rounds += 1
+        schedule.open.clear()  # the check commits what is still held: the schedule must not end it again
+        found = catch_up_and_check(w)
+        w.say(f"round {rounds} (step {schedule.index}): {'OK' if not found else 'FAILED'}")
+        for p in found:
+            w.say(f"  PROBLEM {p}")
+        if found:
+            break
+    return summary(w, schedule.index, rounds, time.monotonic() - started)
+
+
+def summary(w: World, steps: int, rounds: int, seconds: float) -> dict[str, Any]:
+    return {"steps": steps, "rounds": rounds, "seconds": round(seconds), "ok": not w.problems,
+            "faults": len(w.records), "faults_without_effect": sum(not r.disrupted for r in w.records),
+            "problems": w.problems[:20]}
+
+
+def run_matrix(w: World, steps: list[Step]) -> dict[str, Any]:
+    """Each cell: rows written to its table, one faulted relay step, then catch-up and the oracle."""
+    started = time.monotonic()
+    for n, step in enumerate(steps):
+        w.writers.write(step.table, {"writer": "autocommit", "rows": 5, "seed": f"m{n}"})
+        w.writers.write(step.table, {"writer": "batch_now" if TABLES[step.table][1] == "ts" else "long_txn",
+                                     "rows": 20, "seed": f"b{n}"})
+        faulted = len(w.records)
+        execute(w, step)
+        hit = w.records[faulted:] and w.records[-1].run != "-"
+        found = [] if hit else [f"matrix cell {step.text()}: no run to inject the fault into"]
+        w.problems.extend(found)
+        found += catch_up_and_check(w, only=step.table)
+        w.say(f"matrix {step.args['fault']}@{step.args['stage']}: {'OK' if not found else 'FAILED'}")
+        for p in found:
+            w.say(f"  PROBLEM {p}")
+    return summary(w, len(steps), len(steps), time.monotonic() - started)
