@@ -25,11 +25,7 @@ HELD = {"long_txn", "rollback", "out_of_order", "client_stamped"}  # their trans
 
 # Writer kinds left out while a defect they hit is open (and fixed elsewhere); each with the open item it hits.
 # Drawn anyway with `--include-open`, to see the defect.
-KNOWN_OPEN: dict[str, str] = {
-    "whole_second": "issue 45 item 3: whole-second values in a column declared with fractions "
-                    "(PostgreSQL date_trunc('second', now()), MariaDB NOW()) can be cut past a transaction still "
-                    "writing the same second, and that row is never sent",
-}
+KNOWN_OPEN: dict[str, str] = {}
 
 # Faults on a relay step's run: SIGKILLed at a publisher stage; frozen (SIGSTOP) at a stage then taken over by a
 # new run and resumed; SIGKILLed a drawn moment after its process starts, before or after RUN_START.
