@@ -318,7 +318,7 @@ def check_schema(table: TableConfig, shape: TableShape, committed_columns: list[
         raise SchemaChanged(
             f"{table.table_id}: columns changed since the last committed slice ({change.describe()}) and "
             "on_schema_change is fail: nothing is published until a human accepts the new columns with "
-            f"`rowrelay schema accept --table {table.table_id} --reason ...` (see README, runbook)")
+            f"`rowrelay schema accept --table {table.table_id} --reason ...` (see docs/operations.md)")
     return change.describe() if change else ""
 
 

@@ -299,7 +299,7 @@ class CutPlan:
         newest = max(c.watermark for c in self.state.pending)
         what = self.waiting or (f"rows above {self.text(final_to)} (up to {self.text(newest)}) are not final yet, "
                                 "so they are not cut")
-        return f"{what}: {self.state.held}. See the README runbook, \"New rows are not cut\""
+        return f"{what}: {self.state.held}. See docs/operations.md, \"New rows are not cut\""
 
 
 def slice_rows_limit(slice_max_rows: int, recent: list[ProgressRecord], transaction_timeout_ms: int) -> int:
@@ -547,7 +547,7 @@ NEXT_STEP = {
                          "shows and run it again",
     "source": "fix what the run's message names and run it again",
     "rows_mismatch": "the source's rows changed under the read: see the run's message, fix the cause, and run it again",
-    "progress_missing": "see the README runbook (\"A table dropped and re-created\": progress missing) before anything "
+    "progress_missing": "see docs/operations.md (\"A table dropped and re-created\": progress missing) before anything "
                         "runs again",
     "producer_settings": "fix `kafka.producer` as the run's message says and run it again",
     "topic_settings": "fix the topic's settings (or the table's `key:`) as the run's message says and run it again",

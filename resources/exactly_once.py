@@ -484,7 +484,7 @@ class PublishResult:
         return self.progress.bytes / self.duration_s if self.duration_s > 0 and not self.already_committed else 0.0
 
 
-# The message contract's headers (README "Messages"; resources/native/produce_rows.c writes the same two, which
+# The message contract's headers (docs/messages.md; resources/native/produce_rows.c writes the same two, which
 # tests/test_arrow_produce.py checks byte for byte), and the mark `rowrelay replay` adds to its copies.
 TABLE_HEADER, WATERMARK_HEADER, REPLAY_HEADER = "rowrelay.table", "rowrelay.watermark", "rowrelay.replay"
 
@@ -1227,7 +1227,7 @@ def messages_gone(record: ProgressRecord, offset: int, partition: int | str, wm:
         f"watermark {wm}, outside slice {record.slice}, whose progress record names that offset: the topic no longer "
         "holds the slice's messages (deleted and re-created, or its log truncated), so they cannot be read back by "
         "their offsets. Nothing was read for it. `rowrelay verify` compares the topic with the source; to send the "
-        "rows again, see the README runbook (\"The data topic was deleted\")")
+        "rows again, see docs/operations.md (\"The data topic was deleted\")")
 
 
 @contextlib.contextmanager
@@ -2016,7 +2016,7 @@ class SlicePublisher:
                     raise BadRowError(
                         f"{ch.table}: row with watermark {named} is {biggest} bytes as a message{hint}, over the "
                         f"producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on the "
-                        f"producer and the topic (max.message.bytes), or {skip_advice(named)} (see README, runbook)",
+                        f"producer and the topic (max.message.bytes), or {skip_advice(named)} (see docs/operations.md)",
                         table=ch.table, watermark=largest[1], column=column, entry=named, value=largest[2])
                 if every_row_reports or n <= 2:
                     send(batch.rows(0, n), delivered)
@@ -2076,7 +2076,7 @@ class SlicePublisher:
                 raise BadRowError(
                     f"{ch.table}: the broker rejected a message as too large ({err.str()}); the largest row of slice "
                     f"{slice_range} has watermark {named} ({size} bytes{hint}). Raise the topic's max.message.bytes "
-                    f"(and the producer's message.max.bytes) or {skip_advice(named)} (see README, runbook)",
+                    f"(and the producer's message.max.bytes) or {skip_advice(named)} (see docs/operations.md)",
                     table=ch.table, watermark=wm, column=column, entry=named, value=value)
             if _is_fenced(err) or err.fatal():
                 raise PublisherFenced(f"{ch.table}: {_fatal_message(err)}")
@@ -2146,7 +2146,7 @@ class SlicePublisher:
                     raise BadRowError(
                         f"{self.channel.table}: row with watermark {watermark} is too large for Kafka "
                         f"({len(value)} bytes{hint}); raise message.max.bytes or {skip_advice(str(watermark))} (see "
-                        "README, runbook)", table=self.channel.table, watermark=watermark, column=column,
+                        "docs/operations.md)", table=self.channel.table, watermark=watermark, column=column,
                         entry=str(watermark), value=value) from exc
                 if refused is not None and err.code() == KafkaError._STATE:
                     refused.append(err)

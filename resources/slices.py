@@ -23,7 +23,7 @@ def micros_to_datetime(micros: int) -> datetime:
 
 def datetime_to_micros(value: datetime) -> int:
     """Microseconds since 1970-01-01 UTC, exactly (integer arithmetic). A naive value is read as UTC: rowrelay
-    never converts a zone-less timestamp between zones (see README, timestamp watermarks)."""
+    never converts a zone-less timestamp between zones (see docs/configuration.md, timestamp watermarks)."""
     aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
     return (aware - EPOCH) // _MICRO
 

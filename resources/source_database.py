@@ -158,7 +158,7 @@ _MYSQL_ENGINES_KNOWN = frozenset({"innodb", "myisam", "aria"})
 # sequences, if the watermark takes ids from more than one (`fed`). A reached relation's watermark is its column of the
 # same name, and only along relations whose ids the table's can be (`ids`): partitions, children, and the base of a view
 # over one relation. A join's other tables have columns of that name too (`customers.id` beside `orders.id`): they are
-# not followed (a review found such views refused), nor is a view that renames the column (README).
+# not followed (a review found such views refused), nor is a view that renames the column (docs/design.md).
 _PG_FINALITY_CATALOG = """
 WITH RECURSIVE reached(oid, depth, ids) AS (
     SELECT CAST(CAST(:rel AS regclass) AS oid), 0, true
@@ -1163,7 +1163,7 @@ class SourceDatabaseResource(ConfigurableResource):
 
         Checked before every cut (`observe`) and every run's read; `verify` and `status` may still read a replica.
         Readable by any role: the recovery flag, the catalogs, MariaDB's Slaves_running status. MySQL's replication
-        state needs a privilege rowrelay does not ask for: not checked there (README)."""
+        state needs a privilege rowrelay does not ask for: not checked there (docs/design.md)."""
         label = shape.label
         if conn is None:
             with self.engine.connect() as own:
@@ -1497,7 +1497,7 @@ class SourceDatabaseResource(ConfigurableResource):
         while InnoDB lists the transaction only once it writes the row: a trigger that takes seconds holds an
         id no cut can wait for, which committed below a cut made meanwhile and was never sent (found by review).
         AUTO_INCREMENT is drawn as the row is written, after the triggers. Triggers are listed only to a role with
-        the TRIGGER privilege on the table: without it this is not seen (README)."""
+        the TRIGGER privilege on the table: without it this is not seen (docs/design.md)."""
         with self.engine.connect() as conn:
             default = conn.execute(sa.text(
                 "SELECT COLUMN_DEFAULT FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = "

@@ -364,7 +364,7 @@ def _digest(*parts: str) -> str:
 # The broker's JVM: Kafka's own performance options (bin/kafka-run-class.sh) and a heap with room for the thousands
 # of partitions a developer's stack collects from test runs. At 768 MB, ~13k partitions kept the heap ~75 % live
 # after each collection, above G1's marking threshold, so G1 marked the whole heap again and again: ~0.85 CPU-s
-# of every 1M-row publish on this 2-core box, which no broker in service pays (see the README, Performance).
+# of every 1M-row publish on this 2-core box, which no broker in service pays (see docs/performance.md).
 KAFKA_JVM_OPTIONS = ("-Xms3g", "-Xmx3g", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
                      "-XX:InitiatingHeapOccupancyPercent=35", "-XX:+ExplicitGCInvokesConcurrent",
                      "-XX:MaxInlineLevel=15", "-Djava.awt.headless=true")

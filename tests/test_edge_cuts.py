@@ -216,7 +216,7 @@ def test_a_tick_holding_rows_for_an_open_transaction_says_which(services, pg_dat
                 break
         assert f"{table.table_id}: rows above 0 (up to 3) are not final yet, so they are not cut" in message, message
         assert f"(pid {pid}), open in the table's database when the max was seen, is still open" in message, message
-        assert 'README runbook, "New rows are not cut"' in message, message
+        assert 'docs/operations.md, "New rows are not cut"' in message, message
         holder.rollback()
     assert h.cut(table) == [SliceRange(0, 3).key], h.skip_messages[table.table_id]
 
@@ -261,7 +261,7 @@ def test_a_prepared_transaction_holds_the_rows_it_may_still_commit_below_the_max
             assert f"{table.table_id}: rows above 0 (up to {above}) are not final yet" in message, message
             assert f"prepared transaction '{gid}'" in message, message
             assert "COMMIT PREPARED or ROLLBACK PREPARED" in message, message
-            assert 'README runbook, "New rows are not cut"' in message, message
+            assert 'docs/operations.md, "New rows are not cut"' in message, message
             admin.execute(text(f"COMMIT PREPARED '{gid}'"))
         h.drain(table, until_hi=above, timeout=60)
         assert_exactly_once(read_topic(services.kafka_bootstrap, table.topic_name), [1, 2, 3, drawn, above])

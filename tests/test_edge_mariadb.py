@@ -123,7 +123,7 @@ def test_mariadb_sensor_tick_names_the_transaction_that_holds_its_rows(services,
         assert "rows above 0 (up to 3) are not final yet" in detached, detached
         assert "a prepared XA transaction" in detached and "will not end on its own" in detached, detached
         assert "XA COMMIT or XA ROLLBACK" in detached and "XA RECOVER" in detached, detached
-        assert 'README runbook, "New rows are not cut"' in detached, detached
+        assert 'docs/operations.md, "New rows are not cut"' in detached, detached
         with admin.cursor() as cur:
             cur.execute(f"XA COMMIT '{xid}'")  # the transaction manager's recovery
         assert h.cut(table, timeout=30) == [SliceRange(0, 3).key], h.skip_messages[table.table_id]
