@@ -35,35 +35,53 @@ def _rows(lo: int, hi: int):
     return batches
 
 
-def test_racing_publishers_one_is_fenced_no_duplicate(services, name) -> None:
-    conf = {"bootstrap.servers": services.kafka_bootstrap}
-    channel = TableChannel.for_table(f"race.public.{name}", name)
+def _overtaken_at(stage: str, bootstrap: str, channel: TableChannel, rows: int) -> tuple[object, object]:
+    """Publisher A holds at `stage` of the table's first slice (0, rows] while B publishes that slice; A then
+    resumes. Returns A's outcome (its result or its exception) and B's result."""
+    conf = {"bootstrap.servers": bootstrap}
     paused, resume = threading.Event(), threading.Event()
     outcome: dict[str, object] = {}
 
-    def hold(stage: str) -> None:
-        if stage == "rows_produced":
+    def hold(at: str) -> None:
+        if at == stage:
             paused.set()
             resume.wait(60)
 
     def first() -> None:
         try:
-            outcome["a"] = SlicePublisher(channel, conf, on_stage=hold).publish(SliceRange(0, 500), _rows(0, 500))
-        except Exception as exc:  # noqa: BLE001 - the outcome is asserted below
+            outcome["a"] = SlicePublisher(channel, conf, on_stage=hold).publish(SliceRange(0, rows), _rows(0, rows))
+        except Exception as exc:  # noqa: BLE001 - the outcome is asserted by the caller
             outcome["a"] = exc
 
     a = threading.Thread(target=first)
     a.start()
-    assert paused.wait(60), "publisher A never reached its open transaction"
-    # B takes over the table while A holds an open transaction with all 500 rows produced.
-    b = publish_slice(channel, conf, SliceRange(0, 500), _rows(0, 500))
+    assert paused.wait(60), f"publisher A never reached {stage}"
+    b = publish_slice(channel, conf, SliceRange(0, rows), _rows(0, rows))
     resume.set()
     a.join(60)
+    return outcome["a"], b
+
+
+def test_racing_publishers_one_is_fenced_no_duplicate(services, name) -> None:
+    # B takes over the table while A holds an open transaction with all 500 rows produced.
+    channel = TableChannel.for_table(f"race.public.{name}", name)
+    a, b = _overtaken_at("rows_produced", services.kafka_bootstrap, channel, 500)
     assert not b.already_committed and b.progress.rows == 500
-    assert isinstance(outcome["a"], PublisherFenced), outcome["a"]
+    assert isinstance(a, PublisherFenced), a
     msgs = read_topic(services.kafka_bootstrap, name)
     assert sorted(int(m.key) for m in msgs) == list(range(1, 501))
-    assert visible_progress(conf, channel, 500).hi == 500
+    assert visible_progress({"bootstrap.servers": services.kafka_bootstrap}, channel, 500).hi == 500
+
+
+def test_a_publisher_overtaken_after_reading_empty_progress_stops_as_fenced(services, name) -> None:
+    """A table's first publisher reads empty progress, then stalls (a frozen worker, a long GC pause) while a newer
+    one publishes the first slice. Resumed, it must stop as fenced, never report the progress topic as lost: that
+    refusal is not retried and tells the operator to `rowrelay reset` a table whose progress is fine."""
+    channel = TableChannel.for_table(f"overtaken.public.{name}", name)
+    a, b = _overtaken_at("progress_read", services.kafka_bootstrap, channel, 50)
+    assert not b.already_committed and b.progress.rows == 50
+    assert isinstance(a, PublisherFenced), repr(a)
+    assert sorted(int(m.key) for m in read_topic(services.kafka_bootstrap, name)) == list(range(1, 51))
 
 
 def test_a_publisher_fenced_while_it_produces_stops_as_fenced_and_closes_quietly(services, name) -> None:
