@@ -136,7 +136,7 @@ def partitions_for(table: TableConfig) -> DynamicPartitionsDefinition:
     return DynamicPartitionsDefinition(name=f"{table.dagster_name}__slices")
 
 
-def channel_for(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> TableChannel:
+def channel_for(table: TableConfig, transactional_id_prefix: str) -> TableChannel:
     start = table.start_after_watermark or 0
     return TableChannel.for_table(table.table_id, table.topic_name, start_after=start,
                                   topic_partitions=table.topic_partitions, prefix=transactional_id_prefix,
@@ -543,7 +543,7 @@ def sqlite_misfit_error(table: TableConfig, shape: TableShape, at: int, column: 
 warnings.filterwarnings("ignore", category=BetaWarning, message=".*backfill_policy")
 
 
-def build_table_asset(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> AssetsDefinition:
+def build_table_asset(table: TableConfig, transactional_id_prefix: str) -> AssetsDefinition:
     channel = channel_for(table, transactional_id_prefix)
     source_key = source_resource_key(table.source)
 
@@ -679,7 +679,7 @@ def lag_result(table: TableConfig, lag: TableLag) -> AssetCheckResult:
 
 def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_conf: dict[str, Any],
                     slice_keys: list[str] | None,
-                    transactional_id_prefix: str = "rowrelay") -> AssetCheckResult:
+                    transactional_id_prefix: str) -> AssetCheckResult:
     """slice_parity of the given slices (a run's), or of the last committed slice (the check run on its own)."""
     channel = channel_for(table, transactional_id_prefix)
     if slice_keys:
@@ -728,7 +728,7 @@ def committed_before_failure(tags: Mapping[str, str], partition_keys: list[str],
     return [r.key for r in sorted(within)]
 
 
-def build_parity_after_failure_hook(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> HookDefinition:
+def build_parity_after_failure_hook(table: TableConfig, transactional_id_prefix: str) -> HookDefinition:
     """slice_parity of the slices a failed run committed before the slice it failed at (Dagster skips the checks
     of a failed step), reported as a runless evaluation naming the run."""
     source_key = source_resource_key(table.source)
@@ -776,7 +776,7 @@ def unmeasured_lag(table: TableConfig, exc: Exception) -> AssetCheckResult:
                             description=f"{table.table_id}: lag {result.description}", metadata=result.metadata)
 
 
-def build_table_checks(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> list[AssetChecksDefinition]:
+def build_table_checks(table: TableConfig, transactional_id_prefix: str) -> list[AssetChecksDefinition]:
     """slice_parity (the run's slices, or the last committed one when run alone) and lag, in each run of the
     table's job; lag is also evaluated between runs by the table's lag sensor (orchestration/factory.py)."""
     channel = channel_for(table, transactional_id_prefix)

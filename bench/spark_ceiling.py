@@ -35,6 +35,8 @@ import json  # noqa: E402
 import sys  # noqa: E402
 from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX  # noqa: E402
+
 
 def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
              publish_table: str | None = None, bootstrap: str | None = None) -> tuple[int, float]:
@@ -60,7 +62,7 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
     source = SourceDatabaseResource(url=url)
     config = TableConfig(source="bench", table=table, watermark="id", key=["id"])
     # The run's own read (build_table_slices: table check, then per slice its count and chunked Spark reads).
-    slices = build_table_slices(source, spark, config, channel_for(config), [SliceRange(0, rows)], 0)
+    slices = build_table_slices(source, spark, config, channel_for(config, PREFIX), [SliceRange(0, rows)], 0)
     spark.get_session()
     end_of_startup()  # what startup built stays out of later collections, as in a backfill
     # The IO manager's defaults: the ceiling reads in the same chunks with the same read-ahead as a run.

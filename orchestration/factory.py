@@ -94,7 +94,7 @@ def first_run_at(instance: DagsterInstance, table: TableConfig) -> datetime | No
     return records[0].create_timestamp if records else None
 
 
-def build_lag_sensor(table: TableConfig, transactional_id_prefix: str = "rowrelay") -> SensorDefinition:
+def build_lag_sensor(table: TableConfig, transactional_id_prefix: str) -> SensorDefinition:
     """Evaluates the table's lag check between runs (the table's own sensor may be stopped, its runs failing):
     a runless check evaluation, recorded when it changes (pass / WARN / ERROR) or every LAG_RECORD_EVERY_S."""
     channel = channel_for(table, transactional_id_prefix)
@@ -114,7 +114,7 @@ def build_lag_sensor(table: TableConfig, transactional_id_prefix: str = "rowrela
     return lag_sensor
 
 
-def build_group_lag_sensor(name: str, tables: list[TableConfig], transactional_id_prefix: str = "rowrelay"
+def build_group_lag_sensor(name: str, tables: list[TableConfig], transactional_id_prefix: str
                            ) -> SensorDefinition:
     """The lag checks of a group of tables in one sensor (see orchestration/sensors.py build_group_slice_sensor)."""
 

@@ -355,7 +355,7 @@ def read_windows(kafka_conf: dict[str, Any], channel: TableChannel, windows: lis
 
 
 def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dict[str, Any],
-                  transactional_id_prefix: str = "rowrelay", *, now: datetime | None = None, full: bool = False,
+                  transactional_id_prefix: str, *, now: datetime | None = None, full: bool = False,
                   job_name: str | None = None) -> CompactResult:
     """Roll up the table's committed slices per the policy. Only committed keys are touched, and only while no key
     is uncommitted and no run of the table is active (so keys keep watermark order and no run loses its
@@ -472,7 +472,7 @@ def due_tables(tables: list[TableConfig], last: dict[str, float], now: float) ->
     return sorted(due, key=lambda t: last.get(t.table_id, 0.0))
 
 
-def build_history_sensor(tables: list[TableConfig], transactional_id_prefix: str = "rowrelay") -> SensorDefinition:
+def build_history_sensor(tables: list[TableConfig], transactional_id_prefix: str) -> SensorDefinition:
     """One sensor for every table: compacts due tables within a time budget per tick. The first compaction of a
     table reads its whole progress topic (an existing deployment's history), later ones what the policy's horizons
     crossed since the previous one (`compact_table`)."""

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from resources.names import portable_name, progress_topic_name
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX, portable_name, progress_topic_name
 from resources.slices import RowSkip, datetime_to_micros
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -322,7 +322,7 @@ _OWN_PRODUCER_SETTINGS = {
 class KafkaConfig(_Strict):
     bootstrap_servers: str
     producer: dict[str, Any] = Field(default_factory=dict, description="extra librdkafka settings")
-    transactional_id_prefix: str = "rowrelay"
+    transactional_id_prefix: str = DEFAULT_TRANSACTIONAL_ID_PREFIX
 
     @field_validator("producer")
     @classmethod

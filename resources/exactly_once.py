@@ -47,7 +47,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from resources.arrow_produce import RowProducer
-from resources.names import progress_topic_name, progress_topic_suffix
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX, progress_topic_name, progress_topic_suffix
 from resources.slices import RowSkip, SliceRange, is_timestamp_key, watermark_text
 
 _log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class TableChannel:
 
     @classmethod
     def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
-                  replication_factor: int = -1, prefix: str = "rowrelay", keyed: bool = True,
+                  replication_factor: int = -1, prefix: str = DEFAULT_TRANSACTIONAL_ID_PREFIX, keyed: bool = True,
                   baseline_required: bool = False, shared_with: tuple[str, ...] = ()) -> TableChannel:
         return cls(table=table, topic=topic, progress_topic=progress_topic_name(prefix, table),
                    transactional_id=f"{prefix}.{table}", start_after=start_after,

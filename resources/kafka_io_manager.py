@@ -33,6 +33,7 @@ from resources.exactly_once import (
 )
 from resources.history import summarize
 from resources.messages import ReadAhead, SliceFrame, TableSlices
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX
 from resources.slices import SliceRange
 from resources.source_database import SchemaChanged, SchemaRaced, SourceError, schema_change
 from resources.spark import SparkResource
@@ -115,7 +116,7 @@ class KafkaIOManager(ConfigurableIOManager):
 
     bootstrap_servers: str
     producer: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings; ${VAR} allowed")
-    transactional_id_prefix: str = "rowrelay"
+    transactional_id_prefix: str = DEFAULT_TRANSACTIONAL_ID_PREFIX
     chunk_rows: int = Field(100_000, description="rows fetched from Spark per Arrow batch while streaming a slice")
     prefetch_chunks: int = Field(2, ge=1, le=8, description="chunks fetched ahead while one is produced")
     spark: SparkResource

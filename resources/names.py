@@ -11,6 +11,10 @@ import re
 _PORTABLE = re.compile(r"[A-Za-z0-9_.-]+")
 _PORTABLE_REFUSED = re.compile(r"[^A-Za-z0-9_.-]")
 
+# `kafka.transactional_id_prefix` when the config names none: a table's transactional id and progress topic are
+# named under it, so everything that reads or writes them must be handed the deployment's prefix, never assume this.
+DEFAULT_TRANSACTIONAL_ID_PREFIX = "rowrelay"
+
 
 def portable_name(name: str) -> str:
     """A schema or table name (or a table id) as a Dagster asset key part or in a Kafka topic name. Unchanged where

@@ -22,6 +22,7 @@ from sqlalchemy.engine import URL
 from orchestration.factory import build_definitions, job_name
 from resources.config import RelayConfig, TableConfig, parse_config
 from resources.exactly_once import FAST_READS, ProgressRecord, TableChannel, read_committed_progress
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.conftest import Services, partition_ends
 
 T = TypeVar("T")
@@ -219,7 +220,7 @@ class Harness:
         from assets.relay import channel_for
 
         return read_committed_progress({"bootstrap.servers": self.config.kafka.bootstrap_servers},
-                                       channel_for(table))
+                                       channel_for(table, PREFIX))
 
 
 @dataclass

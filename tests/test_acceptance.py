@@ -11,6 +11,7 @@ from sqlalchemy import text
 
 from assets.relay import PARITY_CHECK, asset_key, channel_for
 from resources.exactly_once import read_progress_history, read_published_messages, slice_checksum
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 
 pytestmark = pytest.mark.integration
@@ -87,7 +88,7 @@ def test_three_tables_fifty_thousand_rows_each_exactly_once(services, pg_databas
         # A consumer checks each slice from its messages alone: the progress record's offsets bound them, and its
         # checksum is over their values in watermark order (slice_checksum; its formula is pinned in test_units).
         conf = {"bootstrap.servers": services.kafka_bootstrap}
-        records = [r for r in read_progress_history(conf, channel_for(table)) if r.rows]
+        records = [r for r in read_progress_history(conf, channel_for(table, PREFIX)) if r.rows]
         assert sum(r.rows for r in records) == ROWS
         for record in records:
             published = sorted(read_published_messages(conf, record),

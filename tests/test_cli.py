@@ -13,6 +13,7 @@ from sqlalchemy import text
 
 from orchestration.cli import main, verify_table
 from resources.config import RelayConfig, TableConfig
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import Harness, drained_then_moved_to_another_prefix, read_topic, relay_config, topic_names
 
 pytestmark = pytest.mark.integration
@@ -150,7 +151,7 @@ def test_verify_compares_from_the_tables_baseline_or_reset(services, pg_database
 
     with pg_engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {name} (v) SELECT 'skipped' FROM generate_series(1, 20) g"))  # 81..100
-    publisher = SlicePublisher(channel_for(table), {"bootstrap.servers": services.kafka_bootstrap})
+    publisher = SlicePublisher(channel_for(table, PREFIX), {"bootstrap.servers": services.kafka_bootstrap})
     try:
         publisher.publish_reset(90, "test: skip 81..90")
     finally:
@@ -169,7 +170,7 @@ def test_verify_compares_from_the_tables_baseline_or_reset(services, pg_database
 
     stray = Producer({"bootstrap.servers": services.kafka_bootstrap})
     stray.produce(table.topic_name, b'{"id": 85}', b"85",
-                  headers=[(TABLE_HEADER, channel_for(table).table.encode()), (WATERMARK_HEADER, b"85")])
+                  headers=[(TABLE_HEADER, channel_for(table, PREFIX).table.encode()), (WATERMARK_HEADER, b"85")])
     assert stray.flush(10) == 0
     report = verify_table(cfg, table)
     assert not report.ok and (report.extra, report.before_start) == (1, 30), report
@@ -247,7 +248,7 @@ def test_verify_after_a_reset_taken_while_another_producer_holds_the_topic_open(
     finally:
         committed_end.close()
     assert lso < topic_end_offsets({"bootstrap.servers": services.kafka_bootstrap}, table.topic_name)["0"]
-    publisher = SlicePublisher(channel_for(table), {"bootstrap.servers": services.kafka_bootstrap})
+    publisher = SlicePublisher(channel_for(table, PREFIX), {"bootstrap.servers": services.kafka_bootstrap})
     try:
         record, replaced = publisher.publish_reset(40, "test: skip 31..40")
     finally:
@@ -715,13 +716,13 @@ def test_replay_serves_the_part_of_a_slice_below_a_reset_inside_it(
     from resources.exactly_once import pieces_in_range, read_piece_messages
 
     kafka = {"bootstrap.servers": services.kafka_bootstrap}
-    (kept,) = pieces_in_range(kafka, channel_for(table), SliceRange(60, 65))
+    (kept,) = pieces_in_range(kafka, channel_for(table, PREFIX), SliceRange(60, 65))
     assert (kept.record.slice, kept.key) == (SliceRange(60, 70).key, SliceRange(60, 65).key)
     assert [int(dict(m.headers())["rowrelay.watermark"]) for m in read_piece_messages(kafka, kept)] == \
         [61, 62, 63, 64, 65]
-    (whole,) = pieces_in_range(kafka, channel_for(table), SliceRange(50, 60))
+    (whole,) = pieces_in_range(kafka, channel_for(table, PREFIX), SliceRange(50, 60))
     assert whole.key == whole.record.slice == SliceRange(50, 60).key
-    assert pieces_in_range(kafka, channel_for(table), SliceRange(60, 70)) == []  # (65, 70] was sent again since
+    assert pieces_in_range(kafka, channel_for(table, PREFIX), SliceRange(60, 70)) == []  # (65, 70] was sent again since
     # And through the IO manager, as a downstream asset loads the partition.
     from dagster import DynamicPartitionsDefinition, build_input_context, build_output_context
 
@@ -730,7 +731,7 @@ def test_replay_serves_the_part_of_a_slice_below_a_reset_inside_it(
 
     def load(key: str) -> list[int]:
         context = build_input_context(
-            upstream_output=build_output_context(definition_metadata=channel_metadata(channel_for(table))),
+            upstream_output=build_output_context(definition_metadata=channel_metadata(channel_for(table, PREFIX))),
             asset_key=asset_key(table), partition_key=key, instance=dagster_instance,
             asset_partitions_def=DynamicPartitionsDefinition(name=partitions_for(table).name))
         frame = h.defs.resources["kafka_io_manager"].load_input(context).toPandas()
@@ -785,19 +786,19 @@ def test_schema_accept_with_nothing_changed_records_nothing(services, pg_databas
     config_file = _config_file(cfg, tmp_path / "rowrelay.yaml")
     assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
     kafka = {"bootstrap.servers": services.kafka_bootstrap}
-    history = read_progress_history(kafka, channel_for(table))
+    history = read_progress_history(kafka, channel_for(table, PREFIX))
     capsys.readouterr()
     assert main(["--config", config_file, "schema", "accept", "--table", table.table_id, "--reason", "x"]) == 0
     out = capsys.readouterr().out
     assert (f"{table.table_id}: nothing to accept: the table's columns are those of its committed progress "
             "(up to 5); nothing was recorded") in out, out
-    assert read_progress_history(kafka, channel_for(table)) == history
+    assert read_progress_history(kafka, channel_for(table, PREFIX)) == history
 
     with pg_engine.begin() as conn:  # a real change is still recorded
         conn.execute(text(f"ALTER TABLE {name} ADD COLUMN extra int"))
     assert main(["--config", config_file, "schema", "accept", "--table", table.table_id, "--reason", "x"]) == 0
     assert "columns accepted (added extra)" in capsys.readouterr().out
-    assert len(read_progress_history(kafka, channel_for(table))) == len(history) + 1
+    assert len(read_progress_history(kafka, channel_for(table, PREFIX))) == len(history) + 1
 
 
 def test_an_interrupted_backfill_says_what_committed_and_how_to_continue(
@@ -871,7 +872,7 @@ def test_a_backfill_killed_after_a_commit_has_its_committed_slice_recorded_by_th
                 if r.asset_materialization is not None and r.asset_materialization.partition == first]
     assert len(recorded) == 1 and recorded[0].metadata["rows"].value == 10, recorded
     assert recorded[0].metadata["checksum"].value == next(
-        r for r in read_progress_history({"bootstrap.servers": services.kafka_bootstrap}, channel_for(table))
+        r for r in read_progress_history({"bootstrap.servers": services.kafka_bootstrap}, channel_for(table, PREFIX))
         if r.slice == first).checksum
 
 

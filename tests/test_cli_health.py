@@ -12,6 +12,7 @@ from sqlalchemy import text
 
 from orchestration.cli import main, verify_table
 from resources.config import RelayConfig
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import ROOT, Harness, read_topic, relay_config
 
 pytestmark = pytest.mark.integration
@@ -248,7 +249,7 @@ def test_after_a_reset_back_a_range_is_its_new_slices_not_the_old_ones(
     capsys.readouterr()
 
     kafka = {"bootstrap.servers": services.kafka_bootstrap}
-    found = records_in_range(kafka, channel_for(table), SliceRange(0, 200))
+    found = records_in_range(kafka, channel_for(table, PREFIX), SliceRange(0, 200))
     assert [r.slice for r in found] == [SliceRange(0, 100).key, SliceRange(100, 200).key]
     assert main(["--config", _config_file(cfg, tmp_path), "replay", "--table", table.table_id, "--from", "0",
                  "--to", "200", "--json"]) == 0

@@ -16,6 +16,7 @@ from sqlalchemy import text
 from orchestration.cli import main
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import read_committed_progress
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from tests.conftest import partition_ends
 from tests.pipeline import Harness, read_topic, relay_config
@@ -49,7 +50,7 @@ def lose_progress_and_messages(services, table: TableConfig) -> None:
     nothing of the table."""
     from assets.relay import channel_for
 
-    channel = channel_for(table)
+    channel = channel_for(table, PREFIX)
     admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
     admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
     end = partition_ends(services.kafka_bootstrap, table.topic_name)[1]
@@ -68,7 +69,7 @@ def lag_check_result(h: Harness, table: TableConfig, instance) -> Any:
 
     from assets.relay import LAG_CHECK, build_table_checks, source_resource_key
 
-    lag = next(c for c in build_table_checks(table) if LAG_CHECK in {k.name for k in c.check_keys})
+    lag = next(c for c in build_table_checks(table, PREFIX) if LAG_CHECK in {k.name for k in c.check_keys})
     context = build_asset_check_context(
         resources={source_resource_key(table.source): h.defs.resources[source_resource_key(table.source)],
                    "kafka_io_manager": h.defs.resources["kafka_io_manager"]}, instance=instance)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.conftest import Services
 from tests.test_faults import ROOT, FaultPipeline, fault_pipeline
 
@@ -47,7 +48,7 @@ def test_cli_backfill_keeps_order_and_respects_the_pool(pipeline: FaultPipeline)
     # Both committed before the backfill (the last may still be the sensor's run in flight): re-runs of them.
     conf = {"bootstrap.servers": pipeline.services.kafka_bootstrap}
     last = SliceRange.from_key(keys[-1])
-    progress = polled(lambda: read_committed_progress(conf, channel_for(table)),
+    progress = polled(lambda: read_committed_progress(conf, channel_for(table, PREFIX)),
                       lambda p: p is not None and p.hi >= last.hi, 120)
     assert progress is not None and progress.hi >= last.hi, (progress, last)
     with DagsterInstance.from_config(str(pipeline.home)) as instance:

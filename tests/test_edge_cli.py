@@ -13,6 +13,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from orchestration.cli import main
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 from tests.test_cli import tables_sharing_a_topic
@@ -347,7 +348,7 @@ def test_verify_waits_for_another_tables_open_transaction_in_a_shared_topic(
         release.wait(120)
         yield [OutgoingMessage(b'{"id":2}', b'{"id":2,"v":"b"}', 2)]
 
-    publisher = SlicePublisher(channel_for(b), conf)
+    publisher = SlicePublisher(channel_for(b, PREFIX), conf)
     writer = threading.Thread(target=publisher.publish, args=(SliceRange(0, 2), batches), daemon=True)
     writer.start()
     try:

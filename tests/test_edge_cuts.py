@@ -16,6 +16,7 @@ from assets.relay import asset_key, channel_for
 from orchestration.cli import main
 from orchestration.sensors import SensorState, cached_table_shape, latest_baseline
 from resources.exactly_once import ProgressRecord, read_committed_progress, read_progress_history
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import RowSkip, SliceRange
 from resources.source_database import SETTLED_ANSWERS, SourceDatabaseResource
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
@@ -190,7 +191,7 @@ def test_latest_baseline_waits_for_open_transactions(services, pg_database, pg_e
     with pg_engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {name} (v) VALUES ('new')"))  # id 4: after it
     h.drain(table, until_hi=4, timeout=60)
-    history = read_progress_history({"bootstrap.servers": services.kafka_bootstrap}, channel_for(table))
+    history = read_progress_history({"bootstrap.servers": services.kafka_bootstrap}, channel_for(table, PREFIX))
     assert history[0].slice == "baseline-3"
     assert _ids(services, table) == [4]
 
@@ -296,14 +297,14 @@ def test_a_baseline_never_overwrites_progress_committed_meanwhile(services, pg_d
     try:
         deadline = time.monotonic() + 60  # not 20 tries: the other pytest worker may hold an xid for seconds
         while standing is None and time.monotonic() < deadline:
-            standing, state = latest_baseline(source, cached_table_shape(source, table), table, channel_for(table),
-                                              conf, state)
+            standing, state = latest_baseline(source, cached_table_shape(source, table), table,
+                                              channel_for(table, PREFIX), conf, state)
             if standing is None:
                 time.sleep(0.2)
     finally:
         source.dispose()
     assert h.progress(table).hi == 5, "a baseline recorded over committed progress"
-    assert [r.slice for r in read_progress_history(conf, channel_for(table))].count("baseline-7") == 0
+    assert [r.slice for r in read_progress_history(conf, channel_for(table, PREFIX))].count("baseline-7") == 0
     assert standing is not None and (standing.lo, standing.hi) == (3, 5), standing
     h.drain(table, until_hi=7, timeout=60)
     assert _ids(services, table) == [4, 5, 6, 7]
@@ -441,7 +442,7 @@ def test_reset_reports_the_progress_it_replaced_while_a_publisher_keeps_committi
     path = tmp_path / "rowrelay.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
     table = cfg.tables[0]
-    channel = channel_for(table)
+    channel = channel_for(table, PREFIX)
     running = SlicePublisher(channel, {"bootstrap.servers": services.kafka_bootstrap})
     committed: list[int] = []
     fenced: list[Exception] = []

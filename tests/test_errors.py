@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from tests.pipeline import Harness, read_topic, relay_config
 
@@ -151,7 +152,7 @@ def test_a_run_fenced_between_its_slices_still_records_the_slices_it_committed(s
     small, large = SliceRange(0, 10), SliceRange(10, 100_010)
     dagster_instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [small.key, large.key])
     both = f"{small.key}...{large.key}"
-    channel = channel_for(table)
+    channel = channel_for(table, PREFIX)
 
     def fence_after_first_commit() -> None:
         polled(lambda: h.progress(table), lambda p: p is not None and p.hi == 10, timeout=60)

@@ -29,6 +29,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from orchestration.cli import verify_table
 from resources.config import RelayConfig
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import datetime_to_micros
 from stack import local as stack
 from tests.conftest import Services, unique
@@ -182,7 +183,7 @@ class FaultPipeline:
 
         conf = {"bootstrap.servers": self.services.kafka_bootstrap}
         while True:
-            done = {t.table_id: (p.hi if (p := read_committed_progress(conf, channel_for(t))) else 0)
+            done = {t.table_id: (p.hi if (p := read_committed_progress(conf, channel_for(t, PREFIX))) else 0)
                     for t in self.config.tables}
             if all(done[k] >= v for k, v in target.items()):
                 break
@@ -508,7 +509,8 @@ def test_zombie_publisher_resumes_after_takeover(pipeline: FaultPipeline) -> Non
         conn.execute(text("INSERT INTO orders (v) SELECT g FROM generate_series(1, 50) g"))
         top = conn.execute(text("SELECT max(id) FROM orders")).scalar()
     # The next slice after what Kafka says is committed (a killed run may have left later partitions unrun).
-    committed = read_committed_progress({"bootstrap.servers": pipeline.services.kafka_bootstrap}, channel_for(table))
+    committed = read_committed_progress({"bootstrap.servers": pipeline.services.kafka_bootstrap},
+                                        channel_for(table, PREFIX))
     new_key = SliceRange(committed.hi if committed else 0, top).key
     with DagsterInstance.from_config(str(pipeline.home)) as instance:
         instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [new_key])

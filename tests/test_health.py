@@ -10,6 +10,7 @@ from sqlalchemy import text
 from assets.relay import LAG_CHECK, PARITY_CHECK, asset_key, channel_for, evaluate_parity
 from orchestration.factory import lag_sensor_name
 from resources.exactly_once import ProgressRecord, SlicePublisher
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.source_database import SourceDatabaseResource
 from tests.pipeline import Harness, drained_then_moved_to_another_prefix, relay_config
 
@@ -56,7 +57,7 @@ def test_slice_parity_passes_in_runs_and_fails_with_both_figures(services, pg_da
     # Forged progress records for the slice, each disagreeing with the messages in Kafka (before, the check
     # compared the record's checksum with the same checksum kept in the slice's materialization: it could not
     # fail on anything Kafka holds).
-    channel = channel_for(table)
+    channel = channel_for(table, PREFIX)
     real = h.progress(table)
     assert real is not None and (real.lo, real.hi) == (200, 300)
     (part, (first, last)), = real.offsets.items()
@@ -190,7 +191,8 @@ def test_lag_goes_red_for_a_table_that_never_committed_and_warns_when_unmeasurab
     from assets.relay import channel_for, source_resource_key
     from orchestration.factory import lag_tick
 
-    _, note = lag_tick(dagster_instance, table, channel_for(table), h.defs.resources[source_resource_key(table.source)],
+    _, note = lag_tick(dagster_instance, table, channel_for(table, PREFIX),
+                       h.defs.resources[source_resource_key(table.source)],
                        {"bootstrap.servers": services.kafka_bootstrap}, {"outcome": "WARN", "at": time.time()},
                        time.time())
     assert note.startswith("lag recorded"), note

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from resources.config import TableConfig
 from resources.exactly_once import ProgressRecord, tiling
 from resources.history import HistoryPolicy, plan_rollups, summarize
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from tests.private_servers import free_port
 
@@ -237,7 +238,7 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
         instance.report_runless_asset_event(AssetMaterialization(asset_key(table), partition=k))
 
     started, now = time.monotonic(), datetime.now(UTC)
-    result = compact_table(instance, table, conf, full=True, job_name=job_name(table), now=now)
+    result = compact_table(instance, table, conf, PREFIX, full=True, job_name=job_name(table), now=now)
     with capsys.disabled():
         print(f"compaction: {result.line()} (wall {time.monotonic() - started:.1f} s)")
     after = instance.get_dynamic_partitions(name)
@@ -258,12 +259,12 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
     mat = next(r.asset_materialization for r in instance.fetch_materializations(asset_key(table), limit=200).records
                if r.asset_materialization is not None and r.asset_materialization.partition == wide.key)
     meta = {k: v.value for k, v in mat.metadata.items()}
-    records = records_in_range(conf, channel_for(table), wide)
+    records = records_in_range(conf, channel_for(table, PREFIX), wide)
     assert len(records) == meta["slices"] == meta["rows"] == wide.hi - wide.lo
     assert meta["checksum"] == summarize(records)["checksum"]
     assert meta["offsets"] == summarize(records)["offsets"]
 
-    again = compact_table(instance, table, conf, job_name=job_name(table), now=now)  # reads the last days only
+    again = compact_table(instance, table, conf, PREFIX, job_name=job_name(table), now=now)  # reads the last days only
     assert (again.rollups, again.keys_after) == (0, len(after)), again  # nothing more due at the same time
 
     report = verify_table(config, table)
@@ -301,7 +302,7 @@ def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dag
 
     config, table = history
     # The policy has run (a no-op after the scale test): the page shows the rolled-up history.
-    compact_table(dagster_instance, table, {"bootstrap.servers": config.kafka.bootstrap_servers}, full=True,
+    compact_table(dagster_instance, table, {"bootstrap.servers": config.kafka.bootstrap_servers}, PREFIX, full=True,
                   job_name=job_name(table))
     keys = dagster_instance.get_dynamic_partitions(partitions_for(table).name)
     assert len(keys) <= 5000
@@ -477,7 +478,7 @@ def test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using(services, pg_database
 
     ui_run = create_run_for_test(dagster_instance, job_name="__ASSET_JOB", status=DagsterRunStatus.NOT_STARTED,
                                  asset_selection=frozenset({asset_key(table)}))
-    result = history.compact_table(dagster_instance, table, kafka, full=True, job_name=job_name(table))
+    result = history.compact_table(dagster_instance, table, kafka, PREFIX, full=True, job_name=job_name(table))
     assert result.skipped == "runs active; later"
     dagster_instance.report_run_canceled(ui_run)
 
@@ -489,7 +490,7 @@ def test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using(services, pg_database
         return reading(*args, **kwargs)
 
     monkeypatch.setattr(history, "read_records", read_records_while_a_cut_lands)
-    result = history.compact_table(dagster_instance, table, kafka, full=True, job_name=job_name(table))
+    result = history.compact_table(dagster_instance, table, kafka, PREFIX, full=True, job_name=job_name(table))
     assert result.skipped == "keys or runs changed meanwhile; later"
     assert dagster_instance.get_dynamic_partitions(partitions) == [*before, cut]  # untouched, in order
 
@@ -521,7 +522,7 @@ def test_compaction_replaces_keys_in_one_transaction_beside_cuts_crashes_and_oth
     before = instance.get_dynamic_partitions(partitions)
 
     def compact(at: datetime) -> history.CompactResult:
-        return history.compact_table(instance, table, kafka, full=True, job_name=job_name(table), now=at)
+        return history.compact_table(instance, table, kafka, PREFIX, full=True, job_name=job_name(table), now=at)
 
     # A cut lands after the compaction's last look at the keys, before it replaces them: nothing is replaced.
     cut = SliceRange(200, 210).key
@@ -634,7 +635,7 @@ def test_a_reset_racing_a_compaction_leaves_keys_tiling_progress(services, pg_da
     monkeypatch.setattr(history, "read_records", read_records_then_wait)
     monkeypatch.setattr(history, "replace_keys", compaction_lands_first)
     compaction = threading.Thread(target=lambda: results.append(history.compact_table(
-        dagster_instance, table, kafka, full=True, job_name=job_name(table), now=now + timedelta(days=2))))
+        dagster_instance, table, kafka, PREFIX, full=True, job_name=job_name(table), now=now + timedelta(days=2))))
     compaction.start()
     assert planned.wait(120), "the compaction did not get to its plan"
     code = main(["--config", str(path), "reset", "--table", table.table_id, "--after", "100", "--reason", "race"])
@@ -739,25 +740,26 @@ def test_incremental_compaction_rolls_daily_keys_into_their_month(services, pg_d
 
     table, kafka, times = _seed(services, pg_database, dagster_instance, 200, 4)  # Jan 11 11:50 .. Jan 15 11:50
     at = T0 + timedelta(days=88)  # the monthly horizon at Jan 13 12:00
-    compact_table(dagster_instance, table, kafka, full=True, now=at)
+    compact_table(dagster_instance, table, kafka, PREFIX, full=True, now=at)
     month, days = _before(times, _day(13) + timedelta(hours=12)), [_before(times, _day(d)) for d in (14, 15)]
     assert _his(dagster_instance, table) == [month, *days, 200]  # January so far, days 13 (rest), 14, 15
 
     at += timedelta(days=1)  # the key of Jan 13 turns 90 days old
-    result = compact_table(dagster_instance, table, kafka, now=at)
+    result = compact_table(dagster_instance, table, kafka, PREFIX, now=at)
     assert (result.rollups, [d["bucket"] for d in result.details]) == (1, ["m2025-01"]), result
     assert _his(dagster_instance, table) == [*days, 200]
 
     at += timedelta(days=3)  # all of it
-    result = compact_table(dagster_instance, table, kafka, now=at)
+    result = compact_table(dagster_instance, table, kafka, PREFIX, now=at)
     assert _his(dagster_instance, table) == [200] and not result.full, result
     # The month's figures are those of all its slices (records read back from the month's start).
     mat = dagster_instance.fetch_materializations(asset_key(table), limit=1).records[0].asset_materialization
     meta = {k: v.value for k, v in mat.metadata.items()}
-    expected = summarize(records_in_range(kafka, channel_for(table), SliceRange(0, 200)))
+    expected = summarize(records_in_range(kafka, channel_for(table, PREFIX), SliceRange(0, 200)))
     assert (mat.partition, meta["slices"], meta["checksum"]) == (SliceRange(0, 200).key, 200, expected["checksum"])
 
-    idle = compact_table(dagster_instance, table, kafka, now=at + timedelta(minutes=10))  # no key crossed a horizon
+    # No key crossed a horizon.
+    idle = compact_table(dagster_instance, table, kafka, PREFIX, now=at + timedelta(minutes=10))
     assert (idle.rollups, idle.records_read, idle.full) == (0, 0, False), idle
 
 
@@ -769,12 +771,12 @@ def test_incremental_compaction_rolls_with_rollup_after_of_days(services, pg_dat
 
     table, kafka, times = _seed(services, pg_database, dagster_instance, 200, 4, rollup_after_seconds=4 * 86_400)
     at = T0 + timedelta(days=2)  # slices committed up to Jan 13 12:00 are 4 days old
-    compact_table(dagster_instance, table, kafka, full=True, now=at)
+    compact_table(dagster_instance, table, kafka, PREFIX, full=True, now=at)
     rolled = _before(times, _day(13) + timedelta(hours=12))
     assert _his(dagster_instance, table) == [_before(times, _day(12)), _before(times, _day(13)), rolled,
                                              *range(rolled + 1, 201)]
 
-    result = compact_table(dagster_instance, table, kafka, now=at + timedelta(days=4))  # all 4 days old
+    result = compact_table(dagster_instance, table, kafka, PREFIX, now=at + timedelta(days=4))  # all 4 days old
     assert result.rollups == 3, result  # Jan 13 (its rest joins its key), 14, 15
     assert _his(dagster_instance, table) == [*(_before(times, _day(d)) for d in (12, 13, 14, 15)), 200]
     assert not result.full, result  # read: the records from Jan 13 on, not the whole topic
@@ -788,9 +790,9 @@ def test_incremental_compaction_after_the_sensor_was_down_for_days(services, pg_
 
     table, kafka, times = _seed(services, pg_database, dagster_instance, 100, 1)  # Jan 14 11:50 .. Jan 15 11:50
     at = T0 + timedelta(hours=3)
-    compact_table(dagster_instance, table, kafka, full=True, now=at)
+    compact_table(dagster_instance, table, kafka, PREFIX, full=True, now=at)
     assert len(_his(dagster_instance, table)) > 10  # a daily key of Jan 14 up to 15:00, then hourly keys
 
-    result = compact_table(dagster_instance, table, kafka, now=at + timedelta(days=5))
+    result = compact_table(dagster_instance, table, kafka, PREFIX, now=at + timedelta(days=5))
     assert _his(dagster_instance, table) == [_before(times, _day(15)), 100]
     assert not result.full, result

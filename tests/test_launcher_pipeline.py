@@ -14,6 +14,7 @@ import pytest
 import yaml
 from sqlalchemy import text
 
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.conftest import Services
 from tests.pipeline import read_topic
 from tests.test_faults import FaultPipeline, fault_pipeline
@@ -36,7 +37,7 @@ def committed_hi(p: FaultPipeline) -> int:
     from resources.exactly_once import read_committed_progress
 
     progress = read_committed_progress({"bootstrap.servers": p.services.kafka_bootstrap},
-                                       channel_for(p.config.tables[0]))
+                                       channel_for(p.config.tables[0], PREFIX))
     return progress.hi if progress else 0
 
 

@@ -15,6 +15,7 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from assets.relay import build_table_slices, channel_for
 from orchestration.cli import main
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from resources.source_database import SourceDatabaseResource, SourceError
 from resources.spark import SparkResource
@@ -81,7 +82,7 @@ def test_postgres_standby_is_refused_where_rows_are_cut_or_read(pg_pair, service
                                                             "watermark": "id", "settle_seconds": 0}])
         table = cfg.tables[0]
         with pytest.raises(SourceError, match="PostgreSQL standby"):
-            build_table_slices(standby, SparkResource(master="local[1]"), table, channel_for(table),
+            build_table_slices(standby, SparkResource(master="local[1]"), table, channel_for(table, PREFIX),
                                [SliceRange(0, 3)], 0)
         # As a user meets it: `rowrelay backfill` fails with that message, and nothing reaches Kafka.
         config_file = tmp_path / "rowrelay.yaml"

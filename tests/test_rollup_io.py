@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import text
 
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import Harness, read_topic, relay_config
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,7 @@ def test_rollup_key_loads_every_row_back_and_a_rerun_publishes_nothing(services,
     assert len(keys) == 3
     conf = h.defs.resources["kafka_io_manager"].kafka_conf()
     # Two hours on, the three slices are one hour's history: one roll-up key replaces them.
-    result = compact_table(dagster_instance, table, conf, now=datetime.now(UTC) + timedelta(hours=2), full=True)
+    result = compact_table(dagster_instance, table, conf, PREFIX, now=datetime.now(UTC) + timedelta(hours=2), full=True)
     rollup = SliceRange(0, 900).key
     assert list(dagster_instance.get_dynamic_partitions(partitions_for(table).name)) == [rollup], result.line()
 
@@ -60,7 +61,7 @@ def test_rollup_key_loads_every_row_back_and_a_rerun_publishes_nothing(services,
     again = h.run(table, rollup)  # a re-run (or backfill) of the roll-up key: committed, so nothing is published
     assert again.success
     meta = h.materialization(table, rollup)
-    expected = summarize(records_in_range(conf, channel_for(table), SliceRange(0, 900)))
+    expected = summarize(records_in_range(conf, channel_for(table, PREFIX), SliceRange(0, 900)))
     assert meta["already_committed"] is True
     assert (meta["rows"], meta["checksum"], meta["watermark_lo"], meta["watermark_hi"]) == (
         900, expected["checksum"], 0, 900)
@@ -83,7 +84,7 @@ def test_a_rerun_of_the_part_a_reset_kept_inside_a_rollup_reports_its_rows(servi
     table = harness.table()
     harness.drain(table)
     conf = harness.defs.resources["kafka_io_manager"].kafka_conf()
-    compact_table(dagster_instance, table, conf, now=datetime.now(UTC) + timedelta(hours=2), full=True)
+    compact_table(dagster_instance, table, conf, PREFIX, now=datetime.now(UTC) + timedelta(hours=2), full=True)
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     path = harness.config_file()
     assert main(["--config", str(path), "reset", "--table", table.table_id, "--after", "450", "--reason", "t"]) == 0

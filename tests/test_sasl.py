@@ -18,6 +18,7 @@ from sqlalchemy.engine import URL
 
 from resources.config import RelayConfig, TableConfig, parse_config
 from resources.exactly_once import ProgressRecord, read_committed_progress
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from tests.pipeline import Harness, assert_exactly_once, read_topic, source_url
 from tests.test_errors import failure_text
@@ -76,7 +77,7 @@ class SaslHarness(Harness):
     def progress(self, table: TableConfig) -> ProgressRecord | None:
         from assets.relay import channel_for
 
-        return read_committed_progress({"bootstrap.servers": self.plain_bootstrap}, channel_for(table))
+        return read_committed_progress({"bootstrap.servers": self.plain_bootstrap}, channel_for(table, PREFIX))
 
 
 def _table(engine: Any, name: str, rows: int) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 from tests.test_errors import failure_text
 
@@ -152,7 +153,7 @@ def test_columns_changed_mid_run(request, services, dagster_instance, spark, nam
     result = h.run(table, run_key, raise_on_error=False)
 
     conf = {"bootstrap.servers": services.kafka_bootstrap}
-    records = [r for r in live_records(read_progress_history(conf, channel_for(table))) if r.hi > r.lo]
+    records = [r for r in live_records(read_progress_history(conf, channel_for(table, PREFIX))) if r.hi > r.lo]
     messages = read_topic(services.kafka_bootstrap, table.topic_name)
     progress = h.progress(table)
     assert progress is not None

@@ -19,6 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL
 
 from resources.jdbc import jdbc_options
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config
 from tests.test_errors import failure_text
@@ -119,7 +120,7 @@ def test_wrong_ca_fails_clearly_and_publishes_nothing(services, pg_database, pg_
     try:
         shape = good_source.table_shape("public", view, "id")
         reader = SparkResource(master="local[2]", jars=services.jdbc_jars)
-        frame = SliceFrame(channel_for(h.table()), SliceRange(3, 5), expected_rows=2,
+        frame = SliceFrame(channel_for(h.table(), PREFIX), SliceRange(3, 5), expected_rows=2,
                            read_chunk=lambda sub, rows: reader.read_slice(wrong_source, shape, sub, rows))
         with pytest.raises(SourceReadError, match="unable to find valid certification path") as info:
             frame.fetch(SliceRange(3, 5), 2)
@@ -179,7 +180,7 @@ def test_mariadb_tls_request_reaches_the_spark_read(services, mariadb_database, 
         reader = SparkResource(master="local[2]", jars=services.jdbc_jars)
 
         def frame(source: SourceDatabaseResource) -> SliceFrame:
-            return SliceFrame(channel_for(cfg.tables[0]), SliceRange(0, 2), expected_rows=2,
+            return SliceFrame(channel_for(cfg.tables[0], PREFIX), SliceRange(0, 2), expected_rows=2,
                               read_chunk=lambda sub, rows: reader.read_slice(source, shape, sub, rows))
 
         assert frame(plain).fetch(SliceRange(0, 2), 2).num_rows == 2

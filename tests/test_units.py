@@ -22,6 +22,7 @@ from resources.exactly_once import (
     slice_checksum,
     tiling,
 )
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, settle
 
 
@@ -130,7 +131,7 @@ def test_config_defaults_and_names() -> None:
 
     orders, refunds, carts = parse_config(shared).tables
     assert orders.topic_shared_with == ("shop.public.refunds",) and refunds.topic_shared_with == ("shop.public.orders",)
-    assert carts.topic_shared_with == () and channel_for(refunds).shared_with == ("shop.public.orders",)
+    assert carts.topic_shared_with == () and channel_for(refunds, PREFIX).shared_with == ("shop.public.orders",)
 
 
 @pytest.mark.parametrize(("change", "message"), [

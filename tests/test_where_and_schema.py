@@ -6,6 +6,7 @@ import pytest
 from sqlalchemy import text
 
 from resources.config import ConfigError, parse_config
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, topic_names
 from tests.test_errors import failure_text
 
@@ -66,7 +67,7 @@ def test_verify_expects_each_slice_by_the_filter_it_was_published_with(services,
     from resources.source_database import SourceDatabaseResource
 
     records = [r for r in live_records(read_progress_history({"bootstrap.servers": services.kafka_bootstrap},
-                                                             channel_for(table))) if r.hi > r.lo]
+                                                             channel_for(table, PREFIX))) if r.hi > r.lo]
     assert sum(r.rows for r in records) == len(sent)
     for config in (cfg, relay_config(services, {"src": pg_database}, [base])):  # today's filter, or none at all
         report = verify_table(config, config.tables[0])

@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, text
 
 from assets.relay import channel_for
 from resources.config import RelayConfig, TableConfig
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.conftest import Services, unique
 from tests.explorer import faults, oracle
 from tests.explorer.schedule import TABLES, Schedule, Step
@@ -146,7 +147,8 @@ def replay(w: World, step: Step) -> None:
     from resources.exactly_once import read_progress_history
 
     table = w.tables[step.table]
-    history = [r for r in read_progress_history(kafka_conf(w.config), channel_for(table)) if r.rows and r.hi > r.lo]
+    history = [r for r in read_progress_history(kafka_conf(w.config), channel_for(table, PREFIX))
+               if r.rows and r.hi > r.lo]
     if not history:
         w.say("  nothing committed to replay")
         return
@@ -170,7 +172,7 @@ def catch_up_and_check(w: World, timeout: float = 300.0, only: int | None = None
             problems.append(f"{table.table_id}: no catch-up: {exc}")
             continue
         engine = w.writers.engines[TABLES[i][0]]
-        found = oracle.check_table(w.config, table, engine, w.writers.models[i], channel_for(table).table,
+        found = oracle.check_table(w.config, table, engine, w.writers.models[i], channel_for(table, PREFIX).table,
                                    w.services.kafka_bootstrap, set(w.writers.added.get(i, [])))
         problems.extend(f"{table.table_id}: {p}" for p in found)
     w.problems.extend(problems)
