@@ -38,6 +38,7 @@ from dagster import (
     failure_hook,
 )
 
+from resources import keys
 from resources.config import TableConfig
 from resources.exactly_once import (
     BadRowError,
@@ -60,6 +61,7 @@ from resources.kafka_io_manager import (
     inherited_stop_cleared,
     stopped_tags,
 )
+from resources.keys import WORKER_HOST_TAG, WORKER_PID_TAG, WORKER_RUN_TAG
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import RowSkip, SliceRange, watermark_text
 from resources.source_database import (
@@ -76,12 +78,6 @@ from resources.spark import SparkResource, SparkUnreachable
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-WORKER_PID_TAG = "rowrelay/worker_pid"
-# Where that pid means the run's process: the host name, its boot and the pid namespace (containers on one host can
-# share a host name, not a pid namespace).
-WORKER_HOST_TAG = "rowrelay/worker_host"
-# The run that set them: run retries copy a run's tags, and a retry must not be judged by its parent's dead pid.
-WORKER_RUN_TAG = "rowrelay/worker_run"
 
 
 @functools.cache  # one process, one host, boot and pid namespace; asked for each run on every sensor tick
@@ -515,7 +511,7 @@ def recorded_published(instance: DagsterInstance, key: AssetKey, partition_keys:
                 if m is None or m.partition not in wanted:
                     continue
                 wanted.discard(m.partition)
-                upto = m.metadata.get("rowrelay/published_up_to")
+                upto = m.metadata.get(keys.PUBLISHED_UP_TO)
                 out[m.partition] = int(upto.value) if upto is not None else SliceRange.from_key(m.partition).hi
             if not page.has_more:
                 break
@@ -557,7 +553,7 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str) -> Asset
         kinds={"spark", "kafka"},
         description=f"Rows of {table.table} (source {table.source}) -> Kafka topic {channel.topic}, "
                     f"one partition per watermark slice of {table.watermark}.",
-        metadata={**channel_metadata(channel), "rowrelay/watermark": table.watermark},
+        metadata={**channel_metadata(channel), keys.WATERMARK: table.watermark},
         # A backfill of many slices is one run, not one per slice (worker start dominates small slices).
         backfill_policy=BackfillPolicy.single_run(),
     )
@@ -752,7 +748,7 @@ def build_parity_after_failure_hook(table: TableConfig, transactional_id_prefix:
             severity=result.severity or AssetCheckSeverity.ERROR,
             description=result.description or f"{table.table_id}: {len(keys)} slice(s) committed by run "
                                               f"{context.run_id} before it failed at a later slice",
-            metadata={**result.metadata, "rowrelay/run_failed_later": context.run_id}))
+            metadata={**result.metadata, keys.RUN_FAILED_LATER: context.run_id}))
 
     return parity_after_failure
 

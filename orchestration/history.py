@@ -31,6 +31,7 @@ from dagster import (
 )
 
 from assets.relay import asset_key, channel_for, partitions_for
+from resources import keys
 from resources.config import TableConfig
 from resources.exactly_once import (
     START_MARK_KEYS,
@@ -167,7 +168,7 @@ def _delete_keys_in(conn: Any, partitions_name: str, keys: list[str]) -> None:
 
 
 def note_key(partitions_name: str) -> str:
-    return f"rowrelay/history/{partitions_name}"
+    return keys.history_note_key(partitions_name)
 
 
 def read_note(instance: DagsterInstance, partitions_name: str) -> dict[str, Any] | None:

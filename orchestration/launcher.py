@@ -87,7 +87,9 @@ from dagster._serdes import ConfigurableClass, ConfigurableClassData  # dagster.
 from dagster._utils.hosted_user_process import recon_repository_from_origin  # loads a code origin's definitions
 from dagster._utils.interrupts import setup_interrupt_handlers  # SIGTERM -> interrupt, as Dagster's workers
 
-WORKER_TAG = "rowrelay/warm_worker"  # JSON {pid, host, start, server_pid}: what health checks and terminate use
+from resources.keys import WARM_WORKER_TAG
+
+WORKER_TAG = WARM_WORKER_TAG
 DEFAULT_PRELOAD = ("dagster", "pandas", "pyarrow", "confluent_kafka", "sqlalchemy", "pyspark.sql.connect.session")
 ROOT = Path(__file__).resolve().parents[1]
 RELEASE_WAIT_S = 2.0  # how long a worker whose go's answer was lost is watched (`WarmRunLauncher._released`)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from dagster import AssetMaterialization, ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
 from pydantic import Field
 
+from resources import keys as meta_keys
 from resources.config import resolve_env
 from resources.exactly_once import (
     WATERMARK_HEADER,
@@ -32,6 +33,7 @@ from resources.exactly_once import (
     tiles_by_range,
 )
 from resources.history import summarize
+from resources.keys import CHANNEL_METADATA, COMMITTED_BEFORE_FAILURE_TAG, STOPPED_TAG
 from resources.messages import ReadAhead, SliceFrame, TableSlices
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX
 from resources.slices import SliceRange
@@ -41,8 +43,6 @@ from resources.spark import SparkResource
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-# Set on a run that failed for a reason a retry cannot fix (bad row, source error, fenced): the sensor backs off.
-STOPPED_TAG = "rowrelay/stopped"
 # Dagster's documented run tag: a run that fails with it "false" is not re-executed by run retries
 # (dagster.yaml run_retries), which would otherwise repeat a stopped run five times.
 RETRY_ON_FAILURE_TAG = "dagster/retry_on_asset_or_op_failure"
@@ -63,10 +63,6 @@ def inherited_stop_cleared(tags: Mapping[str, str], retry_default: bool) -> dict
     return {STOPPED_TAG: "", RETRY_ON_FAILURE_TAG: "true" if retry_default else "false"}
 
 
-# On a run that failed at slice k: the first and last of the slices it committed before k, as
-# `<run id>/<first>...<last>` (keys in chain order), for the asset's failure hook, which checks their parity
-# (assets/relay.py). The run id: Dagster's retry of the run copies its tags, but not what it committed.
-COMMITTED_BEFORE_FAILURE_TAG = "rowrelay/committed_before_failure"
 # Publish errors a retry of the run cannot fix, and the STOPPED_TAG value each sets.
 STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
     (TransactionTimedOut, "transaction_timeout"),  # before "fenced": the coordinator's abort looks like one
@@ -80,8 +76,6 @@ STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
     (ProgressShared, "progress_shared"),
 )
 _STOPPING_ERRORS = tuple(cls for cls, _ in STOP_REASONS)
-CHANNEL_METADATA = ("rowrelay/table", "rowrelay/topic", "rowrelay/progress_topic", "rowrelay/transactional_id",
-                    "rowrelay/start_after")
 
 
 def named_row(obj: TableSlices, bad: BadRowError) -> BadRowError:
@@ -106,9 +100,10 @@ def progress_metadata(p: ProgressRecord) -> dict[str, Any]:
 
 def channel_metadata(channel: TableChannel) -> dict[str, Any]:
     """Definition metadata an asset carries so load_input can find its channel."""
-    return {"rowrelay/table": channel.table, "rowrelay/topic": channel.topic,
-            "rowrelay/progress_topic": channel.progress_topic,
-            "rowrelay/transactional_id": channel.transactional_id, "rowrelay/start_after": channel.start_after}
+    return {meta_keys.CHANNEL_TABLE: channel.table, meta_keys.CHANNEL_TOPIC: channel.topic,
+            meta_keys.CHANNEL_PROGRESS_TOPIC: channel.progress_topic,
+            meta_keys.CHANNEL_TRANSACTIONAL_ID: channel.transactional_id,
+            meta_keys.CHANNEL_START_AFTER: channel.start_after}
 
 
 class KafkaIOManager(ConfigurableIOManager):
@@ -303,7 +298,7 @@ class KafkaIOManager(ConfigurableIOManager):
             except Exception as exc:  # noqa: BLE001 - as below: the run's own failure is what must surface
                 context.log.warning(f"{obj.channel.table}: could not tag the run with its committed slices: {exc}")
         for key in committed:  # not those committed before this run: their own materializations exist
-            metadata = {**self.slice_metadata(obj, records[key][0]), "rowrelay/run_failed_later": step.run_id}
+            metadata = {**self.slice_metadata(obj, records[key][0]), meta_keys.RUN_FAILED_LATER: step.run_id}
             try:
                 step.instance.report_runless_asset_event(AssetMaterialization(
                     asset_key=context.asset_key, partition=key, metadata=metadata,
@@ -361,10 +356,10 @@ class KafkaIOManager(ConfigurableIOManager):
         missing = [k for k in CHANNEL_METADATA if k not in meta]
         if missing:
             raise Failure(f"upstream asset has no rowrelay channel metadata {missing}")
-        channel = TableChannel(table=meta["rowrelay/table"], topic=meta["rowrelay/topic"],
-                               progress_topic=meta["rowrelay/progress_topic"],
-                               transactional_id=meta["rowrelay/transactional_id"],
-                               start_after=int(meta["rowrelay/start_after"]))
+        channel = TableChannel(table=meta[meta_keys.CHANNEL_TABLE], topic=meta[meta_keys.CHANNEL_TOPIC],
+                               progress_topic=meta[meta_keys.CHANNEL_PROGRESS_TOPIC],
+                               transactional_id=meta[meta_keys.CHANNEL_TRANSACTIONAL_ID],
+                               start_after=int(meta[meta_keys.CHANNEL_START_AFTER]))
         keys = context.asset_partition_keys if context.has_asset_partitions else []
         if not keys:
             raise Failure("load_input reads published slices: select at least one partition")
