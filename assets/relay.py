@@ -38,7 +38,6 @@ from dagster import (
     failure_hook,
 )
 
-from resources import keys
 from resources.config import TableConfig
 from resources.exactly_once import (
     BadRowError,
@@ -61,7 +60,7 @@ from resources.kafka_io_manager import (
     inherited_stop_cleared,
     stopped_tags,
 )
-from resources.keys import WORKER_HOST_TAG, WORKER_PID_TAG, WORKER_RUN_TAG
+from resources.keys import PUBLISHED_UP_TO, RUN_FAILED_LATER, WATERMARK, WORKER_HOST_TAG, WORKER_PID_TAG, WORKER_RUN_TAG
 from resources.messages import SliceFrame, TableSlices, message_columns
 from resources.slices import RowSkip, SliceRange, watermark_text
 from resources.source_database import (
@@ -511,7 +510,7 @@ def recorded_published(instance: DagsterInstance, key: AssetKey, partition_keys:
                 if m is None or m.partition not in wanted:
                     continue
                 wanted.discard(m.partition)
-                upto = m.metadata.get(keys.PUBLISHED_UP_TO)
+                upto = m.metadata.get(PUBLISHED_UP_TO)
                 out[m.partition] = int(upto.value) if upto is not None else SliceRange.from_key(m.partition).hi
             if not page.has_more:
                 break
@@ -553,7 +552,7 @@ def build_table_asset(table: TableConfig, transactional_id_prefix: str) -> Asset
         kinds={"spark", "kafka"},
         description=f"Rows of {table.table} (source {table.source}) -> Kafka topic {channel.topic}, "
                     f"one partition per watermark slice of {table.watermark}.",
-        metadata={**channel_metadata(channel), keys.WATERMARK: table.watermark},
+        metadata={**channel_metadata(channel), WATERMARK: table.watermark},
         # A backfill of many slices is one run, not one per slice (worker start dominates small slices).
         backfill_policy=BackfillPolicy.single_run(),
     )
@@ -748,7 +747,7 @@ def build_parity_after_failure_hook(table: TableConfig, transactional_id_prefix:
             severity=result.severity or AssetCheckSeverity.ERROR,
             description=result.description or f"{table.table_id}: {len(keys)} slice(s) committed by run "
                                               f"{context.run_id} before it failed at a later slice",
-            metadata={**result.metadata, keys.RUN_FAILED_LATER: context.run_id}))
+            metadata={**result.metadata, RUN_FAILED_LATER: context.run_id}))
 
     return parity_after_failure
 

@@ -51,7 +51,6 @@ from orchestration.exits import (  # noqa: E402
     bound_process_end,
     finish,
 )
-from resources import keys  # noqa: E402
 from resources.config import ConfigError, RelayConfig, TableConfig, load_config, resolve_env  # noqa: E402
 from resources.exactly_once import (  # noqa: E402
     RESET_PREFIX,
@@ -68,6 +67,14 @@ from resources.exactly_once import (  # noqa: E402
     recorded_watermark_kind,
     refuse_watermark_change,
     watermark_change,
+)
+from resources.keys import (  # noqa: E402
+    BACKFILL_TAG,
+    BEFORE_RESET_OF,
+    PUBLISHED_UP_TO,
+    REPLAY_ID,
+    RESET_AFTER,
+    RUN_FAILED_LATER,
 )
 from resources.slices import (  # noqa: E402
     RowSkip,
@@ -1084,7 +1091,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
                     wait_for_running_runs(instance, job_name(table), table.table_id, on_dead=partial(
                         record_slices_of_dead_run, instance, table, io_manager.kafka_conf(), channel))
                     tags = {ASSET_PARTITION_RANGE_START_TAG: group[0].key,
-                            ASSET_PARTITION_RANGE_END_TAG: group[-1].key, keys.BACKFILL_TAG: "cli"}
+                            ASSET_PARTITION_RANGE_END_TAG: group[-1].key, BACKFILL_TAG: "cli"}
                     result = job.execute_in_process(run_config=run_config, instance=instance, tags=tags,
                                                     raise_on_error=False)
                     if not result.success and run_interrupted(result):
@@ -1168,7 +1175,7 @@ def record_slices_of_dead_run(instance: Any, table: TableConfig, conf: dict[str,
         instance.report_runless_asset_event(AssetMaterialization(
             asset_key=asset_key(table), partition=key,
             description=f"slice {key} committed by run {run.run_id}, whose process died before recording it",
-            metadata={**progress_metadata(p), keys.RUN_FAILED_LATER: run.run_id}))
+            metadata={**progress_metadata(p), RUN_FAILED_LATER: run.run_id}))
     return [k for k in committed if k not in recorded]
 
 
@@ -1383,7 +1390,7 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
             of = f" of {key}" if part.key != key else ""
             instance.report_runless_asset_event(AssetMaterialization(
                 asset_key=asset_key(table), partition=part.key, description=f"rows {part}{of}, {what}",
-                metadata={keys.BEFORE_RESET_OF: key, keys.PUBLISHED_UP_TO: sent_to,
+                metadata={BEFORE_RESET_OF: key, PUBLISHED_UP_TO: sent_to,
                           "reason": args.reason}))
 
         for key, below in kept:  # else (lo, W] would have no partition
@@ -1392,7 +1399,7 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
             settle(key, SliceRange.from_key(key))
         instance.report_runless_asset_event(AssetObservation(
             asset_key=asset_key(table), description=f"rowrelay reset: new baseline after watermark {text(args.after)}",
-            metadata={keys.RESET_AFTER: args.after, "reason": args.reason,
+            metadata={RESET_AFTER: args.after, "reason": args.reason,
                       "previous_progress": before.hi if before else MetadataValue.null(),
                       "partitions_deleted": len(dropped), "partitions_settled": len(settled),
                       "partitions_recorded_committed": len(plan.recorded), "committed_at": record.committed_at}))
@@ -1592,7 +1599,7 @@ def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
         instance.report_runless_asset_event(AssetObservation(
             asset_key=asset_key(table),
             description=f"rowrelay replay {done['replay_id']}: {span} republished to {done['topic']}",
-            metadata={keys.REPLAY_ID: done["replay_id"], "from": int(args.from_), "to": int(args.to),
+            metadata={REPLAY_ID: done["replay_id"], "from": int(args.from_), "to": int(args.to),
                       "rows": done["rows"], "topic": done["topic"], "slices": len(done["slices"])}))
     if args.json:
         print(json.dumps(done, indent=2))

@@ -31,7 +31,6 @@ from dagster import (
 )
 
 from assets.relay import asset_key, channel_for, partitions_for
-from resources import keys
 from resources.config import TableConfig
 from resources.exactly_once import (
     START_MARK_KEYS,
@@ -51,6 +50,7 @@ from resources.history import (
     plan_rollups,
     summarize,
 )
+from resources.keys import history_note_key
 from resources.slices import SliceRange
 
 BATCH = 10_000  # keys per storage statement
@@ -168,7 +168,7 @@ def _delete_keys_in(conn: Any, partitions_name: str, keys: list[str]) -> None:
 
 
 def note_key(partitions_name: str) -> str:
-    return keys.history_note_key(partitions_name)
+    return history_note_key(partitions_name)
 
 
 def read_note(instance: DagsterInstance, partitions_name: str) -> dict[str, Any] | None:

@@ -41,7 +41,6 @@ from assets.relay import (
     table_shape,
 )
 from orchestration.history import open_keys
-from resources import keys
 from resources.config import TableConfig
 from resources.exactly_once import (
     BASELINE_PREFIX,
@@ -57,6 +56,7 @@ from resources.exactly_once import (
     transaction_timeout_ms,
 )
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager
+from resources.keys import RESUME_TAG
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle, watermark_text
 from resources.source_database import (
     InnodbTrxStale,
@@ -527,7 +527,7 @@ def stalled_slice(records: list[Any], chain: list[SliceRange], committed_hi: int
     wait = min(60.0, 5.0 * 2 ** min(stopped - 1, 4)) if stopped else 15.0
     if records and time.time() - ended < wait:
         return None
-    return slices_request(group, run_key=f"{group[0].key}#resume-{len(records)}", tags={keys.RESUME_TAG: "true"},
+    return slices_request(group, run_key=f"{group[0].key}#resume-{len(records)}", tags={RESUME_TAG: "true"},
                           job_label=job_label)
 
 

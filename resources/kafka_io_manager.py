@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 from dagster import AssetMaterialization, ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
 from pydantic import Field
 
-from resources import keys as meta_keys
 from resources.config import resolve_env
 from resources.exactly_once import (
     WATERMARK_HEADER,
@@ -33,7 +32,17 @@ from resources.exactly_once import (
     tiles_by_range,
 )
 from resources.history import summarize
-from resources.keys import CHANNEL_METADATA, COMMITTED_BEFORE_FAILURE_TAG, STOPPED_TAG
+from resources.keys import (
+    CHANNEL_METADATA,
+    CHANNEL_PROGRESS_TOPIC,
+    CHANNEL_START_AFTER,
+    CHANNEL_TABLE,
+    CHANNEL_TOPIC,
+    CHANNEL_TRANSACTIONAL_ID,
+    COMMITTED_BEFORE_FAILURE_TAG,
+    RUN_FAILED_LATER,
+    STOPPED_TAG,
+)
 from resources.messages import ReadAhead, SliceFrame, TableSlices
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX
 from resources.slices import SliceRange
@@ -100,10 +109,10 @@ def progress_metadata(p: ProgressRecord) -> dict[str, Any]:
 
 def channel_metadata(channel: TableChannel) -> dict[str, Any]:
     """Definition metadata an asset carries so load_input can find its channel."""
-    return {meta_keys.CHANNEL_TABLE: channel.table, meta_keys.CHANNEL_TOPIC: channel.topic,
-            meta_keys.CHANNEL_PROGRESS_TOPIC: channel.progress_topic,
-            meta_keys.CHANNEL_TRANSACTIONAL_ID: channel.transactional_id,
-            meta_keys.CHANNEL_START_AFTER: channel.start_after}
+    return {CHANNEL_TABLE: channel.table, CHANNEL_TOPIC: channel.topic,
+            CHANNEL_PROGRESS_TOPIC: channel.progress_topic,
+            CHANNEL_TRANSACTIONAL_ID: channel.transactional_id,
+            CHANNEL_START_AFTER: channel.start_after}
 
 
 class KafkaIOManager(ConfigurableIOManager):
@@ -298,7 +307,7 @@ class KafkaIOManager(ConfigurableIOManager):
             except Exception as exc:  # noqa: BLE001 - as below: the run's own failure is what must surface
                 context.log.warning(f"{obj.channel.table}: could not tag the run with its committed slices: {exc}")
         for key in committed:  # not those committed before this run: their own materializations exist
-            metadata = {**self.slice_metadata(obj, records[key][0]), meta_keys.RUN_FAILED_LATER: step.run_id}
+            metadata = {**self.slice_metadata(obj, records[key][0]), RUN_FAILED_LATER: step.run_id}
             try:
                 step.instance.report_runless_asset_event(AssetMaterialization(
                     asset_key=context.asset_key, partition=key, metadata=metadata,
@@ -356,10 +365,10 @@ class KafkaIOManager(ConfigurableIOManager):
         missing = [k for k in CHANNEL_METADATA if k not in meta]
         if missing:
             raise Failure(f"upstream asset has no rowrelay channel metadata {missing}")
-        channel = TableChannel(table=meta[meta_keys.CHANNEL_TABLE], topic=meta[meta_keys.CHANNEL_TOPIC],
-                               progress_topic=meta[meta_keys.CHANNEL_PROGRESS_TOPIC],
-                               transactional_id=meta[meta_keys.CHANNEL_TRANSACTIONAL_ID],
-                               start_after=int(meta[meta_keys.CHANNEL_START_AFTER]))
+        channel = TableChannel(table=meta[CHANNEL_TABLE], topic=meta[CHANNEL_TOPIC],
+                               progress_topic=meta[CHANNEL_PROGRESS_TOPIC],
+                               transactional_id=meta[CHANNEL_TRANSACTIONAL_ID],
+                               start_after=int(meta[CHANNEL_START_AFTER]))
         keys = context.asset_partition_keys if context.has_asset_partitions else []
         if not keys:
             raise Failure("load_input reads published slices: select at least one partition")
