@@ -45,7 +45,7 @@ def test_slice_parity_passes_in_runs_and_fails_with_both_figures(services, pg_da
     conf = {"bootstrap.servers": services.kafka_bootstrap}
 
     def evaluate(keys: list[str] | None = None):  # run alone (e.g. from the UI): the last committed slice, (200, 300]
-        return evaluate_parity(table, source, conf, keys)
+        return evaluate_parity(table, source, conf, keys, PREFIX)
 
     assert evaluate().passed
     assert evaluate(["000000000100-000000000200", "000000000200-000000000300"]).metadata["slices_read_back"].value == 2
