@@ -716,8 +716,14 @@ def postgres_down() -> None:
     pid = read_pid(data / "postmaster.pid")
     if pid_alive(pid):
         log(f"postgresql: stopping pid {pid}")
-        subprocess.run([*_pg_user_prefix(), pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
-                       check=False, capture_output=True)
+        # A fast shutdown writes a checkpoint, which on a loaded host can outlast pg_ctl's wait; `down` must still
+        # leave no process, so an immediate shutdown (crash recovery at the next start) follows.
+        for mode, wait_s in (("fast", 60), ("immediate", 30)):
+            subprocess.run([*_pg_user_prefix(), pg_bin("pg_ctl"), "-D", str(data), "-m", mode, "-w", "-t",
+                            str(wait_s), "stop"], check=False, capture_output=True)
+            if not pid_alive(pid):
+                return
+            log(f"postgresql: pid {pid} still running after a {mode} shutdown")
 
 
 # --------------------------------------------------------------------------- MariaDB
