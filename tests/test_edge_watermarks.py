@@ -397,6 +397,18 @@ def test_mariadb_open_transaction_holds_the_watermark_in_any_time_zone(name, zon
             mariadb_engine.dispose()
 
 
+def _id_2_held_open_and_3_observed(a, mariadb_engine: Engine, source: SourceDatabaseResource, shape: TableShape,
+                                   name: str) -> tuple[object, WatermarkCandidate]:
+    """Connection `a` draws id 2 in a transaction it leaves open; id 3 commits; the max is observed (3)."""
+    a_tx = a.begin()
+    assert a.execute(text(f"INSERT INTO {name} (v) VALUES (-1)")).lastrowid == 2  # open, holds id 2
+    with mariadb_engine.begin() as conn:
+        assert conn.execute(text(f"INSERT INTO {name} (v) VALUES (2)")).lastrowid == 3
+    seen = observe_when_fresh(source, shape)
+    assert seen is not None and seen.watermark == 3
+    return a_tx, seen
+
+
 def _open_transaction_holds_the_watermark(database: URL, mariadb_engine: Engine, name: str, zone: str) -> None:
     source = SourceDatabaseResource(url=source_url(database))
     holder = create_engine(database)
@@ -405,12 +417,7 @@ def _open_transaction_holds_the_watermark(database: URL, mariadb_engine: Engine,
         with source.engine.connect() as conn:
             assert conn.execute(text("SELECT @@session.time_zone")).scalar() == zone
         shape = source.table_shape(None, name, "id")
-        a_tx = a.begin()
-        assert a.execute(text(f"INSERT INTO {name} (v) VALUES (-1)")).lastrowid == 2  # open, holds id 2
-        with mariadb_engine.begin() as conn:
-            assert conn.execute(text(f"INSERT INTO {name} (v) VALUES (2)")).lastrowid == 3
-        seen = observe_when_fresh(source, shape)
-        assert seen is not None and seen.watermark == 3
+        a_tx, seen = _id_2_held_open_and_3_observed(a, mariadb_engine, source, shape, name)
         time.sleep(0.7)  # past the settle delay
         assert not source.is_final(seen, 0.5), f"{seen} declared final while id 2 is uncommitted ({zone})"
         a_tx.commit()
@@ -455,12 +462,7 @@ def test_mariadb_stale_innodb_trx_cache_does_not_hide_an_open_transaction(servic
         shape = source.table_shape(None, name, "id")
         monitor.start()
         time.sleep(0.1)  # the cache is refreshed once, then kept stale
-        a_tx = a.begin()
-        assert a.execute(text(f"INSERT INTO {name} (v) VALUES (-1)")).lastrowid == 2  # open, holds id 2
-        with mariadb_engine.begin() as conn:
-            assert conn.execute(text(f"INSERT INTO {name} (v) VALUES (2)")).lastrowid == 3
-        seen = observe_when_fresh(source, shape)
-        assert seen is not None and seen.watermark == 3
+        a_tx, seen = _id_2_held_open_and_3_observed(a, mariadb_engine, source, shape, name)
         monitor.join(5)
         assert len(reads) >= 10, f"the monitor read innodb_trx {len(reads)} times"
         time.sleep(0.7)  # past the settle delay; the cache is fresh again
