@@ -11,7 +11,7 @@ PY := .venv/bin/python
 # Load the stack's connection settings (written by `python -m stack up`) into a recipe's environment.
 WITH_ENV := set -a; source $(STACK_ENV); set +a;
 
-.PHONY: help install stack stack-down stack-status run test test-unit test-faults test-bench lint bench clean explore
+.PHONY: help install stack stack-down stack-status run test test-unit test-faults test-bench lint bench clean explore shape
 
 help:
 	@echo "make run    - install, start the local stack, create demo tables + writer, serve the Dagster UI on :3000"
@@ -78,6 +78,11 @@ lint: install
 	$(PY) -m ruff check .
 	.venv/bin/lint-imports --no-cache
 	$(PY) -m pytest -q tests/test_docs.py
+
+# The code's shape: lines per module, the longest functions, import circles (bench/shape.py; limits in
+# tests/test_shape.py, part of `make lint`).
+shape: install
+	$(PY) -m bench.shape
 
 # Not part of `make test`. BENCH_ARGS="--rows 200000 --rss-rows 0 ..." for a quicker run (see bench/run.py).
 BENCH_ARGS ?=
