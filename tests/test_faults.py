@@ -91,6 +91,7 @@ class FaultPipeline:
     writers: list[Writer] = field(default_factory=list)
     daemon: subprocess.Popen | None = None
     log: Path | None = None
+    launcher: str = "warm"  # "warm": rowrelay's WarmRunLauncher; "default": Dagster's DefaultRunLauncher
 
     @property
     def env(self) -> dict[str, str]:
@@ -137,9 +138,26 @@ class FaultPipeline:
         found = [{**json.loads(r.tags[WORKER_TAG]), "run_id": r.run_id} for r in runs if WORKER_TAG in r.tags]
         return [w for w in found if Path(f"/proc/{w['pid']}").exists()]
 
+    def started_workers(self) -> list[dict]:
+        """{pid, run_id} of each STARTED run of this pipeline whose worker is alive: the warm launcher's record, or
+        under Dagster's launcher the pid the run's own process tagged it with when its asset started."""
+        if self.launcher == "warm":
+            return self.warm_workers()
+        from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+
+        from resources.keys import WORKER_PID_TAG
+
+        try:
+            with DagsterInstance.from_config(str(self.home)) as instance:
+                runs = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED]))
+        except Exception:  # noqa: BLE001 - the storage-restart scenario takes the database away for a moment
+            return []
+        found = [{"pid": int(r.tags[WORKER_PID_TAG]), "run_id": r.run_id} for r in runs if WORKER_PID_TAG in r.tags]
+        return [w for w in found if Path(f"/proc/{w['pid']}").exists()]
+
     def workers(self) -> list[int]:
-        """Pids of live run workers of this pipeline (forked by the warm launcher's fork server)."""
-        return [w["pid"] for w in self.warm_workers()]
+        """Pids of live run workers of this pipeline."""
+        return [w["pid"] for w in self.started_workers()]
 
     def wait_for_worker(self, timeout: float = 90.0) -> int:
         deadline = time.monotonic() + timeout
@@ -156,7 +174,7 @@ class FaultPipeline:
         for _ in range(tries):
             self.wait_for_worker()
             time.sleep(random.uniform(0.2, 1.0))
-            if running := self.warm_workers():
+            if running := self.started_workers():
                 return running
         return []
 
@@ -222,11 +240,14 @@ concurrency:
   runs: {{max_concurrent_runs: 4}}
   pools: {{granularity: run, default_limit: 1}}
 run_monitoring: {{enabled: true, start_timeout_seconds: 20, poll_interval_seconds: 2}}
-run_launcher: {{module: orchestration.launcher, class: WarmRunLauncher}}
+{launcher}
 sensors: {{use_threads: true, num_workers: 2}}
 telemetry: {{enabled: false}}
 """
 
+
+# dagster.yaml's run_launcher stanza per launcher; without one, Dagster uses its DefaultRunLauncher.
+LAUNCHERS = {"warm": "run_launcher: {module: orchestration.launcher, class: WarmRunLauncher}", "default": ""}
 
 ALL_TABLES = ("orders", "clicks", "events", "stamped")
 
@@ -239,10 +260,12 @@ def pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @contextlib.contextmanager
 def fault_pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory,
-                   tables: tuple[str, ...], start: bool = True) -> Iterator[FaultPipeline]:
+                   tables: tuple[str, ...], start: bool = True, launcher: str = "warm") -> Iterator[FaultPipeline]:
     """The daemon-driven pipeline with writers on `tables` (of ALL_TABLES: PostgreSQL `orders` and `stamped`,
     MariaDB `clicks`, SQLite `events`); the fault suite uses all four, a test that needs one table less work.
-    `start=False`: the daemon and the writers are left to the test to start (a daemon of its own settings)."""
+    `start=False`: the daemon and the writers are left to the test to start (a daemon of its own settings).
+    `launcher`: "warm" (rowrelay's, as dagster.yaml has it) or "default" (Dagster's DefaultRunLauncher: a fresh
+    process per run started by the code server, the model of the Kubernetes, Docker and ECS launchers)."""
     if not services.spark_remote:
         pytest.skip("fault tests need the stack's Spark Connect server")
     home = tmp_path_factory.mktemp("faults_home")
@@ -292,10 +315,11 @@ def fault_pipeline(services: Services, tmp_path_factory: pytest.TempPathFactory,
     config_file = home / "rowrelay.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
     (home / "dagster.yaml").write_text(DAGSTER_YAML.format(
-        storage=yaml.safe_dump({"storage": services.dagster_storage(db_names["dagster"])})))
+        storage=yaml.safe_dump({"storage": services.dagster_storage(db_names["dagster"])}),
+        launcher=LAUNCHERS[launcher]))
     (home / "workspace.yaml").write_text(yaml.safe_dump({"load_from": [{"python_module": {
         "module_name": "orchestration.definitions", "working_directory": str(ROOT)}}]}))
-    p = FaultPipeline(services, cfg, home, config_file, engines)
+    p = FaultPipeline(services, cfg, home, config_file, engines, launcher=launcher)
     writers = [("pg", "orders", 0.25), ("pg", "orders", 0.25), ("maria", "clicks", 0.25), ("lite", "events", 0.25),
                ("pg", "stamped", 1.0), ("pg", "stamped", 1.0)]
     p.writers = [Writer(engines[e], t, pause=pause) for e, t, pause in writers if t in tables]
@@ -327,14 +351,18 @@ def _during_a_run(p: FaultPipeline, inject: Callable[[], None]) -> None:
     inject()
 
 
-def test_broker_restarted_mid_publish(pipeline: FaultPipeline) -> None:
+def restart_broker_mid_publish(p: FaultPipeline) -> None:
     def restart_kafka() -> None:
         stack.stop_pidfile("kafka", stack.home() / "kafka" / "kafka.pid")
         time.sleep(5)
         stack.kafka_up(stack.Ports.from_env())
 
-    _during_a_run(pipeline, restart_kafka)
-    pipeline.catch_up_and_verify("kafka broker restarted mid-publish", faults=1)
+    _during_a_run(p, restart_kafka)
+    p.catch_up_and_verify(f"kafka broker restarted mid-publish ({p.launcher} launcher)", faults=1)
+
+
+def test_broker_restarted_mid_publish(pipeline: FaultPipeline) -> None:
+    restart_broker_mid_publish(pipeline)
 
 
 def test_source_connections_terminated_mid_read(pipeline: FaultPipeline) -> None:
@@ -393,17 +421,22 @@ def test_storage_database_restarted_with_runs_in_flight(pipeline: FaultPipeline)
     pipeline.catch_up_and_verify("dagster storage (PostgreSQL) restarted with runs in flight", faults=1)
 
 
-def test_run_workers_sigkilled_in_a_loop(pipeline: FaultPipeline) -> None:
+def kill_workers_in_a_loop(p: FaultPipeline, kills_wanted: int) -> None:
     kills = 0
-    while kills < 20:
-        pid = pipeline.wait_for_worker(timeout=120)
+    while kills < kills_wanted:
+        pid = p.wait_for_worker(timeout=120)
         time.sleep(random.uniform(0.0, 3.0))  # anywhere from process start to the Kafka commit
         try:
             os.kill(pid, signal.SIGKILL)
             kills += 1
         except ProcessLookupError:
             continue
-    pipeline.catch_up_and_verify("run worker SIGKILLed at random points", faults=kills, timeout=300)
+    p.catch_up_and_verify(f"run worker SIGKILLed at random points ({p.launcher} launcher)", faults=kills,
+                          timeout=300)
+
+
+def test_run_workers_sigkilled_in_a_loop(pipeline: FaultPipeline) -> None:
+    kill_workers_in_a_loop(pipeline, 20)
 
 
 def test_run_workers_sigkilled_before_their_runs_started(pipeline: FaultPipeline) -> None:
@@ -484,11 +517,16 @@ def test_run_terminated_mid_publish(pipeline: FaultPipeline) -> None:
     pipeline.catch_up_and_verify("run terminated mid-publish (the UI's Terminate)", faults=1)
 
 
-def test_daemon_killed_and_restarted(pipeline: FaultPipeline) -> None:
-    _during_a_run(pipeline, pipeline.kill_daemon)
+def kill_daemon_mid_run(p: FaultPipeline) -> None:
+    _during_a_run(p, p.kill_daemon)
     time.sleep(3)
-    pipeline.start_daemon()
-    pipeline.catch_up_and_verify("dagster daemon SIGKILLed (with its workers) and restarted", faults=1)
+    p.start_daemon()
+    p.catch_up_and_verify(f"dagster daemon SIGKILLed (with its workers) and restarted ({p.launcher} launcher)",
+                          faults=1)
+
+
+def test_daemon_killed_and_restarted(pipeline: FaultPipeline) -> None:
+    kill_daemon_mid_run(pipeline)
 
 
 def test_zombie_publisher_resumes_after_takeover(pipeline: FaultPipeline) -> None:
