@@ -108,8 +108,9 @@ def page_shows_results(text: str, check_names: list[str]) -> bool:
 # --------------------------------------------------------------------------- Dagster UI
 
 
-def graphql(base_url: str, query: str, timeout: float = 30.0) -> dict[str, Any]:
-    req = urllib.request.Request(base_url.rstrip("/") + "/graphql", data=json.dumps({"query": query}).encode(),
+def graphql(base_url: str, query: str, timeout: float = 30.0, **variables: Any) -> dict[str, Any]:
+    payload = {"query": query, "variables": variables}
+    req = urllib.request.Request(base_url.rstrip("/") + "/graphql", data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         body = json.loads(resp.read())
