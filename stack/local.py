@@ -823,8 +823,52 @@ logger.connect_executions.level = warn
 """
 
 
+def spark_connect_command(base: Path, port: int, master: str, extra_conf: dict[str, str] | None = None) -> list[str]:
+    """The Connect server's command line: its state under `base`, its executors on `master` (local[2] or a
+    standalone cluster's spark://host:port), the JDBC drivers shipped to them, UTC in every JVM."""
+    log4j = base / "log4j2.properties"
+    log4j.write_text(SPARK_CONNECT_LOG4J)
+    conf = {
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.sql.session.timeZone": "UTC",
+        "spark.driver.extraJavaOptions": f"-Duser.timezone=UTC -Dlog4j2.configurationFile=file:{log4j}",
+        "spark.executor.extraJavaOptions": "-Duser.timezone=UTC",
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.local.dir": str(base / "tmp"),
+        "spark.sql.warehouse.dir": str(base / "warehouse"),
+        **(extra_conf or {}),
+    }
+    cmd = [str(spark_home() / "bin" / "spark-submit"), "--class",
+           "org.apache.spark.sql.connect.service.SparkConnectServer", "--name", "rowrelay-spark-connect",
+           "--master", master, "--driver-memory", "1g", "--jars", ",".join(jdbc_jars())]
+    for key, value in conf.items():
+        cmd += ["--conf", f"{key}={value}"]
+    return cmd + ["spark-internal"]
+
+
+def start_spark_connect(base: Path, port: int, master: str, extra_conf: dict[str, str] | None = None
+                        ) -> subprocess.Popen:
+    """Starts a Connect server (see spark_connect_command) logging to base/spark-connect.log; waits until it listens."""
+    base.mkdir(parents=True, exist_ok=True)
+    logfile = base / "spark-connect.log"
+    cmd = spark_connect_command(base, port, master, extra_conf)
+    log(f"spark connect: starting on sc://127.0.0.1:{port}, executors on {master} (log {logfile})")
+    # Owner-only: a client's JDBC options (its password) reach the server in every read's plan.
+    logfile.touch(mode=0o600)
+    logfile.chmod(0o600)
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=base, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "SPARK_HOME": str(spark_home())})
+    (base / "spark-connect.pid").write_text(str(proc.pid))
+    wait_until(lambda: spark_connect_ready(port), 180, "spark connect", logfile, proc.pid)
+    return proc
+
+
 def spark_connect_up(ports: Ports) -> None:
-    """A warm Spark (Connect server, local[2]) that runs can share instead of starting a JVM each."""
+    """A warm Spark (Connect server) that runs can share instead of starting a JVM each: on local[2], or on a
+    standalone cluster of ROWRELAY_SPARK_WORKERS workers (stack/spark_cluster.py)."""
     base = home() / "spark-connect"
     pidfile, logfile = base / "spark-connect.pid", base / "spark-connect.log"
     if logfile.exists():  # a server started by an earlier release wrote it readable by all
@@ -836,35 +880,14 @@ def spark_connect_up(ports: Ports) -> None:
                 log("spark connect: this server was started by an earlier release and logs whole plans (the JDBC "
                     "password among them) at INFO: restart it (`python -m stack down`, then `up`)")
         return
-    base.mkdir(parents=True, exist_ok=True)
-    log4j = base / "log4j2.properties"
-    log4j.write_text(SPARK_CONNECT_LOG4J)
-    sh = spark_home()
-    conf = {
-        "spark.connect.grpc.binding.address": "127.0.0.1",
-        "spark.connect.grpc.binding.port": str(ports.spark_connect),
-        "spark.sql.session.timeZone": "UTC",
-        "spark.driver.extraJavaOptions": f"-Duser.timezone=UTC -Dlog4j2.configurationFile=file:{log4j}",
-        "spark.ui.enabled": "false",
-        "spark.sql.shuffle.partitions": "4",
-        "spark.local.dir": str(base / "tmp"),
-        "spark.sql.warehouse.dir": str(base / "warehouse"),
-    }
-    cmd = [str(sh / "bin" / "spark-submit"), "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-           "--name", "rowrelay-spark-connect", "--master", os.environ.get("ROWRELAY_SPARK_CONNECT_MASTER", "local[2]"),
-           "--driver-memory", "1g", "--jars", ",".join(jdbc_jars())]
-    for key, value in conf.items():
-        cmd += ["--conf", f"{key}={value}"]
-    log(f"spark connect: starting on sc://127.0.0.1:{ports.spark_connect} (log {logfile})")
-    # Owner-only: a client's JDBC options (its password) reach the server in every read's plan.
-    logfile.touch(mode=0o600)
-    logfile.chmod(0o600)
-    with open(logfile, "ab") as out:
-        proc = subprocess.Popen(cmd + ["spark-internal"], cwd=base, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "SPARK_HOME": str(sh)})
-    pidfile.write_text(str(proc.pid))
-    wait_until(lambda: spark_connect_ready(ports.spark_connect), 180, "spark connect", logfile, proc.pid)
+    from stack import spark_cluster  # it builds on this module's helpers: imported where used, not at the top
+
+    workers = spark_cluster.workers_wanted()
+    if workers:
+        cluster = spark_cluster.cluster_up(home() / "spark-cluster", workers, spark_cluster.ClusterPorts.from_env())
+        start_spark_connect(base, ports.spark_connect, cluster.master_url, spark_cluster.executor_conf(workers))
+    else:
+        start_spark_connect(base, ports.spark_connect, "local[2]")
 
 
 # --------------------------------------------------------------------------- stack
@@ -980,7 +1003,10 @@ def up() -> dict[str, str]:
 
 
 def down() -> None:
+    from stack import spark_cluster  # it builds on this module's helpers: imported where used, not at the top
+
     stop_pidfile("spark connect", home() / "spark-connect" / "spark-connect.pid")
+    spark_cluster.cluster_down(home() / "spark-cluster")
     stop_pidfile("kafka", home() / "kafka" / "kafka.pid")
     stop_pidfile("mariadb", home() / "mariadb" / "mariadb.pid")
     postgres_down()
