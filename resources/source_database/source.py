@@ -18,7 +18,6 @@ from sqlalchemy.exc import NoSuchTableError
 from resources.config import ConfigError, env_names, resolve_url_env
 from resources.jdbc import UrlParameterError, jdbc_options
 from resources.slices import RowSkip, WatermarkCandidate, datetime_to_micros
-from resources.source_database import sqlite
 from resources.source_database.cache import SETTLED_ANSWERS
 from resources.source_database.dialect import Dialect, WatermarkKind
 from resources.source_database.errors import SourceError
@@ -35,6 +34,7 @@ from resources.source_database.shape import (
     skipped_rows_predicate,
     table_clause,
 )
+from resources.source_database.sqlite import SQLite, first_misfit
 
 # SQLAlchemy type classes rowrelay serializes exactly (see resources/messages.py).
 SUPPORTED_TYPES: tuple[type, ...] = (
@@ -44,7 +44,7 @@ SUPPORTED_TYPES: tuple[type, ...] = (
 
 # Each database's strategy, by dialect name; any other database gets the base `Dialect`.
 DIALECTS: dict[str, Dialect] = {"postgresql": PostgreSQL("postgresql"), "mysql": MariaDB("mysql"),
-                                "sqlite": sqlite.SQLite("sqlite")}
+                                "sqlite": SQLite("sqlite")}
 
 # A type the dialect does not know is reflected as NullType with this warning; `table_shape` refuses such a column
 # by its database type name, so the warning is noise. Installed once, here: warnings.catch_warnings() around each
@@ -281,7 +281,7 @@ class SourceDatabase:
     @staticmethod
     def filtered(q: sa.Select, shape: TableShape, watermark: sa.ColumnElement | None = None,
                  skip: Sequence[RowSkip] | None = None) -> sa.Select:
-        """The rows counts, cuts, reads and the lag's oldest row see (`shape.filtered`)."""
+        """The rows counts, cuts, reads and the lag's oldest row see (`filtered` in shape.py)."""
         return filtered(q, shape, watermark, skip)
 
     def skip_sql(self, shape: TableShape, skip: Sequence[RowSkip]) -> str:
@@ -401,8 +401,8 @@ class SourceDatabase:
     def sqlite_misfit(self, shape: TableShape, after: int, upto: int, skip: Sequence[RowSkip] | None = None
                       ) -> tuple[int, str, str, str] | None:
         """SQLite only: the first row in (after, upto] holding a value its column's declared type cannot carry
-        exactly (`sqlite.first_misfit`)."""
-        return sqlite.first_misfit(self.engine, shape, after, upto, skip)
+        exactly (`first_misfit`)."""
+        return first_misfit(self.engine, shape, after, upto, skip)
 
     # -- safe high watermark ---------------------------------------------------------------------
 
