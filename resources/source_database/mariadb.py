@@ -73,7 +73,7 @@ class MariaDB(Dialect):
         those in a UTF-8 charset (utf8mb3, utf8mb4) and those in a charset with bytes that have no character (all
         but latin1, whose 256 bytes all convert both ways). And those of them to read as text with their bytes beside
         them (`ColumnInfo.utf8_shadow`): columns that may be JSON, which the driver marks as such only while it reads
-        them as text (its mark decides how they are sent, as before the check) — a LONGTEXT with a json_valid()
+        them as text (its mark decides how they are sent) — a LONGTEXT with a json_valid()
         check (MariaDB's JSON; the catalog cannot tell a declared JSON from a hand-written check) and a view's
         LONGTEXT (no catalog tells). MySQL's JSON type is stored parsed, always valid: not checked."""
         columns = ("SELECT c.COLUMN_NAME, c.CHARACTER_SET_NAME, c.DATA_TYPE = 'longtext' AND ({json} OR EXISTS ("
@@ -348,7 +348,7 @@ def _mysql_incarnation(shape: TableShape) -> sa.TextClause:
     changes it, unless both fall in the old table's creation second; so does an ALTER that rebuilds the table, which
     only drops a pending candidate needlessly (sensors.settled_watermark). TRUNCATE keeps it. MariaDB takes it from
     the .frm file, MySQL 8 from the data dictionary (mysql.tables.created, not the statistics that
-    information_schema_stats_expiry caches). NULL (no token, as before) for a view."""
+    information_schema_stats_expiry caches). NULL (no token) for a view."""
     schema = ":rowrelay_schema" if shape.schema else "DATABASE()"
     clause = sa.text("(SELECT CAST(UNIX_TIMESTAMP(CREATE_TIME) AS CHAR) FROM information_schema.TABLES "
                      f"WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = :rowrelay_name)")

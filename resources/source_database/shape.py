@@ -166,7 +166,7 @@ class TableShape:
         Each rendered column also comes raw where its text does not serve (`source_rendering`), so the JDBC driver
         skips parsing the others; the watermark and tie_break stay whole (the read filters and sorts on them).
         MariaDB/MySQL: always a select list, naming every column: `SELECT *` leaves INVISIBLE columns out, which the
-        reflected columns include (the read failed on them)."""
+        reflected columns include."""
         rules = read_rules(self.dialect)
         if (not any(c.source_text or c.utf8_bytes or c.utf8_shadow for c in self.columns) and not self.tie_order
                 and not rules.names_every_column):

@@ -186,8 +186,8 @@ class SourceDatabase:
         return None
 
     def _refuse_unreadable(self, t: sa.Table, label: str, wanted: list[str]) -> None:
-        """SourceError naming every column whose type cannot be sent, at once: one at a time, a user left out one
-        column per try. The remedy names the `columns:` that leaves them all out."""
+        """SourceError naming every column whose type cannot be sent, at once: the remedy names the `columns:` that
+        leaves them all out."""
         unreadable = {name: why for name in wanted if (why := self._unreadable(t, name)) is not None}
         if not unreadable:
             return
@@ -493,8 +493,8 @@ class SourceDatabase:
         And durable: committed is not enough where commits are acknowledged before the log is on disk
         (PostgreSQL's synchronous_commit=off, MariaDB's innodb_flush_log_at_trx_commit=0 or 2). A crash of the
         server then loses the last commits and gives their ids out again: rows sent would vanish from the source and
-        new rows with the same ids would never be sent (measured: three committed rows, visible to every session,
-        gone after a crash). So the write-ahead (redo) log must be flushed past the point where all those commits
+        new rows with the same ids would never be sent (committed rows, visible to every session, are gone after
+        the crash). So the write-ahead (redo) log must be flushed past the point where all those commits
         lay: PostgreSQL's insert position once the transactions waited for have ended; MariaDB's, seen with the
         max when nothing was waited for, else at the check. The check waits up to DURABLE_WAIT_S for the flush (the
         WAL writer's interval, 0.2 s by default; InnoDB's once a second), then answers False. Not covered: MySQL
