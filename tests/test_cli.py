@@ -11,7 +11,8 @@ import pytest
 from confluent_kafka import Producer
 from sqlalchemy import text
 
-from orchestration.cli import main, verify_table
+from orchestration.cli import main
+from orchestration.verify import verify_table
 from resources.config import RelayConfig, TableConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import Harness, drained_then_moved_to_another_prefix, read_topic, relay_config, topic_names
@@ -72,7 +73,7 @@ def test_verify_leaves_out_slices_committed_while_it_reads(services, pg_database
                                                            spark, name, monkeypatch) -> None:
     """On a live pipeline a slice can commit after verify read the progress and before it read the topic: its rows
     are not extra (they came with their progress record); a message above the progress read afterwards still is."""
-    import orchestration.cli as cli
+    import resources.verify.table as cli
 
     cfg, h, table = _relayed(services, pg_database, pg_engine, dagster_instance, name, "generate_series(1, 100) g", 100)
     read_topic = cli.topic_watermarks
@@ -479,8 +480,8 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     from dagster import DagsterRunStatus
     from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
 
-    import orchestration.cli as cli
-    from orchestration.cli import wait_for_running_runs
+    import orchestration.backfill as cli
+    from orchestration.backfill import wait_for_running_runs
 
     sleeps: list[float] = []  # this thread's polls: "no wait" is told by none, not by a clock on a shared machine
     real_sleep, caller = time.sleep, threading.get_ident()

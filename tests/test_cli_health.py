@@ -10,7 +10,8 @@ import pytest
 import yaml
 from sqlalchemy import text
 
-from orchestration.cli import main, verify_table
+from orchestration.cli import main
+from orchestration.verify import verify_table
 from resources.config import RelayConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import ROOT, Harness, read_topic, relay_config

@@ -248,7 +248,7 @@ def test_a_dry_run_refuses_a_topic_moved_back_and_the_backfill_adds_no_partition
 def test_reset_partitions_over_empty_progress_settle_only_what_dagster_never_recorded() -> None:
     """`reset_partitions` with `recorded` (the partitions Dagster holds a materialization of, asked where the reset
     replaced empty progress): those at or below W are left as they are, the others settled as before."""
-    from orchestration.cli import reset_partitions
+    from orchestration.reset import reset_partitions
 
     ranges = {r.key: r for r in (SliceRange(0, 10), SliceRange(10, 20), SliceRange(20, 30), SliceRange(30, 35))}
     committed = {SliceRange(0, 10).key: 10, SliceRange(10, 20).key: 20, SliceRange(20, 30).key: 30}

@@ -270,7 +270,7 @@ def test_a_replay_after_the_data_topic_was_recreated_refuses_the_messages_now_at
     # log, so it does not wait for them as for another producer's open transaction (`TopicHeldOpen`).
     from confluent_kafka.admin import NewTopic
 
-    from orchestration.cli import verify_table
+    from orchestration.verify import verify_table
 
     admin.delete_topics([table.topic_name])[table.topic_name].result(timeout=30)
     deadline = time.monotonic() + 30
@@ -330,8 +330,9 @@ def test_verify_waits_for_another_tables_open_transaction_in_a_shared_topic(
     from sqlalchemy import text
 
     from assets.relay import channel_for
-    from orchestration.cli import TopicHeldOpen, topic_watermarks, verify_table
+    from orchestration.verify import verify_table
     from resources.exactly_once import OutgoingMessage, SlicePublisher
+    from resources.verify.topic import TopicHeldOpen, topic_watermarks
 
     cfg = tables_sharing_a_topic(services, pg_database, pg_engine, name, rows=(10, 0), slice_max_rows=10)
     harness = Harness(cfg, dagster_instance)

@@ -27,7 +27,7 @@ import yaml
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
-from orchestration.cli import verify_table
+from orchestration.verify import verify_table
 from resources.config import RelayConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import datetime_to_micros

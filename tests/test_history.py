@@ -208,9 +208,9 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
                                                    ) -> None:
     from assets.relay import asset_key, channel_for, partitions_for
     from bench.scale import idle_tick_times
-    from orchestration.cli import verify_table
     from orchestration.factory import job_name
     from orchestration.history import compact_table
+    from orchestration.verify import verify_table
     from resources.exactly_once import records_in_range
 
     config, table = history

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from orchestration.cli import reset_outcome, reset_partitions
+from orchestration.reset import reset_outcome, reset_partitions
 from resources.exactly_once import ProgressRecord, live_pieces, live_records, tiling
 from resources.history import HistoryPolicy, plan_rollups
 from resources.slices import SliceRange

@@ -10,8 +10,8 @@ import pyarrow as pa
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestration.cli import compare_rows
 from resources.exactly_once import SliceDigest, slice_checksum
+from resources.verify.compare import compare_rows
 
 rows_st = st.lists(st.tuples(st.integers(1, 6), st.sampled_from("abcd")), max_size=25)
 

@@ -30,7 +30,8 @@ def test_a_skipped_row_leaves_the_rows_sharing_its_time_to_be_published(services
     them too large for the producer. The run stops naming the row; following its advice, the next run publishes
     the other 999 (a skip by value left out all 1,000, with `verify` OK), and verify and status count the one
     row as skipped."""
-    from orchestration.cli import table_status, verify_table
+    from orchestration.status import table_status
+    from orchestration.verify import verify_table
 
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (uid bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now(), "
@@ -92,7 +93,7 @@ def test_a_bare_skip_of_a_shared_integer_watermark_is_refused_naming_the_count(
     assert f"{table.table_id}: skip_watermarks entry 2 matches 40 rows" in said, said[-3000:]
     assert "{watermark: 2, tie_break:" in said, said[-3000:]
     # The row named as the message says: the other 39 rows of the batch are published, the one skipped.
-    from orchestration.cli import verify_table
+    from orchestration.verify import verify_table
 
     cfg = relay_config(services, {"src": mariadb_database},
                        [{**base, "skip_watermarks": yaml.safe_load("[{watermark: 2, tie_break: 45}]")}])

@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka import Producer
 from sqlalchemy import create_engine, text
 
-from orchestration.cli import verify_table
+from orchestration.verify import verify_table
 from resources.exactly_once import ProgressRecord
 from resources.slices import (
     SliceRange,
@@ -90,7 +90,7 @@ def test_a_cut_never_splits_one_timestamp() -> None:
 
 
 def test_times_as_users_write_them() -> None:
-    from orchestration.cli import watermark
+    from orchestration.cli.arguments import watermark
     from resources.config import parse_config
 
     new_year = datetime_to_micros(datetime(2026, 1, 1, tzinfo=UTC))
@@ -129,7 +129,7 @@ def test_rollups_of_time_keys_are_time_keys() -> None:
 def test_messages_about_a_timestamp_watermark_name_times() -> None:
     """Errors and reports name a timestamp watermark's values as the UTC times users pass to the CLI, not as the
     microseconds rowrelay carries."""
-    from orchestration.cli import ReplayError, replay_records
+    from orchestration.cli.replay_engine import ReplayError, replay_records
     from resources.exactly_once import SliceOutOfOrder
 
     day = datetime_to_micros(datetime(2026, 11, 20, tzinfo=UTC))

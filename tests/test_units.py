@@ -363,7 +363,7 @@ def test_verify_reads_progress_again_while_the_topic_shows_more() -> None:
     soon as it covers them, or after its tries (then they are extra)."""
     from types import SimpleNamespace
 
-    from orchestration.cli import progress_after_reading
+    from resources.verify.compare import progress_after_reading
 
     def reader(his: list[int | None]):
         reads: list[int | None] = []
@@ -388,8 +388,8 @@ def test_verify_tells_messages_sent_before_a_reset_by_position() -> None:
     """Left out as sent before a reset at 10: messages at or below 10 written before the reset's recorded end of
     their partition; by watermark alone for a reset recorded without ends (earlier versions); a partition missing
     from the recorded ends was added after the reset, so none of it came before."""
-    from orchestration.cli import reset_position, sent_before_reset
     from resources.exactly_once import ProgressRecord
+    from resources.verify.compare import reset_position, sent_before_reset
 
     reset = ProgressRecord("t", "reset-10", 10, 10, 0, 0, "", "topic", topic_ends={"0": 3})
     old = ProgressRecord("t", "reset-10", 10, 10, 0, 0, "", "topic")
@@ -407,8 +407,9 @@ def test_verify_splits_a_topic_at_the_newest_reset() -> None:
     """After a reset back to 10 (the topic ended at offset 4): 4..12 sent before it, 11..12 sent again after it.
     Left out: 4 and 9; compared: the rest; only 11 and 12 after the reset can belong to a slice committed while
     verify read; the seam 12 -> 11 is no order violation (a message out of order on either side still is)."""
-    from orchestration.cli import TopicWatermarks, split_at_reset
     from resources.exactly_once import ProgressRecord
+    from resources.verify.compare import split_at_reset
+    from resources.verify.topic import TopicWatermarks
 
     reading = TopicWatermarks(partitions={0: [4, 9, 11, 12, 11, 12]}, offsets={0: [0, 1, 2, 3, 4, 5]})
     split = split_at_reset(reading, ProgressRecord("t", "reset-10", 10, 10, 0, 0, "", "topic", topic_ends={"0": 4}))
@@ -438,15 +439,8 @@ def test_verify_compares_rows_sharing_a_watermark_value_one_by_one() -> None:
     from datetime import datetime
     from uuid import UUID
 
-    from orchestration.cli import (
-        HASH_MASK,
-        NULL_TIE,
-        compare_rows,
-        message_tie,
-        tie_fingerprints,
-        tie_hash,
-        tie_text,
-    )
+    from resources.verify.compare import compare_rows, tie_fingerprints
+    from resources.verify.topic import HASH_MASK, NULL_TIE, message_tie, tie_hash, tie_text
 
     source = tie_fingerprints([(7, 1), (7, 2), (7, 3), (8, 4), (9, 5)], "n")
     assert source.counts == Counter({7: 3, 8: 1, 9: 1}) and source.unchecked is None
@@ -562,7 +556,7 @@ def test_a_reset_back_supersedes_the_slices_above_it() -> None:
 def test_a_watermark_written_as_the_other_kind_is_refused() -> None:
     """`reset --after` / `replay --from --to` remember how a watermark was written: a time on an integer watermark
     or an integer on a timestamp one is refused with what it would have meant."""
-    from orchestration.cli import watermark, watermark_kind_error
+    from orchestration.cli.arguments import watermark, watermark_kind_error
 
     assert watermark_kind_error("t", False, "--after", watermark("20")) is None
     assert watermark_kind_error("t", True, "--after", watermark("2026-11-23T07:00:00Z")) is None
@@ -616,7 +610,7 @@ def test_verify_expects_each_slice_by_the_row_filter_it_was_published_with() -> 
     """`rowrelay verify` applied today's `where:` and `skip_watermarks` to all history: after adding a filter the
     rows sent before it looked extra, after removing a skip its row looked missing. Each slice's rows are now
     expected as its progress record says they were chosen; older records and uncovered ranges by today's."""
-    from orchestration.cli import FilterPiece, filter_pieces
+    from resources.verify.compare import FilterPiece, filter_pieces
 
     def rec(lo: int, hi: int, where: str | None, skipped: list[int] | None = None) -> ProgressRecord:
         return ProgressRecord("t", SliceRange(lo, hi).key, lo, hi, 1, 1, "", "topic", where=where, skipped=skipped)
@@ -699,7 +693,7 @@ def test_watermark_change_names_another_column_or_kind_and_accepts_what_it_canno
 
 
 def test_reset_partitions_settle_below_cut_above_and_leave_a_changed_watermarks_history() -> None:
-    from orchestration.cli import reset_partitions
+    from orchestration.reset import reset_partitions
 
     def keyed(*spans: tuple[int, int]) -> dict[str, SliceRange]:
         return {SliceRange(lo, hi).key: SliceRange(lo, hi) for lo, hi in spans}

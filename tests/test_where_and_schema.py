@@ -41,7 +41,7 @@ def test_verify_expects_each_slice_by_the_filter_it_was_published_with(services,
     """`rowrelay verify` applied today's `where:` and `skip_watermarks` to all history: a filter added later made
     the rows sent before it "extra" (FAIL on a correct topic), a skip removed again made its row "missing". Each
     slice's rows are now expected by the filter in its progress record."""
-    from orchestration.cli import verify_table
+    from orchestration.verify import verify_table
 
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, status text)"))
@@ -176,7 +176,8 @@ def test_a_changed_watermark_column_or_type_stops_the_table_until_a_reset(servic
     import yaml
 
     from assets.relay import measure_lag, partitions_for
-    from orchestration.cli import main, verify_table
+    from orchestration.cli import main
+    from orchestration.verify import verify_table
     from resources.exactly_once import WatermarkChanged
     from resources.slices import SliceRange
     from resources.source_database import SourceDatabaseResource

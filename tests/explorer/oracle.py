@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from orchestration.cli import verify_table
+from orchestration.verify import verify_table
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER
 from resources.slices import datetime_to_micros
