@@ -24,7 +24,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL, Engine
 
 from assets.relay import channel_for, partitions_for
-from orchestration.cli import verify_table
+from orchestration.verify import verify_table
 from orchestration.factory import job_name
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import read_committed_progress

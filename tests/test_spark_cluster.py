@@ -26,7 +26,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import URL, Engine
 
-from orchestration.cli import verify_table
+from orchestration.verify import verify_table
 from resources.config import RelayConfig, SparkConfig
 from stack import local as stack
 from stack.spark_cluster import Cluster, ClusterPorts, cluster_down, cluster_up, executor_conf
