@@ -24,8 +24,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL, Engine
 
 from assets.relay import channel_for, partitions_for
-from orchestration.verify import verify_table
 from orchestration.factory import job_name
+from orchestration.verify import verify_table
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import read_committed_progress
 from resources.keys import WARM_WORKER_TAG
