@@ -1,0 +1,180 @@
+"""A replicated Kafka cluster from the stack's jars: N KRaft nodes (each a broker and a controller, a static quorum)
+with the settings a production cluster has, on 127.0.0.1.
+
+Replication 3, `min.insync.replicas=2`, the transaction state log replicated the same way, no unclean leader
+election: what rowrelay's guarantee relies on where a broker can die. The fault tests of a cluster
+(tests/test_kafka_cluster.py) start one per module and SIGKILL, SIGSTOP and restart its nodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stack.local import KAFKA_LOG4J, kafka_classpath, log
+
+# Small heaps: a test's topics, three JVMs on a small machine.
+JVM_OPTIONS = ("-Xms256m", "-Xmx512m", "-XX:+UseG1GC", "-Djava.awt.headless=true")
+TRANSACTION_STATE_PARTITIONS = 3  # few, so the tests can tell which node coordinates a transactional id
+
+PRODUCTION_SETTINGS = {
+    "default.replication.factor": "3",
+    "min.insync.replicas": "2",
+    "offsets.topic.replication.factor": "3",
+    "transaction.state.log.replication.factor": "3",
+    "transaction.state.log.min.isr": "2",
+    "transaction.state.log.num.partitions": str(TRANSACTION_STATE_PARTITIONS),
+    "unclean.leader.election.enable": "false",
+    "share.coordinator.state.topic.replication.factor": "3",
+    "share.coordinator.state.topic.min.isr": "2",
+}
+
+
+def cluster_id() -> str:
+    found = "-"
+    while found.startswith("-"):  # read as an option otherwise (Kafka's own Uuid.randomUuid skips those too)
+        found = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    return found
+
+
+def node_properties(node: int, ports: list[int], controllers: list[int], data: Path,
+                    settings: dict[str, str]) -> str:
+    voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, c in enumerate(controllers))
+    port, controller = ports[node - 1], controllers[node - 1]
+    lines = {
+        "process.roles": "broker,controller",
+        "node.id": str(node),
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "log.dirs": str(data),
+        "num.partitions": "1",
+        "auto.create.topics.enable": "false",
+        "offsets.topic.num.partitions": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        "transaction.abort.timed.out.transaction.cleanup.interval.ms": "2000",
+        **PRODUCTION_SETTINGS,
+        **settings,
+    }
+    return "".join(f"{key}={value}\n" for key, value in lines.items())
+
+
+@dataclass
+class Node:
+    node_id: int
+    port: int
+    base: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.base / "kafka.log"
+
+    def command(self) -> list[str]:
+        return ["java", *JVM_OPTIONS, f"-Dlog4j2.configurationFile={self.base / 'log4j2.properties'}", "-cp",
+                kafka_classpath(), "kafka.Kafka", str(self.base / "server.properties")]
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the node's socket buffers, page cache writes not yet on disk and open requests die with it."""
+        if self.alive:
+            assert self.process is not None
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+            self.process.wait(30)
+
+    def stop(self) -> None:
+        """A clean shutdown (SIGTERM), as a rolling restart does: leadership moves off first."""
+        if self.alive:
+            assert self.process is not None
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def pause(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+
+
+@dataclass
+class KafkaCluster:
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def node(self, node_id: int) -> Node:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    def brokers_up(self, timeout: float = 5.0) -> set[int]:
+        """The node ids the cluster's metadata lists as brokers now (asked of any node that answers)."""
+        from confluent_kafka.admin import AdminClient
+
+        live = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes if n.alive)
+        if not live:
+            return set()
+        try:
+            metadata = AdminClient({"bootstrap.servers": live, "log_level": 0}).list_topics(timeout=timeout)
+        except Exception:  # noqa: BLE001 - no node answering yet
+            return set()
+        return set(metadata.brokers)
+
+    def wait_for(self, wanted: set[int], timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not wanted <= self.brokers_up():
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- node {n.node_id}\n{n.log_tail()}" for n in self.nodes)
+                raise TimeoutError(f"brokers {sorted(wanted)} not up in {timeout:.0f} s\n{tails}")
+            time.sleep(0.5)
+
+    def kill_all(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+
+def start_cluster(base: Path, ports: list[int], controllers: list[int], settings: dict[str, str] | None = None
+                  ) -> KafkaCluster:
+    """Formats and starts len(ports) nodes under `base` (one directory each) and waits until all are brokers."""
+    ident = cluster_id()
+    cluster = KafkaCluster()
+    for i in range(1, len(ports) + 1):
+        node_base = base / f"node-{i}"
+        node_base.mkdir(parents=True, exist_ok=True)
+        props = node_base / "server.properties"
+        props.write_text(node_properties(i, ports, controllers, node_base / "data", settings or {}))
+        (node_base / "log4j2.properties").write_text(KAFKA_LOG4J)
+        subprocess.run(["java", "-cp", kafka_classpath(), "kafka.tools.StorageTool", "format", "-t", ident, "-c",
+                        str(props)], check=True, capture_output=True)
+        cluster.nodes.append(Node(i, ports[i - 1], node_base))
+    log(f"kafka cluster: starting {len(ports)} nodes on {cluster.bootstrap} (logs under {base})")
+    for node in cluster.nodes:
+        node.start()
+    cluster.wait_for({n.node_id for n in cluster.nodes})
+    return cluster

@@ -1,0 +1,271 @@
+"""rowrelay on a replicated Kafka cluster: three KRaft nodes with a production cluster's settings (replication 3,
+`min.insync.replicas=2`, the transaction log the same, no unclean election; stack/kafka_cluster.py), nodes
+SIGKILLed, frozen and restarted while slices publish.
+
+Each scenario: a run of a slice held inside its open transaction (a failpoint after its rows are produced), the
+fault injected there, then the table relayed to its end. Then a `read_committed` reader that ran throughout must
+have seen every row exactly once and in order, `verify` must agree, and every partition's last stable offset must
+have reached its end (no transaction left hanging).
+
+`make test-cluster` runs it (three broker JVMs on two cores, about five minutes, run alone): not part of the CI
+run, whose `make test` and `make test-faults` already take most of its time budget.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, IsolationLevel, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+from sqlalchemy import text
+from sqlalchemy.engine import URL, Engine
+
+from assets.relay import channel_for
+from orchestration.cli import verify_table
+from resources.config import KafkaConfig, RelayConfig
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
+from resources.slices import SliceRange
+from stack.kafka_cluster import TRANSACTION_STATE_PARTITIONS, KafkaCluster, start_cluster
+from tests.conftest import Services, unique
+from tests.pipeline import Harness, relay_config
+from tests.private_servers import free_ports
+
+pytestmark = [pytest.mark.cluster, pytest.mark.integration]
+
+ROWS = 30_000
+SLICE_ROWS = 10_000
+HOLD_S = 8  # a held run waits this long inside its open transaction, rows flushed, before it commits
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
+    ports = free_ports(6)
+    found = start_cluster(tmp_path_factory.mktemp("kafka_cluster"), ports[:3], ports[3:])
+    try:
+        yield found
+    finally:
+        found.kill_all()
+
+
+@dataclass
+class Reader:
+    """A read_committed consumer of the data topic for the whole scenario: every row it saw, in order."""
+    bootstrap: str
+    topic: str
+    seen: list[tuple[int, int, int]] = field(default_factory=list)  # (partition, offset, id)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        import json
+
+        # Assigned, not subscribed: a group's rebalance (its coordinator killed) would start it over from the
+        # beginning and show the reader's own re-reads as duplicates.
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": unique("reader"),
+                             "isolation.level": "read_committed", "enable.auto.commit": False, "log_level": 0})
+        consumer.assign([TopicPartition(self.topic, 0, 0)])
+        try:
+            while not self.stop.is_set():
+                msg = consumer.poll(0.5)
+                if msg is not None and not msg.error():
+                    self.seen.append((msg.partition(), msg.offset(), json.loads(msg.value())["id"]))
+        finally:
+            consumer.close()
+
+    def close(self, expected: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.seen) < expected and time.monotonic() < deadline:
+            time.sleep(0.5)
+        self.stop.set()
+        self.thread.join(30)
+
+    def assert_exactly_once_in_order(self, rows: int) -> None:
+        ids = [i for _, _, i in self.seen]
+        assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} duplicates seen by the reader"
+        assert set(ids) == set(range(1, rows + 1)), f"{rows - len(set(ids))} rows missing for the reader"
+        assert ids == sorted(ids), "the reader saw rows out of watermark order"
+
+
+def leader_of(cluster: KafkaCluster, topic: str, partition: int = 0) -> int:
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+    return admin.list_topics(topic, timeout=10).topics[topic].partitions[partition].leader
+
+
+def java_string_hash(s: str) -> int:
+    h = 0
+    for ch in s.encode("utf-16-be").decode("utf-16-be"):
+        h = (31 * h + ord(ch)) & 0xFFFFFFFF
+    return h
+
+
+def coordinator_of(cluster: KafkaCluster, transactional_id: str) -> int:
+    """The node that coordinates `transactional_id`: the leader of its `__transaction_state` partition (Kafka's
+    `Utils.abs(id.hashCode()) % partitions`)."""
+    return leader_of(cluster, "__transaction_state",
+                     (java_string_hash(transactional_id) & 0x7FFFFFFF) % TRANSACTION_STATE_PARTITIONS)
+
+
+def end_offsets(bootstrap: str, tp: TopicPartition) -> tuple[int, int]:
+    """(last stable offset, high watermark) of a partition, as the partition's leader reports them."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    key = TopicPartition(tp.topic, tp.partition)
+    ends = []
+    for level in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED):
+        result = admin.list_offsets({key: OffsetSpec.latest()}, isolation_level=level, request_timeout=10)
+        ends.append(result[key].result().offset)
+    return ends[0], ends[1]
+
+
+def stable_everywhere(bootstrap: str, topics: list[str], timeout: float = 60.0) -> None:
+    """Every partition's last stable offset equals its high watermark: no transaction is left open on them."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    deadline = time.monotonic() + timeout
+    for topic in topics:
+        for p in admin.list_topics(topic, timeout=10).topics[topic].partitions:
+            while (ends := end_offsets(bootstrap, TopicPartition(topic, p)))[0] != ends[1]:
+                assert time.monotonic() < deadline, f"{topic}[{p}]: last stable offset {ends[0]} < {ends[1]}"
+                time.sleep(1)
+
+
+@pytest.fixture
+def scenario(services: Services, pg_database: URL, pg_engine: Engine, cluster: KafkaCluster, dagster_instance: Any,
+             name: str) -> Iterator[tuple[Harness, Reader]]:
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY, v text)"))
+        conn.execute(text(f"INSERT INTO {name} SELECT g, md5(g::text) FROM generate_series(1, {SLICE_ROWS}) g"))
+    cfg: RelayConfig = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": SLICE_ROWS,
+         "topic": f"cluster.{name}", "topic_partitions": 1}], spark_remote=True)
+    cfg = cfg.model_copy(update={"kafka": KafkaConfig(bootstrap_servers=cluster.bootstrap)})
+    h = Harness(cfg, dagster_instance)
+    table = h.table()
+    keys = h.cut(table)
+    assert keys, "nothing cut"
+    for key in keys:  # the topics exist and have leaders before any fault
+        h.run(table, key)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {name} SELECT g, md5(g::text) "
+                          f"FROM generate_series({SLICE_ROWS + 1}, {ROWS}) g"))
+    reader = Reader(cluster.bootstrap, table.topic_name)
+    yield h, reader
+    reader.stop.set()
+
+
+def held_run(h: Harness, key: str) -> tuple[subprocess.Popen, Path]:
+    """A run of `key` that waits HOLD_S s inside its open transaction once its rows are flushed to the brokers."""
+    table = h.table()
+    log = Path(h.instance.root_directory) / f"held-{unique('run')}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(h.cli_command(table, key), cwd=Path(__file__).resolve().parents[1], stdout=out,
+                                stderr=subprocess.STDOUT,
+                                env=h.cli_env({"ROWRELAY_FAILPOINT": f"sleep:flushed:{HOLD_S}"}))
+    return proc, log
+
+
+def wait_until_produced(h: Harness, before: int, proc: subprocess.Popen) -> None:
+    """Until the held run's rows are in the data topic, its transaction still open: the high watermark moved past
+    `before` while the last stable offset (a read_committed reader's end) did not."""
+    tp = TopicPartition(h.table().topic_name, 0)
+    deadline = time.monotonic() + 180
+    while (ends := end_offsets(h.config.kafka.bootstrap_servers, tp))[1] <= before:
+        assert proc.poll() is None and time.monotonic() < deadline, "the held run never produced its rows"
+        time.sleep(0.2)
+    assert ends[0] <= before, f"the slice committed before the fault: {ends}"
+
+
+def end_offset(h: Harness) -> int:
+    return end_offsets(h.config.kafka.bootstrap_servers, TopicPartition(h.table().topic_name, 0))[1]
+
+
+def fault_mid_publish(h: Harness, reader: Reader, cluster: KafkaCluster, victim: Callable[[], int],
+                      inject: Callable[[int], None], heal: Callable[[int], None],
+                      heal_after_s: float | None = None) -> None:
+    """The held run's fault: `inject` into the node `victim` names while the run's transaction is open, then
+    `heal` once the run has ended (or `heal_after_s` after the fault, for a run that can only wait)."""
+    table = h.table()
+    key = SliceRange(SLICE_ROWS, 2 * SLICE_ROWS).key
+    h.instance.add_dynamic_partitions(f"{table.dagster_name}__slices", [key])
+    proc, log = held_run(h, key)
+    wait_until_produced(h, end_offset(h), proc)
+    node = victim()
+    inject(node)
+    assert proc.poll() is None, "the held run ended before the fault"
+    if heal_after_s is not None:
+        time.sleep(heal_after_s)
+        heal(node)
+        proc.wait(600)
+    else:
+        proc.wait(600)
+        heal(node)
+    cluster.wait_for({n.node_id for n in cluster.nodes})
+    h.drain(table, until_hi=ROWS, timeout=600)
+    reader.close(ROWS)
+    reader.assert_exactly_once_in_order(ROWS)
+    report = verify_table(h.config, table)
+    assert report.ok and report.messages == report.source_rows == ROWS, (report, log.read_text()[-3000:])
+    channel = channel_for(table, PREFIX)
+    stable_everywhere(cluster.bootstrap, [channel.topic, channel.progress_topic])
+    print(f"node {node} faulted mid-publish; the held run exited {proc.returncode}")
+
+
+def test_leader_of_the_data_partition_sigkilled_mid_publish(scenario: tuple[Harness, Reader],
+                                                            cluster: KafkaCluster) -> None:
+    h, reader = scenario
+    fault_mid_publish(h, reader, cluster, lambda: leader_of(cluster, h.table().topic_name),
+                      lambda n: cluster.node(n).kill(), lambda n: cluster.node(n).start())
+
+
+def test_leader_of_the_progress_partition_sigkilled_mid_publish(scenario: tuple[Harness, Reader],
+                                                                cluster: KafkaCluster) -> None:
+    h, reader = scenario
+    progress = channel_for(h.table(), PREFIX).progress_topic
+    fault_mid_publish(h, reader, cluster, lambda: leader_of(cluster, progress),
+                      lambda n: cluster.node(n).kill(), lambda n: cluster.node(n).start())
+
+
+def test_transaction_coordinator_sigkilled_mid_publish(scenario: tuple[Harness, Reader],
+                                                       cluster: KafkaCluster) -> None:
+    h, reader = scenario
+    tid = channel_for(h.table(), PREFIX).transactional_id
+    fault_mid_publish(h, reader, cluster, lambda: coordinator_of(cluster, tid),
+                      lambda n: cluster.node(n).kill(), lambda n: cluster.node(n).start())
+
+
+def test_a_node_frozen_past_the_request_timeouts_then_resumed(scenario: tuple[Harness, Reader],
+                                                              cluster: KafkaCluster) -> None:
+    h, reader = scenario
+
+    def freeze(node: int) -> None:
+        cluster.node(node).pause()
+        time.sleep(45)  # past librdkafka's request and socket timeouts (30 s): the cluster moves on without it
+
+    fault_mid_publish(h, reader, cluster, lambda: leader_of(cluster, h.table().topic_name), freeze,
+                      lambda n: cluster.node(n).resume())
+
+
+def test_two_of_three_nodes_down_the_relay_waits_and_resumes(scenario: tuple[Harness, Reader],
+                                                             cluster: KafkaCluster) -> None:
+    """With one node of three, min.insync.replicas=2 cannot be met and the controller quorum is lost: nothing can
+    commit. The held run waits (or fails) for 30 s; nothing is lost or doubled when the nodes return."""
+    h, reader = scenario
+
+    def two_down(node: int) -> None:
+        for other in [n.node_id for n in cluster.nodes if n.node_id != node][:2]:
+            cluster.node(other).kill()
+
+    def back(node: int) -> None:
+        for n in cluster.nodes:
+            if not n.alive:
+                n.start()
+
+    fault_mid_publish(h, reader, cluster, lambda: 1, two_down, back, heal_after_s=30)
