@@ -28,7 +28,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL, Engine
 
 from assets.relay import channel_for
-from orchestration.cli import verify_table
+from orchestration.verify import verify_table
 from resources.config import KafkaConfig, RelayConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
