@@ -2,7 +2,7 @@
 
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from dagster import AssetMaterialization, ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
@@ -12,21 +12,12 @@ from resources.config import resolve_env
 from resources.exactly_once import (
     WATERMARK_HEADER,
     BadRowError,
-    BaselineMissing,
     MessageBatch,
-    ProducerSettingsError,
     ProgressMissing,
     ProgressRecord,
-    ProgressShared,
-    PublisherFenced,
     PublishResult,
-    RelayError,
     SlicePublisher,
-    SliceRowsMismatch,
     TableChannel,
-    TopicSettingsError,
-    TransactionTimedOut,
-    WatermarkChanged,
     pieces_in_range,
     read_piece_messages,
     tiles_by_range,
@@ -41,51 +32,18 @@ from resources.keys import (
     CHANNEL_TRANSACTIONAL_ID,
     COMMITTED_BEFORE_FAILURE_TAG,
     RUN_FAILED_LATER,
-    STOPPED_TAG,
 )
-from resources.messages import ReadAhead, SliceFrame, TableSlices
+from resources.keys import STOPPED_TAG as STOPPED_TAG
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX
+from resources.slice_reads import ReadAhead, SliceFrame, TableSlices
 from resources.slices import SliceRange
-from resources.source_database import SchemaChanged, SchemaRaced, SourceError, schema_change
+from resources.source_database import SchemaRaced, schema_change
 from resources.spark import SparkResource
+from resources.stops import RETRY_ON_FAILURE_TAG as RETRY_ON_FAILURE_TAG
+from resources.stops import STOPPING_ERRORS, StopReason, stop_reason, stopped_tags
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
-
-# Dagster's documented run tag: a run that fails with it "false" is not re-executed by run retries
-# (dagster.yaml run_retries), which would otherwise repeat a stopped run five times.
-RETRY_ON_FAILURE_TAG = "dagster/retry_on_asset_or_op_failure"
-
-
-def stopped_tags(reason: str) -> dict[str, str]:
-    """The tags of a run stopped for `reason`: the sensor backs off, and Dagster's run retries leave it."""
-    return {STOPPED_TAG: reason, RETRY_ON_FAILURE_TAG: "false"}
-
-
-def inherited_stop_cleared(tags: Mapping[str, str], retry_default: bool) -> dict[str, str]:
-    """Tags that undo a stop a run copied from the run it re-executes (the UI's Re-execute copies the parent's
-    tags): the run has not stopped, so the sensor must not back off from it as stopped, and Dagster's run retries
-    treat it as the instance says (`retry_default`: dagster.yaml run_retries.retry_on_asset_or_op_failure). Dagster
-    cannot delete a run tag; an empty STOPPED_TAG means not stopped. Empty when nothing was copied."""
-    if not tags.get(STOPPED_TAG):
-        return {}
-    return {STOPPED_TAG: "", RETRY_ON_FAILURE_TAG: "true" if retry_default else "false"}
-
-
-# Publish errors a retry of the run cannot fix, and the STOPPED_TAG value each sets.
-STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
-    (TransactionTimedOut, "transaction_timeout"),  # before "fenced": the coordinator's abort looks like one
-    (ProgressMissing, "progress_missing"),
-    (BaselineMissing, "baseline_missing"),
-    (ProducerSettingsError, "producer_settings"),
-    (TopicSettingsError, "topic_settings"),
-    (SliceRowsMismatch, "rows_mismatch"),
-    (PublisherFenced, "fenced"),
-    (WatermarkChanged, "watermark_changed"),
-    (ProgressShared, "progress_shared"),
-)
-_STOPPING_ERRORS = tuple(cls for cls, _ in STOP_REASONS)
-
 
 def named_row(obj: TableSlices, bad: BadRowError) -> BadRowError:
     """`bad` with skip advice that names its row (`TableSlices.name_row`); as it was where that cannot be asked (the
@@ -218,25 +176,8 @@ class KafkaIOManager(ConfigurableIOManager):
                     context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
                                      f"rows in {result.duration_s:.1f} s")
                 completed = True
-            except BadRowError as exc:
-                # Retrying cannot help: the slice stays unpublished and later slices wait behind it.
-                self._mark_stopped(context, "bad_row")
-                exc = named_row(obj, exc)
-                raise Failure(description=str(exc), allow_retries=False,
-                              metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
-                              ) from exc
-            except SourceError as exc:  # the table's columns changed under `fail`, or no longer fit its settings
-                reason = "schema_change" if isinstance(exc, SchemaChanged) else "source"
-                self._mark_stopped(context, reason)
-                raise Failure(description=str(exc), allow_retries=False,
-                              metadata={"table": obj.channel.table, "reason": reason}) from exc
-            except _STOPPING_ERRORS as exc:
-                reason = next(r for cls, r in STOP_REASONS if isinstance(exc, cls))
-                self._mark_stopped(context, reason)
-                metadata: dict[str, Any] = {"table": obj.channel.table, "reason": reason}
-                if isinstance(exc, ProgressMissing):
-                    metadata["topic_watermark"] = exc.topic_watermark
-                raise Failure(description=str(exc), allow_retries=False, metadata=metadata) from exc
+            except STOPPING_ERRORS as exc:  # a retry of the run cannot help: later slices wait behind this one
+                raise self._stopped(context, obj, exc) from exc
             finally:
                 early_chunks.update(ahead.early_chunks)
                 ahead.close()
@@ -267,7 +208,7 @@ class KafkaIOManager(ConfigurableIOManager):
     def kept_by_reset(self, channel: TableChannel, rng: SliceRange) -> ProgressRecord:
         """What a committed key that no slice record tiles published: where a reset back landed inside a slice, the
         part it kept (`pieces_in_range`: the partition (lo, W] the reset left) holds that slice's messages up to W,
-        counted here. A re-run of it recorded "published nothing, 0 rows" (found by review). Else nothing."""
+        counted here. Else nothing."""
         pieces = pieces_in_range(self.kafka_conf(), channel, rng)
         if not pieces:
             return self.committed_record(channel, rng, [])
@@ -338,10 +279,19 @@ class KafkaIOManager(ConfigurableIOManager):
                                  watermark=obj.watermark)
 
     @staticmethod
-    def _mark_stopped(context: OutputContext, reason: str) -> None:
-        """Tell the table's sensor to back off: a retry of this run would fail the same way."""
+    def _stopped(context: OutputContext, obj: TableSlices, exc: Exception) -> Failure:
+        """The run's failure for an error a retry cannot fix, its run tagged so the table's sensor backs off."""
+        reason = stop_reason(exc) or StopReason.SOURCE
         step = context.step_context
         step.instance.add_run_tags(step.run_id, stopped_tags(reason))
+        if isinstance(exc, BadRowError):  # the slice stays unpublished until the row is fixed or skipped
+            exc = named_row(obj, exc)
+            return Failure(description=str(exc), allow_retries=False,
+                           metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""})
+        metadata: dict[str, Any] = {"table": obj.channel.table, "reason": reason.value}
+        if isinstance(exc, ProgressMissing):
+            metadata["topic_watermark"] = exc.topic_watermark
+        return Failure(description=str(exc), allow_retries=False, metadata=metadata)
 
     @staticmethod
     def slice_metadata(obj: TableSlices, result: PublishResult) -> dict[str, Any]:
