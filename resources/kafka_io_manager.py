@@ -3,6 +3,7 @@
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dagster import AssetMaterialization, ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
@@ -73,6 +74,19 @@ def channel_metadata(channel: TableChannel) -> dict[str, Any]:
             CHANNEL_START_AFTER: channel.start_after}
 
 
+@dataclass
+class RunReport:
+    """What a run's output reports per slice key: its publish result and expected rows; for the slices this run
+    published, seconds per step of the run and per phase (read, convert, produce, flush, commit), chunks read early
+    and how its columns changed from the slice before it."""
+
+    records: dict[str, tuple[PublishResult, int]] = field(default_factory=dict)
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    phase_times: dict[str, dict[str, float]] = field(default_factory=dict)
+    early_chunks: dict[str, int] = field(default_factory=dict)
+    changes: dict[str, str] = field(default_factory=dict)
+
+
 class KafkaIOManager(ConfigurableIOManager):
     """Stores a table asset's partition (one watermark slice) as messages of one Kafka transaction."""
 
@@ -100,12 +114,7 @@ class KafkaIOManager(ConfigurableIOManager):
         """
         if not isinstance(obj, TableSlices):
             raise TypeError(f"KafkaIOManager stores TableSlices outputs, got {type(obj).__name__}")
-        records: dict[str, tuple[PublishResult, int]] = {}
-        timings: dict[str, dict[str, float]] = {}  # per published slice: seconds per step of the run
-        phase_times: dict[str, dict[str, float]] = {}  # per published slice: read, convert, produce, flush, commit
-        early_chunks: dict[str, int] = {}
-        changes: dict[str, str] = {}  # per published slice: how its columns changed from the slice before it
-        before = obj.committed_columns
+        report = RunReport()
         pending = {s.key for s in obj.pending}
         committed = [s for s in obj.slices if s.key not in pending]
         if committed:  # committed before this run (a re-run, a roll-up key): report what they published
@@ -113,96 +122,113 @@ class KafkaIOManager(ConfigurableIOManager):
             for s in committed:
                 record = (self.committed_record(obj.channel, s, tiles[s]) if tiles[s]
                           else self.kept_by_reset(obj.channel, s))
-                records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
+                report.records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
         if obj.pending:
-            assert obj.read is not None
-            read = obj.read
-            publisher: SlicePublisher | None = None
-            counts: dict[str, float] = {}
+            self._publish_pending(context, obj, report)
+        self._add_slice_metadata(context, obj, report)
 
-            def frames_in_order() -> Iterator[SliceFrame]:
-                for s in obj.pending:  # each slice's count query runs when the read-ahead reaches it
-                    began = time.monotonic()
-                    try:
-                        frame = read(s)
-                    except Exception as exc:  # noqa: BLE001 - raised in the slice's own turn (SliceFrame.failing)
-                        frame = SliceFrame.failing(obj.channel, s, exc)
-                    counts[s.key] = time.monotonic() - began
-                    yield frame
+    def _publish_pending(self, context: OutputContext, obj: TableSlices, report: RunReport) -> None:
+        """Publish the run's pending slices in order, read ahead across slice boundaries; on a failure, report
+        the slices committed before it."""
+        assert obj.read is not None
+        read = obj.read
+        publisher: SlicePublisher | None = None
+        counts: dict[str, float] = {}
 
-            ahead = ReadAhead(frames_in_order(), self.chunk_rows, self.prefetch_chunks)
-            completed = False
-            try:
-                publisher = self.publisher(obj.channel, obj.recorded)
-                for slice_range in obj.pending:
-                    frame = ahead.frame_at_head()
-                    if frame is None or frame.slice != slice_range:
-                        raise RuntimeError(f"{obj.channel.table}: read-ahead lost its place at slice {slice_range}")
-                    steps = {**obj.timings, "count_s": counts.get(slice_range.key, 0.0)}
-                    publish_started = time.monotonic()
-                    convert_before = ahead.convert_s
-                    first_call = [True]
+        def frames_in_order() -> Iterator[SliceFrame]:
+            for s in obj.pending:  # each slice's count query runs when the read-ahead reaches it
+                began = time.monotonic()
+                try:
+                    frame = read(s)
+                except Exception as exc:  # noqa: BLE001 - raised in the slice's own turn (SliceFrame.failing)
+                    frame = SliceFrame.failing(obj.channel, s, exc)
+                counts[s.key] = time.monotonic() - began
+                yield frame
 
-                    def batches(f: SliceFrame = frame, steps: dict[str, float] = steps, t0: float = publish_started,
-                                first: list[bool] = first_call) -> Iterator[MessageBatch]:
-                        # The first attempt streams from the read-ahead; a redo (after an abort) reads the slice
-                        # again on its own.
-                        source = ahead.batches(f) if first[0] else f.iter_batches(self.chunk_rows,
-                                                                                   self.prefetch_chunks)
-                        first[0] = False
-                        for batch in source:
-                            steps.setdefault("first_batch_s", time.monotonic() - t0)  # fencing + first read
-                            yield batch
+        ahead = ReadAhead(frames_in_order(), self.chunk_rows, self.prefetch_chunks)
+        completed = False
+        try:
+            publisher = self.publisher(obj.channel, obj.recorded)
+            before = obj.committed_columns
+            for slice_range in obj.pending:
+                steps = {**obj.timings, "count_s": counts.get(slice_range.key, 0.0)}
+                before = self._publish_next(context, publisher, obj, ahead, slice_range, steps, before, report)
+            completed = True
+        except STOPPING_ERRORS as exc:  # a retry of the run cannot help: later slices wait behind this one
+            raise self._stopped(context, obj, exc) from exc
+        finally:
+            report.early_chunks.update(ahead.early_chunks)
+            ahead.close()
+            if publisher is not None:
+                publisher.close()
+            if not completed:
+                self._record_committed_before_failure(context, obj, report.records)
 
-                    result, frame = self._publish_read_once_more(context, publisher, obj, frame, batches, read)
-                    if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
-                        ahead.skip(frame)
-                    steps["transaction_s"] = result.progress.transaction_s
-                    steps["publish_s"] = result.duration_s
-                    convert = ahead.convert_s - convert_before
-                    phases = dict(result.phases)
-                    if "read_s" in phases:  # the order check and split happen while the producer waits for rows
-                        phases["read_s"] = max(0.0, phases["read_s"] - convert)
-                        phases["convert_s"] = convert
-                    timings[slice_range.key] = steps
-                    phase_times[slice_range.key] = phases
-                    records[slice_range.key] = (result, frame.expected_rows)
-                    if not result.already_committed:
-                        changes[slice_range.key] = schema_change(before, frame.columns).describe() if before else ""
-                        before = frame.columns
-                    if changes.get(slice_range.key):
-                        context.log.warning(f"{obj.channel.table}: columns changed before slice {slice_range}: "
-                                            f"{changes[slice_range.key]} (on_schema_change: follow)")
-                    context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
-                                     f"rows in {result.duration_s:.1f} s")
-                completed = True
-            except STOPPING_ERRORS as exc:  # a retry of the run cannot help: later slices wait behind this one
-                raise self._stopped(context, obj, exc) from exc
-            finally:
-                early_chunks.update(ahead.early_chunks)
-                ahead.close()
-                if publisher is not None:
-                    publisher.close()
-                if not completed:
-                    self._record_committed_before_failure(context, obj, records)
-        for key, (result, _) in records.items():
+    def _publish_next(self, context: OutputContext, publisher: SlicePublisher, obj: TableSlices, ahead: ReadAhead,
+                      slice_range: SliceRange, steps: dict[str, float], before: list[list[str]], report: RunReport
+                      ) -> list[list[str]]:
+        """Publish `slice_range`, the slice at the read-ahead's head, into `report`; returns the columns the next
+        slice's are described against (`before`: those of the slice before this one)."""
+        assert obj.read is not None
+        frame = ahead.frame_at_head()
+        if frame is None or frame.slice != slice_range:
+            raise RuntimeError(f"{obj.channel.table}: read-ahead lost its place at slice {slice_range}")
+        publish_started = time.monotonic()
+        convert_before = ahead.convert_s
+        first_call = [True]
+
+        def batches(f: SliceFrame = frame) -> Iterator[MessageBatch]:
+            # The first attempt streams from the read-ahead; a redo (after an abort) reads the slice again on its own.
+            source = ahead.batches(f) if first_call[0] else f.iter_batches(self.chunk_rows, self.prefetch_chunks)
+            first_call[0] = False
+            for batch in source:
+                steps.setdefault("first_batch_s", time.monotonic() - publish_started)  # fencing + first read
+                yield batch
+
+        result, frame = self._publish_read_once_more(context, publisher, obj, frame, batches, obj.read)
+        if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
+            ahead.skip(frame)
+        steps["transaction_s"] = result.progress.transaction_s
+        steps["publish_s"] = result.duration_s
+        convert = ahead.convert_s - convert_before
+        phases = dict(result.phases)
+        if "read_s" in phases:  # the order check and split happen while the producer waits for rows
+            phases["read_s"] = max(0.0, phases["read_s"] - convert)
+            phases["convert_s"] = convert
+        key = slice_range.key
+        report.timings[key] = steps
+        report.phase_times[key] = phases
+        report.records[key] = (result, frame.expected_rows)
+        if not result.already_committed:
+            report.changes[key] = schema_change(before, frame.columns).describe() if before else ""
+            before = frame.columns
+        if report.changes.get(key):
+            context.log.warning(f"{obj.channel.table}: columns changed before slice {slice_range}: "
+                                f"{report.changes[key]} (on_schema_change: follow)")
+        context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
+                         f"rows in {result.duration_s:.1f} s")
+        return before
+
+    def _add_slice_metadata(self, context: OutputContext, obj: TableSlices, report: RunReport) -> None:
+        """Each slice's materialization metadata, and the run's figures."""
+        for key, (result, _) in report.records.items():
             metadata = self.slice_metadata(obj, result)
-            if key in timings:
-                metadata["timings_s"] = MetadataValue.json({k: round(v, 3) for k, v in timings[key].items()})
-            if key in early_chunks:  # chunks read before the run started (EarlyRead: a CLI backfill's first slice)
-                metadata["chunks_read_early"] = early_chunks[key]
-            if phase_times.get(key):
-                metadata["phases_s"] = MetadataValue.json({k: round(v, 3) for k, v in phase_times[key].items()})
+            if key in report.timings:
+                metadata["timings_s"] = MetadataValue.json({k: round(v, 3) for k, v in report.timings[key].items()})
+            if key in report.early_chunks:  # chunks read before the run started (EarlyRead: a backfill's first)
+                metadata["chunks_read_early"] = report.early_chunks[key]
+            if report.phase_times.get(key):
+                metadata["phases_s"] = MetadataValue.json({k: round(v, 3) for k, v in report.phase_times[key].items()})
             if result.progress.schema_fingerprint:
                 metadata["schema_fingerprint"] = result.progress.schema_fingerprint
                 metadata["columns"] = MetadataValue.json(result.progress.columns)
-            if changes.get(key):  # published by this run, with columns that changed from the slice before
-                metadata["schema_change"] = MetadataValue.text(changes[key])
+            if report.changes.get(key):  # published by this run, with columns that changed from the slice before
+                metadata["schema_change"] = MetadataValue.text(report.changes[key])
             context.step_context.add_asset_metadata(metadata, partition_key=key)
         # The run's figures: Dagster adds output metadata to each partition's materialization, so they are named
-        # as the run's (a 500-row slice showed "rows_published: 2000", and "slices" is a roll-up's own count).
+        # as the run's ("slices" is a roll-up's own count).
         context.add_output_metadata({"run_slices": len(obj.slices), "run_slices_published": len(obj.pending),
-                                     "run_rows_published": sum(r.progress.rows for r, _ in records.values()
+                                     "run_rows_published": sum(r.progress.rows for r, _ in report.records.values()
                                                                if not r.already_committed)})
 
     def kept_by_reset(self, channel: TableChannel, rng: SliceRange) -> ProgressRecord:
@@ -308,7 +334,7 @@ class KafkaIOManager(ConfigurableIOManager):
 
     def load_input(self, context: InputContext) -> "DataFrame":
         """The published messages of the upstream slice(s), read_committed and bounded by recorded offsets."""
-        import pandas as pd
+        import pandas as pd  # for start-up time: loaded on first use
 
         upstream = context.upstream_output
         meta = upstream.definition_metadata if upstream is not None else {}

@@ -36,8 +36,8 @@ def column_to_json_expr(field: StructField) -> Column:
     Verified against psycopg/pymysql reads (see tests/test_types.py): decimals keep their scale as
     strings, timestamps keep microseconds, an offset only where the column has a time zone.
     """
-    from pyspark.sql import functions as F
-    from pyspark.sql import types as T
+    from pyspark.sql import functions as F  # for start-up time: pyspark loads on first use
+    from pyspark.sql import types as T  # for start-up time: pyspark loads on first use
 
     col = F.col(f"`{field.name}`")
     dt = field.dataType
@@ -70,7 +70,7 @@ def json_object_expr(fields: list[StructField], json_columns: set[str], texts: d
     column of its text as the source rendered it (NULL where the source left the value to Spark; see
     TableShape.rendered_select).
     """
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # for start-up time: pyspark loads on first use
 
     texts = texts or {}
 
@@ -106,7 +106,7 @@ def message_columns(df: DataFrame, shape: TableShape, key: KeyPolicy, envelope: 
     """key, value, watermark and its text per row, in the input's order (pure Spark; no Python per row).
 
     `schema`: `df`'s fields if already known (asking Spark is a round trip and a JDBC schema query)."""
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # for start-up time: pyspark loads on first use
 
     json_cols = set(shape.json_columns)
     fields = {f.name: f for f in (schema if schema is not None else df.schema.fields)}

@@ -34,7 +34,7 @@ _BAD_UTF8_AT = re.compile(BAD_UTF8 + r"\[" + _ROW_MARK + r"\] column (\"(?:[^\"\
 
 def row_mark(shape: TableShape) -> Column:
     """The text a read stopped at a row names it by (`_ROW_MARK`), computed per row in Spark."""
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # for start-up time: pyspark loads on first use
 
     wm = F.col(f"`{shape.frame_watermark}`").cast("long").cast("string")
     if shape.tie_break is None:
@@ -54,8 +54,8 @@ def utf8_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShap
     """The columns read as bytes (`ColumnInfo.utf8_bytes`) as text, checked: bytes that are not valid UTF-8 stop
     the read naming the row and the column (BAD_UTF8), where the JDBC driver replaced them with U+FFFD (or, for a
     column in another charset, `ColumnInfo.charset`, the server with '?')."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import StringType, StructField
+    from pyspark.sql import functions as F  # for start-up time: pyspark loads on first use
+    from pyspark.sql.types import StringType, StructField  # for start-up time: pyspark loads on first use
 
     wm = row_mark(shape)
     checked = {}
@@ -119,7 +119,7 @@ def is_json_text(col: Column) -> Column:
     numbers checked by regex and reduced (no length limit applies to them then), and fails for a quote left (not
     a string) or a single quote. Jackson's one limit left: 999 levels of nesting (MariaDB's json_valid() takes 31).
     """
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # for start-up time: pyspark loads on first use
 
     def one_value(text: Column) -> Column:
         # [text] has one element: a single value, or one closed early ("1]x"); [text,0] then has one, not two.
@@ -142,7 +142,7 @@ def json_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShap
     which takes 1., -, 1e, "\\x41" (and a session with check_constraint_checks=0 skips it: any text): the message
     was not JSON and its slice committed. PostgreSQL parses json strictly on input: not checked (no cost). Only the
     JSON columns' values pay, per row; a table without one runs the same plan as before."""
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # for start-up time: pyspark loads on first use
 
     if shape.dialect != "mysql":
         return df

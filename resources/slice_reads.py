@@ -139,7 +139,7 @@ class SliceFrame:
 def to_message_batches(frame: SliceFrame, table: pa.Table, after: int) -> tuple[list[MessageBatch], int]:
     """An Arrow chunk as produce-ready batches (one per Arrow record batch, no copy), after checking its rows
     follow watermark `after` in order."""
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # for start-up time: loaded on first use
 
     wms = table.column("watermark")
     # Vectorised order check: Spark sorted each partition; partitions must come back in order.
