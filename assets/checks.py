@@ -108,7 +108,7 @@ def evaluate_parity(table: TableConfig, source: SourceDatabaseResource, kafka_co
     channel = channel_for(table, transactional_id_prefix)
     if slice_keys:
         # The run's slices are one span of the chain: one search over the progress topic finds their records
-        # (a long-lived table has hundreds of thousands; reading them all cost seconds per run).
+        # (a long-lived table has hundreds of thousands: reading them all would cost seconds per run).
         wanted = [SliceRange.from_key(k) for k in slice_keys]
         # Right after a commit its marker may not be on the progress partition yet: asked again for a while
         # before a slice without a record is reported.

@@ -83,8 +83,8 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
     # "now" cast to the column's own type: naive columns compare in the session's time zone, aware ones in UTC.
     now = sa.cast(sa.func.current_timestamp(), ts.type)
     wm = t.c[table.watermark]
-    # Only rows that will be sent: the table's `where:` and `skip_watermarks` apply, as to the rows counted (a
-    # draft row the filter leaves out sat above progress for good and made every later lag look hours old).
+    # Only rows that will be sent: the table's `where:` and `skip_watermarks` apply, as to the rows counted (a row
+    # the filter leaves out stays above progress for good and would make every later lag look hours old).
     q = source.filtered(sa.select(sa.func.min(ts), now).where(wm > shape.watermark_param(after)), shape, wm,
                         table.skip_rows)
     with source.engine.connect() as conn:

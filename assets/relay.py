@@ -37,18 +37,18 @@ from resources.slice_reads import SliceFrame, TableSlices
 from resources.slices import SliceRange, watermark_text
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape, null_watermark_error
 from resources.spark import SparkResource, SparkUnreachable
-from resources.stops import SkipOfManyRows, StopReason, inherited_stop_cleared, stop_reason, stopped_tags
+from resources.stops import StopReason, inherited_stop_cleared, stop_reason, stopped_tags
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 # The names orchestration, the CLI and tests import from here; each is owned by the module it is imported from.
 __all__ = [
-    "CHECK_KAFKA_TIMEOUT_S", "LAG_CHECK", "PARITY_CHECK", "WORKER_HOST_TAG", "WORKER_PID_TAG", "SkipOfManyRows",
-    "TableLag", "asset_key", "build_table_asset", "build_table_checks", "build_table_slices", "channel_for",
-    "check_schema", "committed_before_failure", "evaluate_parity", "lag_result", "last_recorded_slice",
-    "local_worker_pid", "measure_lag", "parity_result", "partitions_for", "pool_name", "recorded_published",
-    "slices_to_publish", "source_resource_key", "table_shape", "unmeasured_lag", "worker_tags",
+    "CHECK_KAFKA_TIMEOUT_S", "LAG_CHECK", "PARITY_CHECK", "WORKER_HOST_TAG", "WORKER_PID_TAG", "TableLag", "asset_key",
+    "build_table_asset", "build_table_checks", "build_table_slices", "channel_for", "committed_before_failure",
+    "evaluate_parity", "lag_result", "last_recorded_slice", "local_worker_pid", "measure_lag", "parity_result",
+    "partitions_for", "pool_name", "recorded_published", "slices_to_publish", "source_resource_key", "table_shape",
+    "unmeasured_lag", "worker_tags",
 ]
 
 

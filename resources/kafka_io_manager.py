@@ -35,7 +35,6 @@ from resources.keys import (
     RUN_FAILED_LATER,
 )
 from resources.keys import STOPPED_TAG as STOPPED_TAG
-from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX
 from resources.slice_reads import ReadAhead, SliceFrame, TableSlices
 from resources.slices import SliceRange
 from resources.source_database import SchemaRaced, schema_change
@@ -92,7 +91,9 @@ class KafkaIOManager(ConfigurableIOManager):
 
     bootstrap_servers: str
     producer: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings; ${VAR} allowed")
-    transactional_id_prefix: str = DEFAULT_TRANSACTIONAL_ID_PREFIX
+    # The deployment's `kafka.transactional_id_prefix`: every table's transactional id and progress topic are named
+    # under it, so it is always handed over, never assumed.
+    transactional_id_prefix: str
     chunk_rows: int = Field(100_000, description="rows fetched from Spark per Arrow batch while streaming a slice")
     prefetch_chunks: int = Field(2, ge=1, le=8, description="chunks fetched ahead while one is produced")
     spark: SparkResource

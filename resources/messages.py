@@ -92,7 +92,7 @@ def json_object_expr(fields: list[StructField], json_columns: set[str], texts: d
             continue
         if group:  # {"a":1,"b":2} -> "a":1,"b":2
             # (?s): to_json leaves U+0085, U+2028 and U+2029 unescaped, and Java's "." matches none of them
-            # without DOTALL: the match failed and the group's columns vanished from the message.
+            # without DOTALL: the match would fail and the group's columns vanish from the message.
             parts.append(F.regexp_extract(plain(group), r"(?s)^\{(.*)\}$", 1))
             group = []
         if f is not None:

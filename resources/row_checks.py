@@ -139,9 +139,9 @@ def is_json_text(col: Column) -> Column:
 def json_checked(df: DataFrame, fields: dict[str, StructField], shape: TableShape) -> DataFrame:
     """MariaDB/MySQL JSON columns, checked: a value that is not JSON stops the read naming the row and the column
     (BAD_JSON), since it is spliced into the message as it is. MariaDB's JSON is text with a json_valid() check,
-    which takes 1., -, 1e, "\\x41" (and a session with check_constraint_checks=0 skips it: any text): the message
-    was not JSON and its slice committed. PostgreSQL parses json strictly on input: not checked (no cost). Only the
-    JSON columns' values pay, per row; a table without one runs the same plan as before."""
+    which takes 1., -, 1e, "\\x41" (and a session with check_constraint_checks=0 skips it: any text): unchecked, the
+    message would not be JSON and its slice would commit. PostgreSQL parses json strictly on input: not checked (no
+    cost). Only the JSON columns' values pay, per row; a table without one runs an unchanged plan."""
     from pyspark.sql import functions as F  # for start-up time: pyspark loads on first use
 
     if shape.dialect != "mysql":

@@ -155,7 +155,7 @@ class ReadAhead:
     """Reads the chunks of consecutive slices ahead of the producer, across slice boundaries.
 
     A run's slices are read in order; fetching slice k+1's first chunks while slice k is flushed and committed
-    keeps Spark busy through every commit (with 100k-row slices and 100k-row chunks nothing overlapped before).
+    keeps Spark busy through every commit (with one chunk per slice, nothing would overlap otherwise).
     Reading ahead is only reading: a slice that fails leaves nothing behind but discarded chunks. At most
     `prefetch` chunks are in flight plus the one being produced.
     """
