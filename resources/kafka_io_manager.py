@@ -2,7 +2,8 @@
 
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dagster import AssetMaterialization, ConfigurableIOManager, Failure, InputContext, MetadataValue, OutputContext
@@ -12,21 +13,12 @@ from resources.config import resolve_env
 from resources.exactly_once import (
     WATERMARK_HEADER,
     BadRowError,
-    BaselineMissing,
     MessageBatch,
-    ProducerSettingsError,
     ProgressMissing,
     ProgressRecord,
-    ProgressShared,
-    PublisherFenced,
     PublishResult,
-    RelayError,
     SlicePublisher,
-    SliceRowsMismatch,
     TableChannel,
-    TopicSettingsError,
-    TransactionTimedOut,
-    WatermarkChanged,
     pieces_in_range,
     read_piece_messages,
     tiles_by_range,
@@ -41,51 +33,17 @@ from resources.keys import (
     CHANNEL_TRANSACTIONAL_ID,
     COMMITTED_BEFORE_FAILURE_TAG,
     RUN_FAILED_LATER,
-    STOPPED_TAG,
 )
-from resources.messages import ReadAhead, SliceFrame, TableSlices
-from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX
+from resources.keys import STOPPED_TAG as STOPPED_TAG
+from resources.slice_reads import ReadAhead, SliceFrame, TableSlices
 from resources.slices import SliceRange
-from resources.source_database import SchemaChanged, SchemaRaced, SourceError, schema_change
+from resources.source_database import SchemaRaced, schema_change
 from resources.spark import SparkResource
+from resources.stops import RETRY_ON_FAILURE_TAG as RETRY_ON_FAILURE_TAG
+from resources.stops import STOPPING_ERRORS, StopReason, stop_reason, stopped_tags
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
-
-# Dagster's documented run tag: a run that fails with it "false" is not re-executed by run retries
-# (dagster.yaml run_retries), which would otherwise repeat a stopped run five times.
-RETRY_ON_FAILURE_TAG = "dagster/retry_on_asset_or_op_failure"
-
-
-def stopped_tags(reason: str) -> dict[str, str]:
-    """The tags of a run stopped for `reason`: the sensor backs off, and Dagster's run retries leave it."""
-    return {STOPPED_TAG: reason, RETRY_ON_FAILURE_TAG: "false"}
-
-
-def inherited_stop_cleared(tags: Mapping[str, str], retry_default: bool) -> dict[str, str]:
-    """Tags that undo a stop a run copied from the run it re-executes (the UI's Re-execute copies the parent's
-    tags): the run has not stopped, so the sensor must not back off from it as stopped, and Dagster's run retries
-    treat it as the instance says (`retry_default`: dagster.yaml run_retries.retry_on_asset_or_op_failure). Dagster
-    cannot delete a run tag; an empty STOPPED_TAG means not stopped. Empty when nothing was copied."""
-    if not tags.get(STOPPED_TAG):
-        return {}
-    return {STOPPED_TAG: "", RETRY_ON_FAILURE_TAG: "true" if retry_default else "false"}
-
-
-# Publish errors a retry of the run cannot fix, and the STOPPED_TAG value each sets.
-STOP_REASONS: tuple[tuple[type[RelayError], str], ...] = (
-    (TransactionTimedOut, "transaction_timeout"),  # before "fenced": the coordinator's abort looks like one
-    (ProgressMissing, "progress_missing"),
-    (BaselineMissing, "baseline_missing"),
-    (ProducerSettingsError, "producer_settings"),
-    (TopicSettingsError, "topic_settings"),
-    (SliceRowsMismatch, "rows_mismatch"),
-    (PublisherFenced, "fenced"),
-    (WatermarkChanged, "watermark_changed"),
-    (ProgressShared, "progress_shared"),
-)
-_STOPPING_ERRORS = tuple(cls for cls, _ in STOP_REASONS)
-
 
 def named_row(obj: TableSlices, bad: BadRowError) -> BadRowError:
     """`bad` with skip advice that names its row (`TableSlices.name_row`); as it was where that cannot be asked (the
@@ -115,12 +73,27 @@ def channel_metadata(channel: TableChannel) -> dict[str, Any]:
             CHANNEL_START_AFTER: channel.start_after}
 
 
+@dataclass
+class RunReport:
+    """What a run's output reports per slice key: its publish result and expected rows; for the slices this run
+    published, seconds per step of the run and per phase (read, convert, produce, flush, commit), chunks read early
+    and how its columns changed from the slice before it."""
+
+    records: dict[str, tuple[PublishResult, int]] = field(default_factory=dict)
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    phase_times: dict[str, dict[str, float]] = field(default_factory=dict)
+    early_chunks: dict[str, int] = field(default_factory=dict)
+    changes: dict[str, str] = field(default_factory=dict)
+
+
 class KafkaIOManager(ConfigurableIOManager):
     """Stores a table asset's partition (one watermark slice) as messages of one Kafka transaction."""
 
     bootstrap_servers: str
     producer: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings; ${VAR} allowed")
-    transactional_id_prefix: str = DEFAULT_TRANSACTIONAL_ID_PREFIX
+    # The deployment's `kafka.transactional_id_prefix`: every table's transactional id and progress topic are named
+    # under it, so it is always handed over, never assumed.
+    transactional_id_prefix: str
     chunk_rows: int = Field(100_000, description="rows fetched from Spark per Arrow batch while streaming a slice")
     prefetch_chunks: int = Field(2, ge=1, le=8, description="chunks fetched ahead while one is produced")
     spark: SparkResource
@@ -142,12 +115,7 @@ class KafkaIOManager(ConfigurableIOManager):
         """
         if not isinstance(obj, TableSlices):
             raise TypeError(f"KafkaIOManager stores TableSlices outputs, got {type(obj).__name__}")
-        records: dict[str, tuple[PublishResult, int]] = {}
-        timings: dict[str, dict[str, float]] = {}  # per published slice: seconds per step of the run
-        phase_times: dict[str, dict[str, float]] = {}  # per published slice: read, convert, produce, flush, commit
-        early_chunks: dict[str, int] = {}
-        changes: dict[str, str] = {}  # per published slice: how its columns changed from the slice before it
-        before = obj.committed_columns
+        report = RunReport()
         pending = {s.key for s in obj.pending}
         committed = [s for s in obj.slices if s.key not in pending]
         if committed:  # committed before this run (a re-run, a roll-up key): report what they published
@@ -155,119 +123,119 @@ class KafkaIOManager(ConfigurableIOManager):
             for s in committed:
                 record = (self.committed_record(obj.channel, s, tiles[s]) if tiles[s]
                           else self.kept_by_reset(obj.channel, s))
-                records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
+                report.records[s.key] = (PublishResult(record, already_committed=True, duration_s=0.0), 0)
         if obj.pending:
-            assert obj.read is not None
-            read = obj.read
-            publisher: SlicePublisher | None = None
-            counts: dict[str, float] = {}
+            self._publish_pending(context, obj, report)
+        self._add_slice_metadata(context, obj, report)
 
-            def frames_in_order() -> Iterator[SliceFrame]:
-                for s in obj.pending:  # each slice's count query runs when the read-ahead reaches it
-                    began = time.monotonic()
-                    try:
-                        frame = read(s)
-                    except Exception as exc:  # noqa: BLE001 - raised in the slice's own turn (SliceFrame.failing)
-                        frame = SliceFrame.failing(obj.channel, s, exc)
-                    counts[s.key] = time.monotonic() - began
-                    yield frame
+    def _publish_pending(self, context: OutputContext, obj: TableSlices, report: RunReport) -> None:
+        """Publish the run's pending slices in order, read ahead across slice boundaries; on a failure, report
+        the slices committed before it."""
+        assert obj.read is not None
+        read = obj.read
+        publisher: SlicePublisher | None = None
+        counts: dict[str, float] = {}
 
-            ahead = ReadAhead(frames_in_order(), self.chunk_rows, self.prefetch_chunks)
-            completed = False
-            try:
-                publisher = self.publisher(obj.channel, obj.recorded)
-                for slice_range in obj.pending:
-                    frame = ahead.frame_at_head()
-                    if frame is None or frame.slice != slice_range:
-                        raise RuntimeError(f"{obj.channel.table}: read-ahead lost its place at slice {slice_range}")
-                    steps = {**obj.timings, "count_s": counts.get(slice_range.key, 0.0)}
-                    publish_started = time.monotonic()
-                    convert_before = ahead.convert_s
-                    first_call = [True]
+        def frames_in_order() -> Iterator[SliceFrame]:
+            for s in obj.pending:  # each slice's count query runs when the read-ahead reaches it
+                began = time.monotonic()
+                try:
+                    frame = read(s)
+                except Exception as exc:  # noqa: BLE001 - raised in the slice's own turn (SliceFrame.failing)
+                    frame = SliceFrame.failing(obj.channel, s, exc)
+                counts[s.key] = time.monotonic() - began
+                yield frame
 
-                    def batches(f: SliceFrame = frame, steps: dict[str, float] = steps, t0: float = publish_started,
-                                first: list[bool] = first_call) -> Iterator[MessageBatch]:
-                        # The first attempt streams from the read-ahead; a redo (after an abort) reads the slice
-                        # again on its own.
-                        source = ahead.batches(f) if first[0] else f.iter_batches(self.chunk_rows,
-                                                                                   self.prefetch_chunks)
-                        first[0] = False
-                        for batch in source:
-                            steps.setdefault("first_batch_s", time.monotonic() - t0)  # fencing + first read
-                            yield batch
+        ahead = ReadAhead(frames_in_order(), self.chunk_rows, self.prefetch_chunks)
+        completed = False
+        try:
+            publisher = self.publisher(obj.channel, obj.recorded)
+            before = obj.committed_columns
+            for slice_range in obj.pending:
+                steps = {**obj.timings, "count_s": counts.get(slice_range.key, 0.0)}
+                before = self._publish_next(context, publisher, obj, ahead, slice_range, steps, before, report)
+            completed = True
+        except STOPPING_ERRORS as exc:  # a retry of the run cannot help: later slices wait behind this one
+            raise self._stopped(context, obj, exc) from exc
+        finally:
+            report.early_chunks.update(ahead.early_chunks)
+            ahead.close()
+            if publisher is not None:
+                publisher.close()
+            if not completed:
+                self._record_committed_before_failure(context, obj, report.records)
 
-                    result, frame = self._publish_read_once_more(context, publisher, obj, frame, batches, read)
-                    if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
-                        ahead.skip(frame)
-                    steps["transaction_s"] = result.progress.transaction_s
-                    steps["publish_s"] = result.duration_s
-                    convert = ahead.convert_s - convert_before
-                    phases = dict(result.phases)
-                    if "read_s" in phases:  # the order check and split happen while the producer waits for rows
-                        phases["read_s"] = max(0.0, phases["read_s"] - convert)
-                        phases["convert_s"] = convert
-                    timings[slice_range.key] = steps
-                    phase_times[slice_range.key] = phases
-                    records[slice_range.key] = (result, frame.expected_rows)
-                    if not result.already_committed:
-                        changes[slice_range.key] = schema_change(before, frame.columns).describe() if before else ""
-                        before = frame.columns
-                    if changes.get(slice_range.key):
-                        context.log.warning(f"{obj.channel.table}: columns changed before slice {slice_range}: "
-                                            f"{changes[slice_range.key]} (on_schema_change: follow)")
-                    context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
-                                     f"rows in {result.duration_s:.1f} s")
-                completed = True
-            except BadRowError as exc:
-                # Retrying cannot help: the slice stays unpublished and later slices wait behind it.
-                self._mark_stopped(context, "bad_row")
-                exc = named_row(obj, exc)
-                raise Failure(description=str(exc), allow_retries=False,
-                              metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""}
-                              ) from exc
-            except SourceError as exc:  # the table's columns changed under `fail`, or no longer fit its settings
-                reason = "schema_change" if isinstance(exc, SchemaChanged) else "source"
-                self._mark_stopped(context, reason)
-                raise Failure(description=str(exc), allow_retries=False,
-                              metadata={"table": obj.channel.table, "reason": reason}) from exc
-            except _STOPPING_ERRORS as exc:
-                reason = next(r for cls, r in STOP_REASONS if isinstance(exc, cls))
-                self._mark_stopped(context, reason)
-                metadata: dict[str, Any] = {"table": obj.channel.table, "reason": reason}
-                if isinstance(exc, ProgressMissing):
-                    metadata["topic_watermark"] = exc.topic_watermark
-                raise Failure(description=str(exc), allow_retries=False, metadata=metadata) from exc
-            finally:
-                early_chunks.update(ahead.early_chunks)
-                ahead.close()
-                if publisher is not None:
-                    publisher.close()
-                if not completed:
-                    self._record_committed_before_failure(context, obj, records)
-        for key, (result, _) in records.items():
+    def _publish_next(self, context: OutputContext, publisher: SlicePublisher, obj: TableSlices, ahead: ReadAhead,
+                      slice_range: SliceRange, steps: dict[str, float], before: list[list[str]], report: RunReport
+                      ) -> list[list[str]]:
+        """Publish `slice_range`, the slice at the read-ahead's head, into `report`; returns the columns the next
+        slice's are described against (`before`: those of the slice before this one)."""
+        assert obj.read is not None
+        frame = ahead.frame_at_head()
+        if frame is None or frame.slice != slice_range:
+            raise RuntimeError(f"{obj.channel.table}: read-ahead lost its place at slice {slice_range}")
+        publish_started = time.monotonic()
+        convert_before = ahead.convert_s
+        first_call = [True]
+
+        def batches(f: SliceFrame = frame) -> Iterator[MessageBatch]:
+            # The first attempt streams from the read-ahead; a redo (after an abort) reads the slice again on its own.
+            source = ahead.batches(f) if first_call[0] else f.iter_batches(self.chunk_rows, self.prefetch_chunks)
+            first_call[0] = False
+            for batch in source:
+                steps.setdefault("first_batch_s", time.monotonic() - publish_started)  # fencing + first read
+                yield batch
+
+        result, frame = self._publish_read_once_more(context, publisher, obj, frame, batches, obj.read)
+        if first_call[0]:  # published nothing (already committed): the read-ahead moves past it
+            ahead.skip(frame)
+        steps["transaction_s"] = result.progress.transaction_s
+        steps["publish_s"] = result.duration_s
+        convert = ahead.convert_s - convert_before
+        phases = dict(result.phases)
+        if "read_s" in phases:  # the order check and split happen while the producer waits for rows
+            phases["read_s"] = max(0.0, phases["read_s"] - convert)
+            phases["convert_s"] = convert
+        key = slice_range.key
+        report.timings[key] = steps
+        report.phase_times[key] = phases
+        report.records[key] = (result, frame.expected_rows)
+        if not result.already_committed:
+            report.changes[key] = schema_change(before, frame.columns).describe() if before else ""
+            before = frame.columns
+        if report.changes.get(key):
+            context.log.warning(f"{obj.channel.table}: columns changed before slice {slice_range}: "
+                                f"{report.changes[key]} (on_schema_change: follow)")
+        context.log.info(f"{obj.channel.table}: slice {slice_range} committed: {result.progress.rows} "
+                         f"rows in {result.duration_s:.1f} s")
+        return before
+
+    def _add_slice_metadata(self, context: OutputContext, obj: TableSlices, report: RunReport) -> None:
+        """Each slice's materialization metadata, and the run's figures."""
+        for key, (result, _) in report.records.items():
             metadata = self.slice_metadata(obj, result)
-            if key in timings:
-                metadata["timings_s"] = MetadataValue.json({k: round(v, 3) for k, v in timings[key].items()})
-            if key in early_chunks:  # chunks read before the run started (EarlyRead: a CLI backfill's first slice)
-                metadata["chunks_read_early"] = early_chunks[key]
-            if phase_times.get(key):
-                metadata["phases_s"] = MetadataValue.json({k: round(v, 3) for k, v in phase_times[key].items()})
+            if key in report.timings:
+                metadata["timings_s"] = MetadataValue.json({k: round(v, 3) for k, v in report.timings[key].items()})
+            if key in report.early_chunks:  # chunks read before the run started (EarlyRead: a backfill's first)
+                metadata["chunks_read_early"] = report.early_chunks[key]
+            if report.phase_times.get(key):
+                metadata["phases_s"] = MetadataValue.json({k: round(v, 3) for k, v in report.phase_times[key].items()})
             if result.progress.schema_fingerprint:
                 metadata["schema_fingerprint"] = result.progress.schema_fingerprint
                 metadata["columns"] = MetadataValue.json(result.progress.columns)
-            if changes.get(key):  # published by this run, with columns that changed from the slice before
-                metadata["schema_change"] = MetadataValue.text(changes[key])
+            if report.changes.get(key):  # published by this run, with columns that changed from the slice before
+                metadata["schema_change"] = MetadataValue.text(report.changes[key])
             context.step_context.add_asset_metadata(metadata, partition_key=key)
         # The run's figures: Dagster adds output metadata to each partition's materialization, so they are named
-        # as the run's (a 500-row slice showed "rows_published: 2000", and "slices" is a roll-up's own count).
+        # as the run's ("slices" is a roll-up's own count).
         context.add_output_metadata({"run_slices": len(obj.slices), "run_slices_published": len(obj.pending),
-                                     "run_rows_published": sum(r.progress.rows for r, _ in records.values()
+                                     "run_rows_published": sum(r.progress.rows for r, _ in report.records.values()
                                                                if not r.already_committed)})
 
     def kept_by_reset(self, channel: TableChannel, rng: SliceRange) -> ProgressRecord:
         """What a committed key that no slice record tiles published: where a reset back landed inside a slice, the
         part it kept (`pieces_in_range`: the partition (lo, W] the reset left) holds that slice's messages up to W,
-        counted here. A re-run of it recorded "published nothing, 0 rows" (found by review). Else nothing."""
+        counted here. Else nothing."""
         pieces = pieces_in_range(self.kafka_conf(), channel, rng)
         if not pieces:
             return self.committed_record(channel, rng, [])
@@ -338,10 +306,19 @@ class KafkaIOManager(ConfigurableIOManager):
                                  watermark=obj.watermark)
 
     @staticmethod
-    def _mark_stopped(context: OutputContext, reason: str) -> None:
-        """Tell the table's sensor to back off: a retry of this run would fail the same way."""
+    def _stopped(context: OutputContext, obj: TableSlices, exc: Exception) -> Failure:
+        """The run's failure for an error a retry cannot fix, its run tagged so the table's sensor backs off."""
+        reason = stop_reason(exc) or StopReason.SOURCE
         step = context.step_context
         step.instance.add_run_tags(step.run_id, stopped_tags(reason))
+        if isinstance(exc, BadRowError):  # the slice stays unpublished until the row is fixed or skipped
+            exc = named_row(obj, exc)
+            return Failure(description=str(exc), allow_retries=False,
+                           metadata={"table": exc.table, "watermark": exc.watermark, "column": exc.column or ""})
+        metadata: dict[str, Any] = {"table": obj.channel.table, "reason": reason.value}
+        if isinstance(exc, ProgressMissing):
+            metadata["topic_watermark"] = exc.topic_watermark
+        return Failure(description=str(exc), allow_retries=False, metadata=metadata)
 
     @staticmethod
     def slice_metadata(obj: TableSlices, result: PublishResult) -> dict[str, Any]:
@@ -358,7 +335,7 @@ class KafkaIOManager(ConfigurableIOManager):
 
     def load_input(self, context: InputContext) -> "DataFrame":
         """The published messages of the upstream slice(s), read_committed and bounded by recorded offsets."""
-        import pandas as pd
+        import pandas as pd  # for start-up time: loaded on first use
 
         upstream = context.upstream_output
         meta = upstream.definition_metadata if upstream is not None else {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 STOPPED_TAG = "rowrelay/stopped"
 # On a run that failed at slice k: the first and last of the slices it committed before k, as
 # `<run id>/<first>...<last>` (keys in chain order), for the asset's failure hook, which checks their parity
-# (assets/relay.py). The run id: Dagster's retry of the run copies its tags, but not what it committed.
+# (assets/checks.py). The run id: Dagster's retry of the run copies its tags, but not what it committed.
 COMMITTED_BEFORE_FAILURE_TAG = "rowrelay/committed_before_failure"
 # The run's process, as its worker records it for run monitoring.
 WORKER_PID_TAG = "rowrelay/worker_pid"
