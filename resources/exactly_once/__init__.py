@@ -133,12 +133,18 @@ from resources.exactly_once.records import (
     watermark_change,
     watermark_fields,
 )
+from resources.exactly_once.slice_rows import (
+    SliceRows,
+)
 from resources.exactly_once.topics import (
     _TOPICS_FIT,
     TOPICS_FIT_TTL_S,
     TopicsReady,
     ensure_topics,
     topic_end_offsets,
+)
+from resources.exactly_once.transaction import (
+    Transaction,
 )
 
 __all__ = [
@@ -176,6 +182,7 @@ __all__ = [
     "SliceMessagesGone",
     "SliceOutOfOrder",
     "SlicePublisher",
+    "SliceRows",
     "SliceRowsMismatch",
     "StageHook",
     "TABLE_HEADER",
@@ -183,6 +190,7 @@ __all__ = [
     "TableChannel",
     "TopicSettingsError",
     "TopicsReady",
+    "Transaction",
     "TransactionTimedOut",
     "WATERMARK_HEADER",
     "WatermarkChanged",

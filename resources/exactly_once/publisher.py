@@ -11,17 +11,13 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from resources.arrow_produce import RowProducer
-from resources.exactly_once.batches import TABLE_HEADER, WATERMARK_HEADER, MessageBatch, OutgoingMessage, SliceDigest
+from resources.exactly_once.batches import MessageBatch, OutgoingMessage
 from resources.exactly_once.clients import (
     StageHook,
     _fatal_message,
-    _is_fenced,
     _log,
     broker_max_transaction_timeout_ms,
-    call_retrying,
     env_failpoint,
-    outcome_unknown,
     transaction_timeout_ms,
     unreachable,
     with_error_cb,
@@ -36,12 +32,9 @@ from resources.exactly_once.errors import (
     RelayError,
     SliceOutOfOrder,
     SliceRowsMismatch,
-    TopicSettingsError,
     TransactionTimedOut,
     _AbortAndRedo,
-    _column_hint,
     _CommitUnknown,
-    skip_advice,
 )
 from resources.exactly_once.preflight import progress_missing, progress_recorded_refusal, progress_shared
 from resources.exactly_once.progress_log import find_slice_progress, read_committed_progress
@@ -55,11 +48,13 @@ from resources.exactly_once.records import (
     refuse_watermark_change,
     watermark_fields,
 )
+from resources.exactly_once.slice_rows import SliceRows
 from resources.exactly_once.topics import ensure_topics, topic_end_offsets
-from resources.slices import RowSkip, SliceRange, watermark_text
+from resources.exactly_once.transaction import Transaction
+from resources.slices import RowSkip, SliceRange
 
 
-class SlicePublisher:
+class SlicePublisher(Transaction):
     """Publishes one table's slices through one transactional producer (one epoch)."""
 
     def __init__(self, channel: TableChannel, kafka_conf: dict[str, Any], *,
@@ -186,28 +181,11 @@ class SlicePublisher:
         started = time.monotonic()
         committed = self._progress_after_fence()
         self.on_stage("progress_read")
-        if committed is None:
-            self._refuse_if_progress_missing(slice_range.timestamps)
-            if self.channel.baseline_required:
-                # Cut before `start_after` became `latest`: the whole history would be sent.
-                raise BaselineMissing(
-                    f"{self.channel.table}: start_after is latest, and no baseline is recorded yet: slice "
-                    f"{slice_range} was cut before (under another start_after) and would send rows `latest` skips. "
-                    "Nothing was sent; the table's sensor (or `rowrelay backfill`) records the baseline at the "
-                    "newest final row and deletes such slices")
-        else:
-            if watermark is not None:
-                refuse_watermark_change(committed, watermark)
-            self._refuse_topic_taken_back(committed)
+        self._refuse_unpublishable(slice_range, committed, watermark)
         committed_hi = committed.hi if committed else self.channel.start_after
         if committed_hi >= slice_range.hi:
-            # A baseline or reset record (lo == hi) is not this slice's record.
-            record = committed if committed and (committed.lo, committed.hi) == (slice_range.lo, slice_range.hi) \
-                else find_slice_progress(self.kafka_conf, self.channel, slice_range)
-            if record is None:  # covered by progress but not a slice of its own (e.g. start_after)
-                record = ProgressRecord(self.channel.table, slice_range.key, slice_range.lo, slice_range.hi, 0, 0,
-                                        "", self.channel.topic)
-            return PublishResult(record, already_committed=True, duration_s=time.monotonic() - started)
+            return PublishResult(self._committed_record(slice_range, committed), already_committed=True,
+                                 duration_s=time.monotonic() - started)
         if committed_hi != slice_range.lo:
             raise SliceOutOfOrder.at(self.channel.table, slice_range, committed_hi)
         attempt = 0
@@ -260,6 +238,33 @@ class SlicePublisher:
                 # transaction now instead of holding every read_committed reader for transaction.timeout.ms.
                 self._abort_quietly()
                 raise
+
+    def _refuse_unpublishable(self, slice_range: SliceRange, committed: ProgressRecord | None,
+                              watermark: tuple[str, str] | None) -> None:
+        """The refusals a publish starts with, on the progress read once this publisher fenced every other."""
+        if committed is None:
+            self._refuse_if_progress_missing(slice_range.timestamps)
+            if self.channel.baseline_required:
+                # Cut before `start_after` became `latest`: the whole history would be sent.
+                raise BaselineMissing(
+                    f"{self.channel.table}: start_after is latest, and no baseline is recorded yet: slice "
+                    f"{slice_range} was cut before (under another start_after) and would send rows `latest` skips. "
+                    "Nothing was sent; the table's sensor (or `rowrelay backfill`) records the baseline at the "
+                    "newest final row and deletes such slices")
+        else:
+            if watermark is not None:
+                refuse_watermark_change(committed, watermark)
+            self._refuse_topic_taken_back(committed)
+
+    def _committed_record(self, slice_range: SliceRange, committed: ProgressRecord | None) -> ProgressRecord:
+        """The progress record of a slice that progress already covers."""
+        # A baseline or reset record (lo == hi) is not this slice's record.
+        record = committed if committed and (committed.lo, committed.hi) == (slice_range.lo, slice_range.hi) \
+            else find_slice_progress(self.kafka_conf, self.channel, slice_range)
+        if record is None:  # covered by progress but not a slice of its own (e.g. start_after)
+            record = ProgressRecord(self.channel.table, slice_range.key, slice_range.lo, slice_range.hi, 0, 0,
+                                    "", self.channel.topic)
+        return record
 
     def publish_baseline(self, hi: int, watermark: tuple[str, str] | None = None) -> ProgressRecord:
         """The table's first progress, "committed up to `hi`" (start_after: latest), recorded only if the progress
@@ -408,201 +413,37 @@ class SlicePublisher:
             "slices smaller (lower slice_max_rows) or raise transaction.timeout.ms in kafka.producer, up to the "
             "brokers' transaction.max.timeout.ms") from exc
 
-    def _abort_quietly(self) -> None:
-        """Best effort and bounded: end the open transaction, if any; errors here must not hide the cause."""
-        if self._txn_began is None:
-            return
-        self._txn_began = None
-        # Fenced, fatal or broker away: the coordinator ends it (after transaction.timeout.ms at worst).
-        with contextlib.suppress(KafkaException):
-            self.producer.abort_transaction(self.abort_timeout_s)
-
     def _transaction(self, slice_range: SliceRange, batches: Iterable[MessageBatch | Sequence[OutgoingMessage]],
                      columns: list[list[str]], schema_fingerprint: str,
                      expected_rows: int | None = None, where: str | None = None,
                      skipped: Sequence[RowSkip] | None = None, skipped_rows: int | None = None,
                      watermark: tuple[str, str] | None = None) -> ProgressRecord:
-        ch = self.channel
-        offsets: dict[int, list[int]] = {}
-        errors: list[tuple[KafkaError, int | None]] = []
-
-        def delivered(err: KafkaError | None, msg: Any) -> None:
-            if err is not None:
-                errors.append((err, None))
-                return
-            span = offsets.setdefault(msg.partition(), [msg.offset(), msg.offset()])
-            span[0] = min(span[0], msg.offset())
-            span[1] = max(span[1], msg.offset())
-
-        digest = SliceDigest()
-        rows = nbytes = 0
-        # (size, watermark, value): names the culprit if the broker refuses a message as too large.
-        largest: tuple[int, int | None, bytes | None] = (0, None, None)
-        produce, topic = self.producer.produce, ch.topic
-        # Per row only what is per row (each header costs about as much as the produce call itself): the table,
-        # for topics that several tables share, and the row's watermark. Which slice a message belongs to is in
-        # the progress record (its offsets); the slice's checksum is over the values themselves (SliceDigest).
-        table_pair = (TABLE_HEADER, ch.table.encode())
-
-        # Set when librdkafka refuses to produce because the transaction already failed (_STATE): a message sent
-        # earlier was refused (too large, say); the flush below asks the producer why (_transaction_failure).
-        refused: list[KafkaError] = []
-
-        # Offsets per partition need a report per row (several partitions, or the redo naming a failed row).
-        every_row_reports = self._report_every_row or self._data_partitions != 1
-        # Otherwise the topic has one partition, named on every row: no partitioner hashing each key to find it,
-        # and the offsets of a batch's first and last row span the rows between them even if partitions were
-        # added to the topic since init.
-        partition = -1 if every_row_reports else 0
-
-        def send(rows: Iterable[tuple[bytes | None, bytes, int, bytes]], report: Callable[..., None] | None) -> None:
-            if refused:
-                return
-            for key, value, wm, wm_text in rows:
-                headers = [table_pair, (WATERMARK_HEADER, wm_text)]
-                try:  # one C call per row, positional (keyword parsing costs much of the loop):
-                    # topic, value, key, partition (-1: the partitioner), callback, on_delivery (its alias),
-                    # timestamp, headers
-                    produce(topic, value, key, partition, report, None, 0, headers)
-                except (BufferError, KafkaException):
-                    self._produce(topic, key, value, headers, report, wm, refused, partition)
-                    if refused:
-                        return
-
-        def send_quietly(batch: MessageBatch, start: int, stop: int) -> None:
-            """Rows [start, stop) without a delivery report: from C where it is attached (the hot path), each
-            row librdkafka refuses through `send`, which waits out a full queue or says why."""
-            if native is None or not native.supports(batch.keys, batch.values, batch.watermark_texts):
-                send(batch.rows(start, stop), None)
-                return
-            while start < stop and not refused:
-                done, _ = native.produce(batch.keys, batch.values, batch.watermark_texts, start, stop)
-                start += done
-                if start < stop:
-                    send(batch.rows(start, start + 1), None)
-                    start += 1
-
-        native = None if every_row_reports else RowProducer.attach(self.producer, topic, ch.table, partition)
+        """One transaction: the slice's rows, flushed, then its progress record (with the offsets the rows got),
+        then the commit."""
+        sent = SliceRows(self, slice_range, every_row_reports=self._report_every_row or self._data_partitions != 1,
+                         max_message_bytes=self.max_message_bytes)
         try:
-            self._call(self.producer.begin_transaction)
-            self._txn_began, self._txn_rows = time.monotonic(), 0
+            self._begin()
             self.on_stage("begun")
             # Seconds per phase of this transaction: waiting for rows (read), producing them, flushing, committing.
             phases = self.last_phases = {"read_s": 0.0, "produce_s": 0.0, "flush_s": 0.0, "commit_s": 0.0}
-            clock = time.monotonic()
-            for batch in batches:
-                now = time.monotonic()
-                phases["read_s"] += now - clock
-                clock = now
-                if not isinstance(batch, MessageBatch):
-                    batch = MessageBatch.of(batch)
-                n = len(batch)
-                if not n:
-                    continue
-                low, high = batch.watermark_bounds()
-                if low <= slice_range.lo or high > slice_range.hi:
-                    wm = low if low <= slice_range.lo else high
-                    raise BadRowError(f"{ch.table}: row with watermark {wm} is outside slice {slice_range}",
-                                      table=ch.table, watermark=wm)
-                sizes = batch.sizes()
-                at = int(sizes.argmax())
-                biggest = int(sizes[at])
-                if biggest > largest[0]:
-                    largest = (biggest, batch.watermarks[at].as_py(), batch.values[at].as_py())
-                if biggest > self.max_message_bytes:
-                    column, hint = _column_hint(largest[2])
-                    named = watermark_text(int(largest[1] or 0), slice_range.timestamps)
-                    raise BadRowError(
-                        f"{ch.table}: row with watermark {named} is {biggest} bytes as a message{hint}, over the "
-                        f"producer's message.max.bytes ({self.max_message_bytes}); raise message.max.bytes on the "
-                        f"producer and the topic (max.message.bytes), or {skip_advice(named)} (see docs/operations.md)",
-                        table=ch.table, watermark=largest[1], column=column, entry=named, value=largest[2])
-                if every_row_reports or n <= 2:
-                    send(batch.rows(0, n), delivered)
-                else:  # the first and the last row report their offsets, in order around the rest
-                    send(batch.rows(0, 1), delivered)
-                    send_quietly(batch, 1, n - 1)
-                    send(batch.rows(n - 1, n), delivered)
-                digest.update_arrow(batch.values)
-                rows += n
-                self._txn_rows = rows
-                nbytes += int(sizes.sum())
-                self._serve(self.producer.poll, 0)  # delivery reports so far
-                now = time.monotonic()
-                phases["produce_s"] += now - clock
-                clock = now
-                if errors or refused:
-                    break
+            clock = sent.produce_all(batches, phases)
         finally:
-            if native is not None:
-                native.close()
+            sent.close()
         phases["read_s"] += time.monotonic() - clock  # the wait for the end of the rows
         clock = time.monotonic()
         self.on_stage("rows_produced")
         # Delivery of every row (uncommitted) before the progress record, so it can carry their offsets.
-        # Short flushes: a failed delivery ends the wait at once instead of after the whole timeout.
-        deadline = time.monotonic() + self.flush_timeout_s
-        failure: KafkaError | None = None
-        while True:
-            left = 0 if refused else self._serve(self.producer.flush, 1.0)
-            # A refused message without a delivery callback fails the transaction silently, and the messages
-            # queued behind it then wait out message.timeout.ms: ask the producer instead of waiting.
-            failure = self._transaction_failure()
-            if failure is not None or errors:
-                break
-            if refused:  # refused, yet the transaction has not failed: say what was refused
-                self._raise_for(refused[0])
-            if not left:
-                break
-            if time.monotonic() > deadline:
-                raise _AbortAndRedo(f"messages not delivered within {self.flush_timeout_s:.0f} s")
+        failure = sent.flush(self.flush_timeout_s)
         phases["flush_s"] = time.monotonic() - clock
         self.on_stage("flushed")
-        if failure is not None or errors:
-            # The transaction's own error names the cause; a delivery report may only say its message was purged.
-            err = failure if failure is not None else errors[0][0]
-            if err.code() == KafkaError.INVALID_RECORD:
-                raise TopicSettingsError(
-                    f"{ch.table}: the broker refused a message of slice {slice_range} as invalid ({err.str()}): a "
-                    f"compacted topic refuses messages without a key (is topic {ch.topic} compacted while the table "
-                    "has `key: none`?), or a broker-side record check (a timestamp outside "
-                    "message.timestamp.*.max.ms) failed. Nothing of the slice is visible; fix the topic's settings "
-                    "or the table's `key:`")
-            if err.code() in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE):
-                size, wm, value = largest
-                column, hint = _column_hint(value)
-                named = watermark_text(int(wm or 0), slice_range.timestamps)
-                raise BadRowError(
-                    f"{ch.table}: the broker rejected a message as too large ({err.str()}); the largest row of slice "
-                    f"{slice_range} has watermark {named} ({size} bytes{hint}). Raise the topic's max.message.bytes "
-                    f"(and the producer's message.max.bytes) or {skip_advice(named)} (see docs/operations.md)",
-                    table=ch.table, watermark=wm, column=column, entry=named, value=value)
-            if _is_fenced(err) or err.fatal():
-                raise PublisherFenced(f"{ch.table}: {_fatal_message(err)}")
-            raise _AbortAndRedo(_fatal_message(err))
-        if expected_rows is not None and rows != expected_rows:
-            # The progress record would say "every row up to hi is sent" over rows that were not (or twice): a
-            # driver reading a column narrower than the source stores it, a session time zone moving zone-less
-            # times out of the range, rows deleted or rewritten in an append-only table. Abort instead.
-            raise SliceRowsMismatch(
-                f"{ch.table}: slice {slice_range}: the read gave {rows} rows but the source counts {expected_rows} "
-                "in it; nothing of the slice is committed and progress has not moved. Likely causes: a column the "
-                "JDBC driver reads narrower than the source stores it, a Spark session time zone other than UTC "
-                "with zone-less timestamp watermarks, a `where:` whose result depends on the session's time zone "
-                "(rowrelay counts in the database's default zone, Spark reads in UTC: write times with their "
-                "offset), or rows deleted or changed inside the slice (rowrelay relays append-only tables). Fix "
-                "the cause and run the slice again")
-        record = ProgressRecord(
-            table=ch.table, slice=slice_range.key, lo=slice_range.lo, hi=slice_range.hi, rows=rows, bytes=nbytes,
-            checksum=digest.hexdigest(), topic=ch.topic,
-            offsets={str(p): span for p, span in sorted(offsets.items())},
-            transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
-            transaction_s=round(time.monotonic() - self._txn_began, 3) if self._txn_began is not None else 0.0,
-            columns=columns, schema_fingerprint=schema_fingerprint, where=where,
-            skipped=None if skipped is None else [s.to_record() for s in skipped], skipped_rows=skipped_rows,
-            **watermark_fields(watermark),
-        )
-        self._produce(ch.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None,
+        if failure is not None:
+            sent.raise_delivery_failure(failure)
+        if expected_rows is not None and sent.rows != expected_rows:
+            raise self._rows_mismatch(slice_range, sent.rows, expected_rows)
+        record = self._progress_record(slice_range, sent, columns, schema_fingerprint, where, skipped, skipped_rows,
+                                       watermark)
+        self._produce(self.channel.progress_topic, slice_range.key.encode(), record.to_json(), None, None, None,
                       partition=0)  # read at partition 0 whatever partitions the topic has
         self.on_stage("before_commit")
         clock = time.monotonic()
@@ -612,77 +453,33 @@ class SlicePublisher:
         self.on_stage("committed")
         return record
 
-    def _transaction_failure(self) -> KafkaError | None:
-        """The error that failed the open transaction, if one did, without waiting. librdkafka has no call that
-        reads the transaction's state, but begin_transaction checks it locally and changes nothing when it
-        refuses: inside a healthy transaction it refuses with _STATE; once the transaction has failed it
-        returns that failure (txn_requires_abort, or fatal)."""
-        try:
-            self.producer.begin_transaction()
-        except KafkaException as exc:
-            err = exc.args[0]
-            return err if err.txn_requires_abort() or err.fatal() or _is_fenced(err) else None
-        raise RelayError(f"{self.channel.table}: a transaction was expected to be open")  # a bug of ours
+    def _rows_mismatch(self, slice_range: SliceRange, rows: int, expected_rows: int) -> SliceRowsMismatch:
+        """The progress record would say "every row up to hi is sent" over rows that were not (or twice): a driver
+        reading a column narrower than the source stores it, a session time zone moving zone-less times out of the
+        range, rows deleted or rewritten in an append-only table. The transaction is aborted instead."""
+        return SliceRowsMismatch(
+            f"{self.channel.table}: slice {slice_range}: the read gave {rows} rows but the source counts "
+            f"{expected_rows} in it; nothing of the slice is committed and progress has not moved. Likely causes: a "
+            "column the JDBC driver reads narrower than the source stores it, a Spark session time zone other than "
+            "UTC with zone-less timestamp watermarks, a `where:` whose result depends on the session's time zone "
+            "(rowrelay counts in the database's default zone, Spark reads in UTC: write times with their "
+            "offset), or rows deleted or changed inside the slice (rowrelay relays append-only tables). Fix "
+            "the cause and run the slice again")
 
-    def _produce(self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]] | None,
-                 callback: Callable[..., None] | None, watermark: int | None,
-                 refused: list[KafkaError] | None = None, partition: int = -1) -> None:
-        """Produce one message (partition -1: the partitioner's choice), waiting while the local queue is full. With
-        `refused`, a produce refused because the transaction already failed (_STATE) is appended to it instead of
-        raised: the caller finds out why."""
-        while True:
-            try:
-                self.producer.produce(topic, value, key, partition, headers=headers, on_delivery=callback)
-                return
-            except BufferError:
-                self.producer.poll(0.05)  # local queue full: let deliveries drain
-            except KafkaException as exc:
-                err = exc.args[0]
-                if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                    column, hint = _column_hint(value)
-                    # The watermark as a number (a time's microseconds, which skip_watermarks reads as that time):
-                    # the run names the row as its table writes it (`BadRowError.naming`).
-                    raise BadRowError(
-                        f"{self.channel.table}: row with watermark {watermark} is too large for Kafka "
-                        f"({len(value)} bytes{hint}); raise message.max.bytes or {skip_advice(str(watermark))} (see "
-                        "docs/operations.md)", table=self.channel.table, watermark=watermark, column=column,
-                        entry=str(watermark), value=value) from exc
-                if refused is not None and err.code() == KafkaError._STATE:
-                    refused.append(err)
-                    return
-                self._raise_for(err)
-
-    def _serve(self, fn: Callable[[float], int], timeout: float) -> int:
-        """producer.poll / producer.flush. A producer turned fatal (fenced, or its transaction aborted on timeout)
-        raises from inside them; confluent-kafka 2.16 then also calls the next delivery callback with that
-        exception pending, which surfaces as a SystemError caused by it. Either becomes our error for it."""
-        try:
-            return fn(timeout)
-        except (KafkaException, SystemError) as exc:
-            cause = exc if isinstance(exc, KafkaException) else exc.__cause__
-            if not isinstance(cause, KafkaException):
-                raise
-            self._raise_for(cause.args[0])
-            raise  # _raise_for always raises
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return call_retrying(fn, *args)
-        except KafkaException as exc:
-            self._raise_for(exc.args[0])
-            raise  # _raise_for always raises
-
-    def _commit(self) -> None:
-        """One commit_transaction call, never repeated nor followed by an abort on this producer when its outcome is
-        unknown (_CommitUnknown): librdkafka lacks KIP-890's epoch per transaction, so an EndTxn still on its way
-        could land on a later transaction of the same producer. `_fence_after_unknown_commit` ends it."""
-        try:
-            self.producer.commit_transaction(self.commit_timeout_s)
-        except KafkaException as exc:
-            err = exc.args[0]
-            if outcome_unknown(err):
-                raise _CommitUnknown(_fatal_message(err)) from exc
-            self._raise_for(err)
+    def _progress_record(self, slice_range: SliceRange, sent: SliceRows, columns: list[list[str]],
+                         schema_fingerprint: str, where: str | None, skipped: Sequence[RowSkip] | None,
+                         skipped_rows: int | None, watermark: tuple[str, str] | None) -> ProgressRecord:
+        ch = self.channel
+        return ProgressRecord(
+            table=ch.table, slice=slice_range.key, lo=slice_range.lo, hi=slice_range.hi, rows=sent.rows,
+            bytes=sent.nbytes, checksum=sent.digest.hexdigest(), topic=ch.topic,
+            offsets={str(p): span for p, span in sorted(sent.offsets.items())},
+            transactional_id=ch.transactional_id, committed_at=datetime.now(UTC).isoformat(),
+            transaction_s=round(time.monotonic() - self._txn_began, 3) if self._txn_began is not None else 0.0,
+            columns=columns, schema_fingerprint=schema_fingerprint, where=where,
+            skipped=None if skipped is None else [s.to_record() for s in skipped], skipped_rows=skipped_rows,
+            **watermark_fields(watermark),
+        )
 
     def _fence_after_unknown_commit(self) -> ProgressRecord | None:
         """A fresh producer of the table's transactional id in place of the one whose commit got no answer, and the
@@ -699,44 +496,6 @@ class SlicePublisher:
             with contextlib.suppress(KafkaException, SystemError):  # its queue emptied, dropping it waits for nothing
                 stale.purge()
         return self.committed_progress()
-
-    def _raise_for(self, err: KafkaError) -> None:
-        if err.code() == KafkaError._FATAL and self._txn_began is not None:
-            # A produce refused "Local: Fatal error" names no cause; the producer's own fatal error (a fence, most
-            # often) is what failed the transaction: reported as that, so a fenced run stops as fenced.
-            err = self._transaction_failure() or err
-        if _is_fenced(err):
-            raise PublisherFenced(
-                f"{self.channel.table}: another publisher took over transactional id "
-                f"{self.channel.transactional_id} ({err.str()}); this one stops without publishing")
-        if err.txn_requires_abort():
-            raise _AbortAndRedo(_fatal_message(err))
-        if err.fatal():
-            raise RelayError(f"{self.channel.table}: fatal Kafka error {_fatal_message(err)}")
-        if err.retriable() or err.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
-            raise _AbortAndRedo(_fatal_message(err))
-        raise RelayError(f"{self.channel.table}: Kafka error {_fatal_message(err)}")
-
-    def _abort(self) -> None:
-        self._txn_began = None
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.producer.abort_transaction(max(1.0, deadline - time.monotonic()))
-                return
-            except KafkaException as exc:
-                err = exc.args[0]
-                if _is_fenced(err) or err.fatal():
-                    raise PublisherFenced(f"{self.channel.table}: {_fatal_message(err)}") from exc
-                # librdkafka: a retriable abort error (a timeout, the coordinator busy) is retried by calling it again.
-                if err.retriable() and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                    continue
-                # Not in a transaction, or the broker is away: the transaction times out on its own.
-                _log.warning("%s: aborting the transaction failed (%s); the broker aborts it after "
-                             "transaction.timeout.ms (%d ms)", self.channel.table, err.str(),
-                             self.transaction_timeout_ms)
-                return
 
 
 def publish_slice(channel: TableChannel, kafka_conf: dict[str, Any], slice_range: SliceRange,
