@@ -20,6 +20,12 @@ Any error raised while a transaction is open aborts it before it propagates: an 
 topic's last stable offset, so every read_committed reader of the topic would wait for it. A commit that gets no
 answer is the exception: neither aborted nor called again, its producer is fenced by a fresh one, and the progress
 read after that says whether the slice committed.
+
+Modules: `errors`, `clients` (Kafka client plumbing, failpoints), `records` (channels, progress records), `batches`
+(messages and headers), `topics` (the only creator and checker of topics), `progress_log` (every read of a progress
+topic), `readback` (published slices read back by their offsets), `preflight` (refusals before publishing),
+`transaction` and `slice_rows` (one transaction and its rows), `publisher`, and `replay`. This package re-exports the
+names callers use.
 """
 
 from __future__ import annotations
@@ -133,6 +139,14 @@ from resources.exactly_once.records import (
     watermark_change,
     watermark_fields,
 )
+from resources.exactly_once.replay import (
+    REPLAY_COMMIT_TIMEOUT_S,
+    KindError,
+    ReplayError,
+    replay_records,
+    replay_unknown_text,
+    republish_range,
+)
 from resources.exactly_once.slice_rows import (
     SliceRows,
 )
@@ -156,6 +170,7 @@ __all__ = [
     "KIND_TEXTS",
     "KafkaAuthenticationError",
     "KafkaUnavailable",
+    "KindError",
     "LivePiece",
     "MessageBatch",
     "OutgoingMessage",
@@ -170,10 +185,12 @@ __all__ = [
     "PublisherFenced",
     "READ_BACK_GAP",
     "READ_BATCH",
+    "REPLAY_COMMIT_TIMEOUT_S",
     "REPLAY_HEADER",
     "RESET_PREFIX",
     "RETRIABLE_CALL_S",
     "RelayError",
+    "ReplayError",
     "ResetOutcome",
     "STAGES",
     "START_MARK_KEYS",
@@ -231,6 +248,9 @@ __all__ = [
     "recorded_watermark_kind",
     "records_in_range",
     "refuse_watermark_change",
+    "replay_records",
+    "replay_unknown_text",
+    "republish_range",
     "skip_advice",
     "slice_checksum",
     "slice_reader",
