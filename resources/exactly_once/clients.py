@@ -185,7 +185,7 @@ def base_conf(kafka_conf: dict[str, Any]) -> dict[str, Any]:
 def _topic_metadata(admin: AdminClient, kafka_conf: dict[str, Any], topics: list[str], timeout: float
                     ) -> dict[str, Any]:
     """Metadata of `topics` that exist, asked topic by topic: the cost of a whole-cluster answer grows with every
-    topic of the cluster (2,500 here after the test suite: ~10 ms of client and broker CPU per answer)."""
+    topic of the cluster, in client and broker CPU per answer."""
     found = {}
     for name in topics:
         topic = list_topics(admin, kafka_conf, name, timeout=timeout).topics.get(name)

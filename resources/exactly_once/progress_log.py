@@ -40,7 +40,7 @@ def _read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, ti
                 f"reading {tp.topic}[{tp.partition}] stalled at offset {pos if pos >= 0 else start} of {end}: a "
                 "transaction may be open there (another producer's: a table sharing the topic, a `rowrelay "
                 "replay`), holding every read_committed reader until it ends")
-        # Batches (one call per message is ~10x slower on a long history); a short wait: the position also moves
+        # Batches (one call per message is much slower on a long history); a short wait: the position also moves
         # past markers, which consume never returns.
         for msg in consumer.consume(num_messages=READ_BATCH, timeout=0.02):
             if msg.error():
@@ -117,7 +117,7 @@ def read_committed_progress(kafka_conf: dict[str, Any], channel: TableChannel, t
 def progress_under_other_prefix(kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0
                                 ) -> tuple[str, ProgressRecord] | None:
     """A progress topic of the same table under another transactional_id_prefix that holds a committed record:
-    (its name, its last record), else None. One listing of the cluster's topics (~10 ms with 2,500 topics)."""
+    (its name, its last record), else None. One listing of the cluster's topics."""
     admin = AdminClient(base_conf(kafka_conf))
     suffix = progress_topic_suffix(channel.table)
     names = sorted(n for n in list_topics(admin, kafka_conf, timeout=timeout).topics
@@ -268,8 +268,8 @@ class ProgressTail:
     """The table's last committed progress record through one long-lived consumer per process and progress topic.
 
     `read_committed_progress` makes a consumer, fetches metadata and reads the tail:
-    ~60 ms, the largest part of an idle sensor tick. Here the consumer stays connected and the tail is read again
-    only when the topic's end offset moved: an idle tick asks Kafka one ListOffsets (~1-2 ms), and between reads
+    the largest part of an idle sensor tick. Here the consumer stays connected and the tail is read again
+    only when the topic's end offset moved: an idle tick asks Kafka one ListOffsets, and between reads
     no partition stays assigned, so nothing is fetched. Same answer: the last committed record, read_committed,
     found by reading back from the end in growing windows."""
 

@@ -199,7 +199,7 @@ class SlicePublisher(Transaction):
                                      attempts=attempt, phases=dict(self.last_phases))
             except _CommitUnknown as exc:
                 # Kafka, read once a fresh producer has settled the transaction, tells whether the slice committed:
-                # redone blindly, it was in the topic twice when the first commit had landed.
+                # redone blindly, it would be in the topic twice if the first commit had landed.
                 committed = self._fence_after_unknown_commit()
                 if committed is not None and committed.slice == slice_range.key:
                     self._own_progress = committed

@@ -78,7 +78,7 @@ def pieces_in_range(kafka_conf: dict[str, Any], channel: TableChannel, rng: Slic
                     timeout: float = 30.0) -> list[LivePiece]:
     """The committed pieces that tile `rng`, in order; [] if nothing does. Whole slices (`records_in_range`), else,
     where a reset back landed inside a slice, the part of it the reset kept (`live_pieces`: the partition (lo, W]
-    the reset left), found by reading the table's progress history: loading such a key failed "not published"."""
+    the reset left), found by reading the table's progress history, so such a key loads as published."""
     records = records_in_range(kafka_conf, channel, rng, timeout)
     if records:
         return [LivePiece(r, r.lo, r.hi) for r in records]
