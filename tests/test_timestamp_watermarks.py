@@ -129,8 +129,7 @@ def test_rollups_of_time_keys_are_time_keys() -> None:
 def test_messages_about_a_timestamp_watermark_name_times() -> None:
     """Errors and reports name a timestamp watermark's values as the UTC times users pass to the CLI, not as the
     microseconds rowrelay carries."""
-    from orchestration.cli.replay_engine import ReplayError, replay_records
-    from resources.exactly_once import SliceOutOfOrder
+    from resources.exactly_once import ReplayError, SliceOutOfOrder, replay_records
 
     day = datetime_to_micros(datetime(2026, 11, 20, tzinfo=UTC))
     late = SliceRange(day + 10, day + 20, timestamps=True)

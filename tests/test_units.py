@@ -573,7 +573,7 @@ def test_a_repeated_kafka_log_line_is_let_through_once_per_window(monkeypatch) -
     that says what is wrong. A line repeating one let through in the last 30 s (numbers aside) is dropped."""
     import logging
 
-    from resources import exactly_once
+    from resources.exactly_once import clients as exactly_once
 
     clock = [100.0]
     monkeypatch.setattr(exactly_once.time, "monotonic", lambda: clock[0])

@@ -5,17 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
+from typing import Any
 
 from dagster import AssetObservation, DagsterInstance
 
-from assets.relay import asset_key
+from assets.relay import asset_key, channel_for
+from orchestration.cli.arguments import watermark_kind_error
 from orchestration.cli.errors import dagster_home_set
-from orchestration.cli.replay_engine import ReplayError, replay_range
-from orchestration.tables import select_tables
-from resources.config import RelayConfig
-from resources.exactly_once import RelayError
+from orchestration.tables import kafka_conf, select_tables
+from resources.config import RelayConfig, TableConfig
+from resources.exactly_once import RelayError, ReplayError, republish_range
 from resources.keys import REPLAY_ID
 from resources.slices import is_timestamp_key, watermark_text
+
+
+def replay_range(config: RelayConfig, table: TableConfig, lo: int, hi: int, topic: str | None) -> dict[str, Any]:
+    """Republish the committed messages of the slices covering (lo, hi] to `topic` (default: the table's) in one
+    transaction of the table's replay transactional id (`resources.exactly_once.replay`)."""
+    prefix = config.kafka.transactional_id_prefix
+    return republish_range(channel_for(table, prefix), kafka_conf(config), lo, hi, target=topic or table.topic_name,
+                           transactional_id=f"{prefix}.replay.{table.table_id}",
+                           kind_error=partial(watermark_kind_error, table.table_id))
 
 
 def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:

@@ -143,7 +143,7 @@ def relay(w: World, step: Step) -> None:
 
 def replay(w: World, step: Step) -> None:
     """`rowrelay replay` of one committed slice (drawn by `pick`), its copies recorded in the model."""
-    from orchestration.cli.replay_engine import replay_range
+    from orchestration.cli.replay import replay_range
     from orchestration.tables import kafka_conf
     from resources.exactly_once import read_progress_history
 
