@@ -707,8 +707,8 @@ def _active_runs(tables: list[TableConfig]) -> dict[str, int] | None:
     from dagster import DagsterInstance, RunsFilter
 
     from orchestration.factory import job_name
-    from orchestration.history import runs_of_table
-    from orchestration.sensors import ACTIVE
+    from orchestration.instance import runs_of_table
+    from orchestration.runs import ACTIVE
 
     with DagsterInstance.get() as instance:
         active = instance.get_runs(RunsFilter(statuses=ACTIVE))
@@ -792,7 +792,7 @@ def cmd_pools(config: RelayConfig, args: argparse.Namespace) -> int:
     from dagster import DagsterInstance
 
     from assets.relay import pool_name
-    from orchestration.sensors import ensure_pool
+    from orchestration.instance import ensure_pool
 
     with DagsterInstance.get() as instance:
         for t in _tables(config, args.table):
@@ -922,7 +922,7 @@ def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, s
     Best effort: any error here is the real cut's or the run's to report. `started` is set once the early read is
     registered or given up."""
     from assets.relay import build_table_slices, channel_for
-    from orchestration.sensors import SensorState, plan_cut
+    from orchestration.cutting import SensorState, plan_cut
     from resources.exactly_once import broker_max_transaction_timeout_ms, ensure_topics
     from resources.messages import EARLY_READS
     from resources.source_database import SourceDatabaseResource
@@ -972,9 +972,11 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
     from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
     from assets.relay import asset_key, channel_for, last_recorded_slice, partitions_for, pool_name
+    from orchestration.compaction import open_keys
+    from orchestration.cutting import SensorState, cached_table_shape, plan_cut
     from orchestration.factory import build_definitions, job_name
-    from orchestration.history import open_keys
-    from orchestration.sensors import ACTIVE, SensorState, cached_table_shape, ensure_pool, plan_cut
+    from orchestration.instance import ensure_pool
+    from orchestration.runs import ACTIVE
     from resources.exactly_once import RelayError
     from resources.kafka_io_manager import KafkaIOManager
     from resources.messages import EARLY_READS
@@ -1153,7 +1155,7 @@ def record_slices_of_dead_run(instance: Any, table: TableConfig, conf: dict[str,
     from dagster import AssetMaterialization, AssetRecordsFilter
 
     from assets.relay import asset_key, partitions_for
-    from orchestration.sensors import run_slices
+    from orchestration.runs import run_slices
     from resources.exactly_once import tiles_by_range
     from resources.kafka_io_manager import progress_metadata
 
@@ -1206,7 +1208,7 @@ def interrupted_text(table_id: str, slices: Sequence[SliceRange], committed_hi: 
 
 def run_failure_text(instance: Any, result: Any) -> str:
     """Why a backfill's run failed (its first step failure's message) and what to do next."""
-    from orchestration.sensors import NEXT_STEP
+    from orchestration.runs import NEXT_STEP
     from resources.kafka_io_manager import STOPPED_TAG
 
     error = next((e.step_failure_data.error for e in result.all_events
@@ -1316,8 +1318,9 @@ def cmd_reset(config: RelayConfig, args: argparse.Namespace) -> int:
     from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue
 
     from assets.relay import asset_key, channel_for, partitions_for, recorded_published
+    from orchestration.compaction import keys_version, replace_keys
     from orchestration.factory import job_name
-    from orchestration.history import keys_version, replace_keys, table_active_runs
+    from orchestration.instance import table_active_runs
     from resources.exactly_once import SlicePublisher
 
     (table,) = _tables(config, args.table)
@@ -1615,7 +1618,7 @@ def cmd_history(config: RelayConfig, args: argparse.Namespace) -> int:
     `--full` reads the whole progress topic (what the sensor does on a table's first compaction)."""
     from dagster import DagsterInstance
 
-    from orchestration.history import iter_compact
+    from orchestration.compaction import iter_compact
 
     tables = _tables(config, args.table)
     with DagsterInstance.get() as instance:
