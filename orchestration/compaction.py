@@ -58,7 +58,9 @@ from resources.slices import SliceRange
 BATCH = 10_000  # keys per storage statement
 
 
-# -- the instance's dynamic partitions and a key-value note: the private Dagster calls, wrapped here only -------
+# -- the instance's dynamic partition keys and a key-value note: the private Dagster calls, wrapped here only ----
+# The keys' reads and their one-transaction replacement live beside the compaction that plans it; the sensor's cut
+# (`open_keys`) and `rowrelay reset` (`replace_keys`) use them from here.
 
 
 def page_keys(instance: DagsterInstance, partitions_name: str, limit: int, ascending: bool,

@@ -1,5 +1,6 @@
-"""The Dagster-instance calls of the orchestration: run queries and run verdicts (cancel, fail), the tables' pools,
-the tables' job names and first runs. The sensors, the compaction and the CLI ask the instance through here."""
+"""The Dagster-instance calls about runs and pools: run queries and verdicts (cancel, fail), the tables' pools, job
+names and first runs. The sensors, the compaction and the CLI ask the instance through here; the partition keys'
+storage calls (private Dagster APIs among them) and the compaction note are orchestration/compaction.py's."""
 
 import os
 import socket
@@ -75,11 +76,9 @@ def fail_dead_runs(instance: DagsterInstance, job_name: str, active: list[Any] |
     return failed
 
 
-UNSTARTED_GRACE_S = 30.0  # a run leaves NOT_STARTED within a second when it is queued or executed in-process
-
-
-def cancel_unstartable_runs(instance: DagsterInstance, partitions_name: str, active: list[Any]) -> list[str]:
-    """Cancel runs left NOT_STARTED past UNSTARTED_GRACE_S whose slices no longer exist.
+def cancel_unstartable_runs(instance: DagsterInstance, partitions_name: str, active: list[Any], grace_s: float
+                            ) -> list[str]:
+    """Cancel runs left NOT_STARTED past `grace_s` whose slices no longer exist.
 
     Dagster's retry of a run whose slices were deleted (by hand in the UI, or cut again by this sensor when they
     no longer continued Kafka's progress) is created but can never be queued ("Nonexistent partition keys"); run
@@ -93,7 +92,7 @@ def cancel_unstartable_runs(instance: DagsterInstance, partitions_name: str, act
     for record in instance.get_run_records(RunsFilter(run_ids=unstarted)):
         run = record.dagster_run
         span = run_slices(dict(run.tags))
-        if span is None or time.time() - record.create_timestamp.timestamp() < UNSTARTED_GRACE_S:
+        if span is None or time.time() - record.create_timestamp.timestamp() < grace_s:
             continue
         gone = [s.key for s in dict.fromkeys(span)
                 if not instance.has_dynamic_partition(partitions_name, s.key)]

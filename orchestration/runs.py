@@ -15,9 +15,9 @@ from resources.kafka_io_manager import STOPPED_TAG
 from resources.keys import RESUME_TAG
 from resources.slices import SliceRange
 
+# The statuses of a run that still holds its table: queued or running.
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
           DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
-
 
 TIMED_OUT = "transaction_timeout"  # the STOPPED_TAG value of a run whose transaction outlived its timeout
 

@@ -73,6 +73,9 @@ def daemon_min_interval(interval_s: int) -> int:
     return interval_s - 1 if interval_s > 1 and interval_s % DAEMON_LOOP_S == 0 else interval_s
 
 
+UNSTARTED_GRACE_S = 30.0  # a run leaves NOT_STARTED within a second when it is queued or executed in-process
+
+
 @dataclass
 class TableTick:
     """One table's share of a sensor tick."""
@@ -147,7 +150,7 @@ def _table_runs(instance: DagsterInstance, job_name: str, partitions_name: str, 
     if runs is None:
         runs = queued_or_running(instance, job_name)
     if runs and (fail_dead_runs(instance, job_name, runs)
-                 or cancel_unstartable_runs(instance, partitions_name, runs)):
+                 or cancel_unstartable_runs(instance, partitions_name, runs, UNSTARTED_GRACE_S)):
         runs = queued_or_running(instance, job_name)
     return len(runs)
 
