@@ -436,6 +436,20 @@ HISTORY_EVERY_S = 600.0  # each table compacted at most this often
 HISTORY_BUDGET_S = 20.0  # per tick: the daemon's sensor timeout is 60 s, and other sensors share its workers
 
 
+@dataclass
+class HistoryCursor:
+    """The history sensor's cursor: when each table's last compaction that did something ended."""
+
+    last: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_cursor(cls, cursor: str | None) -> HistoryCursor:
+        return cls(json.loads(cursor).get("last", {}) if cursor else {})
+
+    def to_cursor(self) -> str:
+        return json.dumps({"last": self.last})
+
+
 def due_tables(tables: list[TableConfig], last: dict[str, float], now: float) -> list[TableConfig]:
     """Tables whose compaction is due, the longest-waiting first (never done: first)."""
     due = [t for t in tables if now - last.get(t.table_id, 0.0) >= HISTORY_EVERY_S]
@@ -446,13 +460,13 @@ def build_history_sensor(tables: list[TableConfig], transactional_id_prefix: str
     """One sensor for every table: compacts due tables within a time budget per tick. The first compaction of a
     table reads its whole progress topic (an existing deployment's history), later ones what the policy's horizons
     crossed since the previous one (`compact_table`)."""
+
     @sensor(name=HISTORY_SENSOR, minimum_interval_seconds=HISTORY_INTERVAL_S, required_resource_keys={
             "kafka_io_manager"}, default_status=DefaultSensorStatus.RUNNING,
             description="Rolls up old committed slices of every table (hour, day, month) so partitions stay few.")
     def history_sensor(context: SensorEvaluationContext) -> SkipReason:
         conf = context.resources.kafka_io_manager.kafka_conf()
-        state = json.loads(context.cursor) if context.cursor else {}
-        last: dict[str, float] = state.get("last", {})
+        last = HistoryCursor.from_cursor(context.cursor).last
         started = time.time()
         done: list[str] = []
         for table in due_tables(tables, last, started):
@@ -464,6 +478,7 @@ def build_history_sensor(tables: list[TableConfig], transactional_id_prefix: str
                 last[table.table_id] = time.time()
                 context.log.info(result.line())
             done.append(result.line())
-        context.update_cursor(json.dumps({"last": last}))
+        context.update_cursor(HistoryCursor(last).to_cursor())
         return SkipReason("; ".join(done) or "no table due")
+
     return history_sensor

@@ -391,7 +391,7 @@ class CutInputs:
     io_manager: KafkaIOManager
     progress: ProgressRecord | None
     keys: list[str]
-    state: "SensorState"
+    state: SensorState
     resplit: bool = False
     recorded: SliceRange | None = None
 
@@ -461,7 +461,7 @@ def cut(given: CutInputs, mode: CutMode) -> CutPlan:
 
 
 def _start(given: CutInputs, mode: CutMode, shape: TableShape, channel: TableChannel, conf: dict[str, Any],
-           refuse: bool) -> "_Start | CutPlan":
+           refuse: bool) -> _Start | CutPlan:
     """Refusals over empty progress, and a `start_after: latest` table's baseline: where the cut starts, or the plan
     that waits for the baseline."""
     table, source, progress, state = given.table, given.source, given.progress, given.state

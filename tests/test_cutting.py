@@ -1,11 +1,12 @@
-"""The cut planner's pure parts (orchestration/cutting.py) and the sensor's run decisions (orchestration/runs.py),
-without a source, Kafka or a Dagster instance."""
+"""The cut planner's pure parts (orchestration/cutting.py), the sensor's run decisions (orchestration/runs.py) and
+the sensors' cursors, without a source, Kafka or a Dagster instance."""
 
 import json
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from orchestration.compaction import HistoryCursor
 from orchestration.cutting import (
     SENSOR,
     CutMode,
@@ -103,3 +104,10 @@ def test_last_stop_reason_is_the_newest_runs() -> None:
 
 def test_daemon_interval_meets_the_loop() -> None:
     assert [daemon_min_interval(s) for s in (1, 5, 10, 7)] == [1, 4, 9, 7]
+
+
+def test_history_cursor_format_is_kept() -> None:
+    assert HistoryCursor.from_cursor(None).last == {}
+    cursor = HistoryCursor({"public.orders": 12.5}).to_cursor()
+    assert json.loads(cursor) == {"last": {"public.orders": 12.5}}
+    assert HistoryCursor.from_cursor(cursor).last == {"public.orders": 12.5}
