@@ -277,7 +277,7 @@ def build_group_slice_sensor(name: str, tables: list[TableConfig], jobs: list[Un
                              ) -> SensorDefinition:
     """One sensor for many tables (a large deployment): one daemon tick, one code-server call and one runs query
     serve all of them, instead of a tick each; the daemon cannot tick 100 sensors every 5 s on a small machine
-    (measured: each tick costs the daemon ~0.1-0.2 s of its own on top of the table's work). Per-table cursors in
+    (each tick costs the daemon time of its own on top of the table's work). Per-table cursors in
     one JSON; one table's error is logged and leaves the others' cuts intact (its lag check shows it)."""
     by_name = {job.name: (table, job) for table, job in zip(tables, jobs, strict=True)}
     interval = min(t.sensor_interval_seconds for t in tables)
