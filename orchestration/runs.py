@@ -2,6 +2,7 @@
 what a run's stop reason asks of the operator."""
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from dagster import DagsterRunStatus, RunRequest
@@ -11,9 +12,10 @@ from dagster._core.storage.tags import (
     PARTITION_NAME_TAG,
 )
 
+from resources.config import TableConfig
 from resources.kafka_io_manager import STOPPED_TAG
 from resources.keys import RESUME_TAG
-from resources.slices import SliceRange
+from resources.slices import SliceRange, watermark_text
 
 # The statuses of a run that still holds its table: queued or running.
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
@@ -113,3 +115,42 @@ def last_stop_reason(records: list[Any]) -> str | None:
     return (records[0].dagster_run.tags.get(STOPPED_TAG) or None) if records else None
 
 
+
+
+@dataclass
+class RunsVerdict:
+    """What a table's runs mean for its tick: a resume to request, a reason to wait (no cut), or neither (cut).
+    `resplit`: the first uncommitted slice timed out, so the cut deletes and re-cuts the uncommitted slices."""
+
+    resume: RunRequest | None = None
+    wait: str | None = None
+    resplit: bool = False
+
+
+def runs_verdict(table: TableConfig, chain: list[SliceRange], committed_hi: int, active: int, slice_runs: list[Any],
+                 job_label: str | None) -> RunsVerdict:
+    """The tick's decision from the table's runs: `active` queued or running, `slice_runs` the recent runs of the
+    first uncommitted slice (`chain[0]`)."""
+    resplit = bool(chain) and not active and last_stop_reason(slice_runs) == TIMED_OUT
+    # Self-healing: the first uncommitted slice has no run (retries exhausted, worker lost) while later ones
+    # may be queued; without this they would fail "out of order" and retry forever.
+    resume = None if resplit else stalled_slice(slice_runs, chain, committed_hi, table.max_slices_per_run,
+                                                job_label=job_label)
+    if resume is not None:
+        return RunsVerdict(resume=resume)
+    if active > 1 or (active and chain):
+        # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
+        # time a run takes, instead of the queue growing without bound. One run whose slices Kafka already
+        # has is only finishing (its checks): the next slice may queue behind it in the table's pool.
+        return RunsVerdict(wait=f"{active} run(s) of {table.table_id} still queued or running")
+    if chain and not resplit:
+        # Slices cut earlier are not committed yet (a retry about to be queued, a slice stopped by bad
+        # input): new slices would only fail "out of order" behind them.
+        waiting = (f"{table.table_id}: slices after {watermark_text(committed_hi, chain[0].timestamps)} are not "
+                   "committed yet")
+        reason = last_stop_reason(slice_runs)
+        if reason is None:
+            return RunsVerdict(wait=f"{waiting}; waiting for their runs (or a resume)")
+        return RunsVerdict(wait=f"{waiting}: run {slice_runs[0].dagster_run.run_id} stopped ({reason}); "
+                                f"{NEXT_STEP.get(reason, 'see the run')}. Resumed with a backoff (up to a minute)")
+    return RunsVerdict(resplit=resplit)

@@ -54,11 +54,11 @@ from orchestration.instance import (
     queued_or_running_count,
     runs_of_slice,
 )
-from orchestration.runs import NEXT_STEP, TIMED_OUT, batched_requests, last_stop_reason, stalled_slice
+from orchestration.runs import batched_requests, runs_verdict
 from resources.config import TableConfig
 from resources.exactly_once import KafkaUnavailable, ProgressRecord, read_progress_tail
 from resources.kafka_io_manager import KafkaIOManager
-from resources.slices import SliceRange, reconcile, watermark_text
+from resources.slices import SliceRange, reconcile
 from resources.source_database import InnodbTrxStale, SourceDatabaseResource
 
 # The sensor daemon evaluates sensors in a loop every 5 s (MIN_INTERVAL_LOOP_TIME in dagster/_daemon/sensor.py)
@@ -208,31 +208,15 @@ def _tick_table(context: SensorEvaluationContext, table: TableConfig, job_name: 
 
     if active and cancel_committed_runs(instance, job_name, at.committed_hi):
         active = queued_or_running_count(instance, job_name)
-    # Self-healing: the first uncommitted slice has no run (retries exhausted, worker lost) while later ones
-    # may be queued; without this they would fail "out of order" and retry forever.
-    slice_runs = runs_of_slice(instance, job_name, chain[0]) if chain else []  # one query for the three uses below
-    resplit = bool(chain) and not active and last_stop_reason(slice_runs) == TIMED_OUT
-    resume = None if resplit else stalled_slice(slice_runs, chain, at.committed_hi, table.max_slices_per_run,
-                                                job_label=job_label)
-    if resume is not None:
-        return TableTick([resume], [], at.state.to_cursor())
-    if active > 1 or (active and chain):
-        # Cut only when the table's runs have drained: slices then grow (up to slice_max_rows) to fill the
-        # time a run takes, instead of the queue growing without bound. One run whose slices Kafka already
-        # has is only finishing (its checks): the next slice may queue behind it in the table's pool.
-        return skip(f"{active} run(s) of {table.table_id} still queued or running")
-    if chain and not resplit:
-        # Slices cut earlier are not committed yet (a retry about to be queued, a slice stopped by bad
-        # input): new slices would only fail "out of order" behind them.
-        waiting = (f"{table.table_id}: slices after {watermark_text(at.committed_hi, chain[0].timestamps)} are not "
-                   "committed yet")
-        reason = last_stop_reason(slice_runs)
-        if reason is None:
-            return skip(f"{waiting}; waiting for their runs (or a resume)")
-        return skip(f"{waiting}: run {slice_runs[0].dagster_run.run_id} stopped ({reason}); "
-                    f"{NEXT_STEP.get(reason, 'see the run')}. Resumed with a backoff (up to a minute)")
+    # One query for the first uncommitted slice's runs serves every use in the verdict.
+    slice_runs = runs_of_slice(instance, job_name, chain[0]) if chain else []
+    verdict = runs_verdict(table, chain, at.committed_hi, active, slice_runs, job_label)
+    if verdict.resume is not None:
+        return TableTick([verdict.resume], [], at.state.to_cursor())
+    if verdict.wait is not None:
+        return skip(verdict.wait)
     try:
-        plan = _cut(instance, table, source, io_manager, partitions.name, at, resplit)
+        plan = _cut(instance, table, source, io_manager, partitions.name, at, verdict.resplit)
     except InnodbTrxStale as exc:
         # Not a failed tick: which transactions are open is unknown this tick (other clients of the server keep
         # MariaDB's cache stale); nothing is cut and the next tick asks again.

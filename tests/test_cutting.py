@@ -18,7 +18,7 @@ from orchestration.cutting import (
     trickle,
     trickle_text,
 )
-from orchestration.runs import ACTIVE, TIMED_OUT, last_stop_reason, stalled_slice
+from orchestration.runs import ACTIVE, TIMED_OUT, RunsVerdict, last_stop_reason, runs_verdict, stalled_slice
 from orchestration.sensors import daemon_min_interval
 from resources.config import parse_config
 from resources.keys import STOPPED_TAG
@@ -111,3 +111,16 @@ def test_history_cursor_format_is_kept() -> None:
     cursor = HistoryCursor({"public.orders": 12.5}).to_cursor()
     assert json.loads(cursor) == {"last": {"public.orders": 12.5}}
     assert HistoryCursor.from_cursor(cursor).last == {"public.orders": 12.5}
+
+
+def test_runs_verdict_waits_for_runs_resplits_a_timed_out_slice_or_lets_the_cut_go() -> None:
+    table, chain = _table(), [SliceRange(10, 20)]
+    assert runs_verdict(table, [], 10, 0, [], None) == RunsVerdict()
+    assert runs_verdict(table, [], 10, 2, [], None).wait == "2 run(s) of shop.public.orders still queued or running"
+    assert runs_verdict(table, chain, 10, 1, [_record(ACTIVE[0], None)], None).wait == (
+        "1 run(s) of shop.public.orders still queued or running")
+    timed_out = [_record("FAILURE", 1e18, **{STOPPED_TAG: TIMED_OUT})]
+    assert runs_verdict(table, chain, 10, 0, timed_out, None) == RunsVerdict(resplit=True)
+    held = runs_verdict(table, chain, 10, 0, [_record("FAILURE", 1e18)], None)
+    assert held.wait == ("shop.public.orders: slices after 10 are not committed yet; waiting for their runs "
+                         "(or a resume)")
