@@ -140,7 +140,7 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     if progress is None and published is not None and (rows or awaiting_baseline):
         raise_if_progress_missing(published[0], published[1], shape.timestamps)
         # As the run: asked where it has slices to publish, and before a `latest` table's baseline, which is refused
-        # over Dagster's record as well (`plan_cut`): the check said "awaiting_baseline" over the gap.
+        # over Dagster's record as well (`cut`): the check said "awaiting_baseline" over the gap.
         if (missing := progress_recorded_refusal(published[1], recorded)) is not None:
             raise missing
     last = progress.committed_at if progress and progress.committed_at else None

@@ -578,7 +578,7 @@ def run_timings(env: dict[str, str], job: str, row_id: int, produced_ms: int) ->
     """(launch -> worker executing, launch -> first message) of the run that published `row_id`."""
     from dagster import DagsterInstance, RunsFilter
 
-    from orchestration.sensors import run_slices
+    from orchestration.runs import run_slices
 
     saved = dict(os.environ)
     os.environ.update({k: env[k] for k in ("DAGSTER_HOME", "DAGSTER_PG_DB", "ROWRELAY_DAGSTER_DIR")})

@@ -159,7 +159,7 @@ def idle_tick_large_history_ms(stack: Any, workdir: Path, slices: int = 300_000,
             try:
                 return statistics.median(idle_tick_times(instance, config, table, ticks))
             finally:  # the bench instance and database are kept between runs: leave no 300k keys behind
-                from orchestration.history import all_keys, delete_keys
+                from orchestration.compaction import all_keys, delete_keys
 
                 partitions = partitions_for(table).name
                 delete_keys(instance, partitions, all_keys(instance, partitions))

@@ -13,7 +13,11 @@ UV="$VENV/bin/python -m uv"
 # The lock's versions for everything rowrelay needs at run time (no test or lint tools).
 $UV export --project "$SRC" --frozen --no-dev --no-emit-project --no-hashes --quiet > "$VENV/requirements.txt"
 $UV pip install --quiet --python "$VENV/bin/python" --compile-bytecode -r "$VENV/requirements.txt"
-$UV pip install --quiet --python "$VENV/bin/python" --compile-bytecode --no-deps "$SRC"
+# Built from a copy of what the image holds, so the build writes nothing into the source tree.
+BUILD=$(mktemp -d)
+cp -R "$SRC/pyproject.toml" "$SRC/README.md" "$SRC/orchestration" "$SRC/assets" "$SRC/resources" "$BUILD/"
+$UV pip install --quiet --python "$VENV/bin/python" --compile-bytecode --no-deps "$BUILD"
+rm -rf "$BUILD"
 
 # The publisher's per-row loop in C, next to the installed module that loads it; without a compiler rowrelay
 # produces through confluent-kafka instead (slower) and says so in its log.

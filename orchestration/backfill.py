@@ -1,4 +1,4 @@
-"""`rowrelay backfill`'s engine: cut a table's backlog as the sensor would (`plan_cut`) and execute its slices'
+"""`rowrelay backfill`'s engine: cut a table's backlog as the sensor would (`cut`) and execute its slices'
 runs in this process, recorded on the Dagster instance like any run; plus what a backfill's startup overlaps (the
 first slice's early read) and what it says of a run that failed, was interrupted or died."""
 
@@ -26,18 +26,12 @@ from dagster import (
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from assets.relay import asset_key, build_table_slices, channel_for, last_recorded_slice, partitions_for, pool_name
+from orchestration.compaction import open_keys
+from orchestration.cutting import CutInputs, SensorState, backfill, cached_table_shape, cut, early_read
 from orchestration.factory import build_definitions, job_name
-from orchestration.history import open_keys
+from orchestration.instance import ensure_pool
 from orchestration.launcher import in_process_worker_gone
-from orchestration.sensors import (
-    ACTIVE,
-    NEXT_STEP,
-    SensorState,
-    cached_table_shape,
-    ensure_pool,
-    plan_cut,
-    run_slices,
-)
+from orchestration.runs import ACTIVE, NEXT_STEP, run_slices
 from orchestration.storage import PooledRunStorage
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import (
@@ -87,7 +81,7 @@ def end_of_startup() -> None:
 
 def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, started: threading.Event) -> None:
     """Work out the slice a backfill will publish first and start reading its first chunks (EarlyRead), while the
-    main thread loads Dagster and creates the run. The same cut as the real one (`plan_cut`, up to the safe
+    main thread loads Dagster and creates the run. The same cut as the real one (`cut`, up to the safe
     watermark) from Kafka's progress alone: the run takes the chunks only if its first slice turns out the same.
     Best effort: any error here is the real cut's or the run's to report. `started` is set once the early read is
     registered or given up."""
@@ -101,9 +95,8 @@ def start_early_read(config: RelayConfig, table: TableConfig, io_manager: Any, s
             return  # the real cut records a baseline first; nothing to guess here
         # As many slices as the early chunks may span (one, unless slices are smaller than chunks).
         depth = io_manager.prefetch_chunks + 1
-        plan = plan_cut(table, source, io_manager, progress, [], SensorState(), heal=False, cut_while_pending=True,
-                        limit=max(1, min(depth, ceil(depth * io_manager.chunk_rows / table.slice_max_rows))),
-                        batch=False)
+        plan = cut(CutInputs(table, source, io_manager, progress, [], SensorState()),
+                   early_read(max(1, min(depth, ceil(depth * io_manager.chunk_rows / table.slice_max_rows)))))
         slices = build_table_slices(source, io_manager.spark, table, channel, plan.add, plan.committed_hi,
                                     progress.columns if progress else [])
         if plan.add and slices.read is not None and slices.pending == plan.add:
@@ -136,7 +129,7 @@ def start_backfill(config: RelayConfig, table: TableConfig, dry_run: bool
 
 @dataclass
 class BackfillCut:
-    """What a backfill's cut decided (`plan_cut`'s plan) and the rows of the slices it is to publish."""
+    """What a backfill's cut decided (`cut`'s plan) and the rows of the slices it is to publish."""
 
     plan: Any
     total_rows: int
@@ -146,7 +139,7 @@ def cut_backlog(instance: DagsterInstance, table: TableConfig, io_manager: Kafka
                 source: SourceDatabaseResource, dry_run: bool, settle_timeout: float) -> BackfillCut:
     """Cut the table's backlog (up to its safe high watermark) into slices, as the sensor does, waiting up to
     `settle_timeout` beyond `settle_seconds` for the newest rows to become final. The cut is the sensor's
-    (`plan_cut`); fencing and the order check make it safe next to the daemon's runs, and partitions a racing cut
+    (`cut`); fencing and the order check make it safe next to the daemon's runs, and partitions a racing cut
     left off Kafka's progress are healed by the next cut. Nothing is written with `dry_run`."""
     partitions = partitions_for(table)
     channel = channel_for(table, io_manager.transactional_id_prefix)
@@ -162,10 +155,10 @@ def cut_backlog(instance: DagsterInstance, table: TableConfig, io_manager: Kafka
         # Refused as the run's publisher would refuse, before a partition is added (and by the dry run): over empty
         # progress, the slices Dagster recorded as committed count too, as in the run.
         recorded = last_recorded_slice(instance, asset_key(table)) if progress is None else None
-        # batch=False: a backfill publishes every final row now; holding a few back for `min_slice_rows` (trickle
-        # batching) is the sensor's cost control, and waiting them out would call them "not final".
-        plan = plan_cut(table, source, io_manager, progress, keys, state, heal=not active, cut_while_pending=True,
-                        limit=100_000, write=not dry_run, refuse=True, recorded=recorded, batch=False)
+        # A backfill publishes every final row now; holding a few back for `min_slice_rows` (trickle batching) is
+        # the sensor's cost control, and waiting them out would call them "not final" (`backfill` mode).
+        plan = cut(CutInputs(table, source, io_manager, progress, keys, state, recorded=recorded),
+                   backfill(heal=not active, dry_run=dry_run))
         # Only rows not final yet are worth waiting for: a settled candidate is final, held by the cut's limit.
         if plan.add or not plan.state.unsettled or time.monotonic() > deadline:
             break

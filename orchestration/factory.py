@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime
 from typing import Any
 
 from dagster import (
@@ -13,7 +12,6 @@ from dagster import (
     DagsterInstance,
     DefaultSensorStatus,
     Definitions,
-    RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SkipReason,
@@ -36,18 +34,14 @@ from assets.relay import (
     source_resource_key,
     unmeasured_lag,
 )
-from orchestration.history import build_history_sensor
+from orchestration.compaction import build_history_sensor
+from orchestration.instance import first_run_at, job_name
 from orchestration.sensors import build_group_slice_sensor, build_slice_sensor
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import TableChannel, read_progress_tail
 from resources.kafka_io_manager import KafkaIOManager
 from resources.source_database import SourceDatabaseResource
 from resources.spark import SparkResource
-
-
-def job_name(table: TableConfig) -> str:
-    return f"relay_{table.dagster_name}"
-
 
 # The lag sensor records the lag check when its outcome changes, else at most this often (lag over time in the
 # Checks tab without flooding the event log).
@@ -85,13 +79,6 @@ def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChanne
         severity=result.severity or AssetCheckSeverity.ERROR, description=result.description,
         metadata=result.metadata))
     return {"outcome": outcome, "at": now}, f"lag recorded: {result.description}"
-
-
-def first_run_at(instance: DagsterInstance, table: TableConfig) -> datetime | None:
-    """When the table's first run was created: a table that never committed has had rows waiting since (at
-    least) then. None without runs."""
-    records = instance.get_run_records(RunsFilter(job_name=job_name(table)), limit=1, ascending=True)
-    return records[0].create_timestamp if records else None
 
 
 def build_lag_sensor(table: TableConfig, transactional_id_prefix: str) -> SensorDefinition:

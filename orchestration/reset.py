@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue
 
 from assets.relay import asset_key, channel_for, partitions_for, recorded_published
-from orchestration.history import keys_version, replace_keys
+from orchestration.compaction import keys_version, replace_keys
 from orchestration.tables import kafka_conf, reflect_table
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import (

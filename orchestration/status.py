@@ -8,8 +8,8 @@ from dagster import DagsterInstance, RunsFilter
 
 from assets.relay import TableLag, asset_key, channel_for, last_recorded_slice, measure_lag
 from orchestration.factory import first_run_at, job_name
-from orchestration.history import runs_of_table
-from orchestration.sensors import ACTIVE
+from orchestration.instance import runs_of_table
+from orchestration.runs import ACTIVE
 from orchestration.tables import kafka_conf
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import progress_recorded_refusal, read_committed_progress
@@ -36,7 +36,7 @@ def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
             # Slices Dagster recorded as committed over empty progress: the run refuses, so status says why.
             recorded = last_recorded_slice(instance, asset_key(table))
         if table.start_after == "latest" and (refused := progress_recorded_refusal(channel, recorded)) is not None:
-            # measure_lag counts no lag before a `latest` baseline; over those slices the cut refuses it (`plan_cut`).
+            # measure_lag counts no lag before a `latest` baseline; over those slices the cut refuses it (`cut`).
             raise refused
     source = SourceDatabaseResource.for_source(config.sources[table.source])
     try:

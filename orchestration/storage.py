@@ -3,9 +3,9 @@
 dagster-postgres gives its storages a NullPool outside the webserver: every storage call opens a new connection
 (a TCP connect, a backend fork and a SCRAM-SHA-256 handshake: ~10 ms of CPU between client and server on a
 2-core host). A run worker writes some 50 events, and the daemon and code server poll every second, so a
-rowrelay deployment opened ~20 connections a second (1,569 in 80 s of two tests here) and a run spent about
-half a second connecting. `PooledPostgresStorage` is the same storage (same tables, same config keys as
-`storage: postgres:`) with one pooled engine shared by its run, event log and schedule storages:
+deployment would open many connections a second and a run would spend a good part of its start connecting.
+`PooledPostgresStorage` is the same storage (same tables, same config keys as `storage: postgres:`) with one
+pooled engine shared by its run, event log and schedule storages:
 
     storage:
       custom:
@@ -19,15 +19,14 @@ half a second connecting. `PooledPostgresStorage` is the same storage (same tabl
 - Fork safety: a forked child drops the connections it inherited without closing them (they belong to the
   parent), the pattern SQLAlchemy documents for multiprocessing.
 - One engine per database per process, not per instance: Dagster builds a new instance from its ref for every sensor
-  evaluation in the code server, and each one used to open connections of its own (three table checks on dagster-
-  postgres's NullPool engines, then a pool of its own: 70 for ten instances in tests/test_storage_pool.py). A
+  evaluation in the code server, and each one would otherwise open connections of its own (three table checks on
+  dagster-postgres's NullPool engines, then a pool of its own; tests/test_storage_pool.py counts them). A
   process keeps at most `POOL_SIZE` idle connections per database; bursts above it open short-lived ones. Disposing
   of an instance leaves the process's pool as it is.
 - dagster-postgres's table checks at start (`get_table_names`, once per storage) run only when one catalog query on
   the pool finds a main table missing; then they run as Dagster wrote them, creating what is missing.
 - The schedule storage asks the catalog whether its optional tables exist on nearly every call (the daemon makes
-  such calls on every sensor tick: 60 catalog queries for ten rounds of the test's four calls); a yes is kept for
-  the storage's life (Dagster never drops them).
+  such calls on every sensor tick); a yes is kept for the storage's life (Dagster never drops them).
 """
 
 from __future__ import annotations
@@ -54,8 +53,8 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
 
 # As many idle connections as the daemon's sensor threads (dagster.yaml: sensors.num_workers) and the code server
-# evaluating their sensors use at once; with fewer, every tick's burst opened connections above the pool and closed
-# them again (84 in 20 s for 20 idle tables with 2). A pool only grows to what its process uses at once: a run
+# evaluating their sensors use at once; with fewer, every tick's burst opens connections above the pool and closes
+# them again. A pool only grows to what its process uses at once: a run
 # worker's stays at one or two.
 POOL_SIZE = 8
 MAX_OVERFLOW = 16

@@ -1,6 +1,6 @@
 """A table's slice history kept small: which committed slices roll up into one wider partition key, what that key
 carries, and which progress records an incremental compaction must read. Pure planning (the progress topic is read
-by the protocol module, resources/exactly_once.py, and orchestration/history.py).
+by the protocol module, resources/exactly_once.py, and orchestration/compaction.py).
 
 A roll-up key is an ordinary slice key `(lo, hi]` spanning consecutive committed slices, so `SliceRange.from_key`,
 re-runs (a committed range publishes nothing) and `reconcile` treat it like any slice. Kafka's progress topic stays

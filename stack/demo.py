@@ -158,7 +158,7 @@ def init_pools() -> None:
     from dagster import DagsterInstance
 
     from assets.relay import pool_name
-    from orchestration.sensors import ensure_pool
+    from orchestration.instance import ensure_pool
     from resources.config import load_config
 
     config = load_config()

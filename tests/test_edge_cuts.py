@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, event, text
 
 from assets.relay import asset_key, channel_for
 from orchestration.cli import main
-from orchestration.sensors import SensorState, cached_table_shape, latest_baseline
+from orchestration.cutting import SensorState, cached_table_shape, latest_baseline
 from resources.exactly_once import ProgressRecord, read_committed_progress, read_progress_history
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import RowSkip, SliceRange
@@ -479,7 +479,7 @@ def test_reset_reports_the_progress_it_replaced_while_a_publisher_keeps_committi
 
 def test_transaction_timeout_bounds_slice_size() -> None:
     """Slices are cut no larger than the table's recent rate can publish in half the transaction timeout."""
-    from orchestration.sensors import slice_rows_limit
+    from orchestration.cutting import slice_rows_limit
 
     def rec(rows: int, seconds: float) -> ProgressRecord:
         return ProgressRecord("t", "k", 0, rows, rows, 0, "", "topic", transaction_s=seconds)

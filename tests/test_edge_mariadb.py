@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Engine
 
-from orchestration.sensors import SensorState
+from orchestration.cutting import SensorState
 from resources.slices import SliceRange, WatermarkCandidate
 from resources.source_database import SourceDatabaseResource, SourceError
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, source_url

@@ -132,7 +132,7 @@ def test_incremental_windows_reach_back_to_the_bucket_of_each_tier() -> None:
 
 
 def test_trickle_waits_for_min_rows_or_the_delay() -> None:
-    from orchestration.sensors import trickle
+    from orchestration.cutting import trickle
 
     table = TableConfig(source="s", table="t", watermark="id", min_slice_rows=100, max_slice_delay_seconds=30)
     cut = [SliceRange(0, 5)]
@@ -208,8 +208,8 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
                                                    ) -> None:
     from assets.relay import asset_key, channel_for, partitions_for
     from bench.scale import idle_tick_times
+    from orchestration.compaction import compact_table
     from orchestration.factory import job_name
-    from orchestration.history import compact_table
     from orchestration.verify import verify_table
     from resources.exactly_once import records_in_range
 
@@ -297,8 +297,8 @@ def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dag
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("no chromium on this machine")
+    from orchestration.compaction import compact_table
     from orchestration.factory import job_name
-    from orchestration.history import compact_table
 
     config, table = history
     # The policy has run (a no-op after the scale test): the page shows the rolled-up history.
@@ -461,7 +461,7 @@ def test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using(services, pg_database
     from dagster import DagsterRunStatus
     from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
 
-    import orchestration.history as history
+    import orchestration.compaction as history
     from assets.relay import asset_key, partitions_for
     from bench.scale import seed_history
     from orchestration.factory import job_name
@@ -505,7 +505,7 @@ def test_compaction_replaces_keys_in_one_transaction_beside_cuts_crashes_and_oth
     if nothing added or deleted keys since they were read, with the table locked against a cut meanwhile."""
     import threading
 
-    import orchestration.history as history
+    import orchestration.compaction as history
     from assets.relay import partitions_for
     from bench.scale import seed_history
     from orchestration.factory import job_name
@@ -597,7 +597,7 @@ def test_a_reset_racing_a_compaction_leaves_keys_tiling_progress(services, pg_da
 
     import yaml
 
-    import orchestration.history as history
+    import orchestration.compaction as history
     from bench.scale import seed_history
     from orchestration.cli import main
     from orchestration.factory import job_name
@@ -735,7 +735,7 @@ def test_incremental_compaction_rolls_daily_keys_into_their_month(services, pg_d
     Before, an incremental pass read only the last ~3 days of progress records, and a key ~90 days old was never
     tiled by what it read: daily keys stayed daily for good (a partition a day, forever)."""
     from assets.relay import asset_key, channel_for
-    from orchestration.history import compact_table
+    from orchestration.compaction import compact_table
     from resources.exactly_once import records_in_range
 
     table, kafka, times = _seed(services, pg_database, dagster_instance, 200, 4)  # Jan 11 11:50 .. Jan 15 11:50
@@ -767,7 +767,7 @@ def test_incremental_compaction_rolls_daily_keys_into_their_month(services, pg_d
 def test_incremental_compaction_rolls_with_rollup_after_of_days(services, pg_database, dagster_instance) -> None:
     """rollup_after_seconds of 4 days: slices turning 4 days old roll up per day on incremental passes. Before,
     those passes read only records of the last 3 days, so nothing rolled up after the first pass."""
-    from orchestration.history import compact_table
+    from orchestration.compaction import compact_table
 
     table, kafka, times = _seed(services, pg_database, dagster_instance, 200, 4, rollup_after_seconds=4 * 86_400)
     at = T0 + timedelta(days=2)  # slices committed up to Jan 13 12:00 are 4 days old
@@ -786,7 +786,7 @@ def test_incremental_compaction_rolls_with_rollup_after_of_days(services, pg_dat
 def test_incremental_compaction_after_the_sensor_was_down_for_days(services, pg_database, dagster_instance) -> None:
     """Hourly keys of a pass, and the next pass 5 days later (the history sensor stopped meanwhile): they roll up
     per day. Before, that pass read only the last 3 days of records, and the hourly keys stayed hourly for good."""
-    from orchestration.history import compact_table
+    from orchestration.compaction import compact_table
 
     table, kafka, times = _seed(services, pg_database, dagster_instance, 100, 1)  # Jan 14 11:50 .. Jan 15 11:50
     at = T0 + timedelta(hours=3)

@@ -8,7 +8,7 @@ import bisect
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from orchestration.sensors import known_chain, slice_rows_limit
+from orchestration.cutting import known_chain, slice_rows_limit
 from resources.exactly_once import ProgressRecord
 from resources.slices import SliceRange, WatermarkCandidate, cut_slices, reconcile, settle
 
@@ -141,7 +141,7 @@ def test_slice_rows_limit_stays_within_slice_max_rows_and_never_below_a_thousand
 
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=30), st.integers(1, 7))
 def test_runs_take_at_most_max_slices_per_run_and_every_slice_once_in_order(widths, per_run):
-    from orchestration.sensors import batched_requests, run_slices
+    from orchestration.runs import batched_requests, run_slices
 
     bounds = [0]
     for w in widths:

@@ -27,7 +27,7 @@ def test_rollup_key_loads_every_row_back_and_a_rerun_publishes_nothing(services,
     from dagster import AssetIn, InMemoryIOManager, asset, materialize
 
     from assets.relay import asset_key, channel_for, partitions_for
-    from orchestration.history import compact_table
+    from orchestration.compaction import compact_table
     from resources.exactly_once import records_in_range
     from resources.history import summarize
     from resources.slices import SliceRange
@@ -76,7 +76,7 @@ def test_a_rerun_of_the_part_a_reset_kept_inside_a_rollup_reports_its_rows(servi
     (the UI's Materialize) recorded "rows 0, checksum ''": no slice record tiles it (found by review). It now
     counts the messages the reset kept, from the slices' own records."""
     from orchestration.cli import main
-    from orchestration.history import compact_table
+    from orchestration.compaction import compact_table
     from resources.slices import SliceRange
 
     cfg = _nine_hundred_rows(services, pg_database, pg_engine, name)

@@ -189,7 +189,7 @@ def test_a_re_execution_of_a_stopped_run_is_not_taken_for_stopped(services, dags
 
     from assets.relay import WORKER_PID_TAG
     from orchestration.factory import job_name
-    from orchestration.sensors import last_stop_reason
+    from orchestration.runs import last_stop_reason
     from resources.kafka_io_manager import RETRY_ON_FAILURE_TAG, STOPPED_TAG
 
     path, engine = _sqlite_table(tmp_path, name, "v INTEGER", "(1, 1), (2, 2.5), (3, 3)")

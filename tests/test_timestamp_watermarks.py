@@ -107,7 +107,7 @@ def test_times_as_users_write_them() -> None:
 
 
 def test_sensor_cursor_keeps_the_key_format() -> None:
-    from orchestration.sensors import SensorState
+    from orchestration.cutting import SensorState
 
     state = SensorState(chain=[SliceRange(5, 9, timestamps=True)])
     (back,) = SensorState.from_cursor(state.to_cursor()).chain or []
@@ -542,7 +542,7 @@ def test_mariadb_driver_batch_insert_holds_the_cut(services, mariadb_database, d
 @pytest.mark.integration
 def test_null_timestamp_is_a_clear_error_and_nothing_moves(services, pg_database, pg_engine, dagster_instance,
                                                              spark, name, monkeypatch) -> None:
-    import orchestration.sensors
+    import orchestration.cutting
 
     h, keys = _relayed_time_table(services, pg_database, pg_engine, dagster_instance, name, "NULL", rows=2)
     table = h.table()
@@ -552,7 +552,7 @@ def test_null_timestamp_is_a_clear_error_and_nothing_moves(services, pg_database
         conn.execute(text(f"INSERT INTO {name} (n, created_at) VALUES (3, NULL)"))
         conn.execute(text(f"INSERT INTO {name} (n) VALUES (4)"))
     # The sensor trusts a clean NULL check for a minute; forget it, as a minute later.
-    monkeypatch.setattr(orchestration.sensors, "_NULLS_OK", {})
+    monkeypatch.setattr(orchestration.cutting, "_NULLS_OK", {})
     with pytest.raises(Exception, match=r"NULL in watermark column 'created_at' would never be sent") as ticked:
         h.tick(table)
     assert f"values above the table's committed watermark {micros_text(before.hi)}" in str(ticked.value)

@@ -101,7 +101,7 @@ BASE = {
 
 
 def test_sensor_cursor_keeps_a_candidates_log_position_and_reads_cursors_without_it() -> None:
-    from orchestration.sensors import SensorState
+    from orchestration.cutting import SensorState
 
     state = SensorState([WatermarkCandidate(5, 1.5, ("a|b",), 48132), WatermarkCandidate(9, 2.5)])
     assert SensorState.from_cursor(state.to_cursor()).pending == state.pending

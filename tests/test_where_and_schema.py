@@ -256,7 +256,7 @@ def test_a_changed_watermark_column_or_type_stops_the_table_until_a_reset(servic
     with pg_engine.begin() as conn:
         conn.execute(text(f"ALTER TABLE {ts_name} ALTER COLUMN created_at TYPE timestamptz"))
         conn.execute(text(f"INSERT INTO {ts_name} (created_at) VALUES (now())"))
-    from orchestration import sensors
+    from orchestration import cutting as sensors
 
     sensors._SHAPES.clear()  # the sensor's reflection is cached for a minute per process
     with pytest.raises(Exception, match="was a timestamp without time zone, but it is now a timestamp with time zone"):

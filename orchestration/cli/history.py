@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from dagster import DagsterInstance
 
-from orchestration.history import iter_compact
+from orchestration.compaction import iter_compact
 from orchestration.tables import kafka_conf, select_tables
 from resources.config import RelayConfig
 

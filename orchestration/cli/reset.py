@@ -10,7 +10,7 @@ from dagster import DagsterInstance
 
 from orchestration.cli.arguments import watermark_kind_error
 from orchestration.factory import job_name
-from orchestration.history import table_active_runs
+from orchestration.instance import table_active_runs
 from orchestration.reset import ResetDone, reset_table, reset_watermark
 from orchestration.tables import select_tables
 from resources.config import RelayConfig

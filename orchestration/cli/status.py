@@ -13,7 +13,7 @@ from rich.table import Table
 
 from assets.relay import pool_name
 from orchestration.cli.errors import each_table
-from orchestration.sensors import ensure_pool
+from orchestration.instance import ensure_pool
 from orchestration.status import active_runs, table_status
 from orchestration.tables import select_tables
 from resources.config import RelayConfig

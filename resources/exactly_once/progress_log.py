@@ -160,7 +160,7 @@ def _scan(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout:
 
 class ProgressTopicReader:
     """One table's progress topic read by offsets and by time: what an incremental roll-up reads of it
-    (orchestration/history.py `read_windows`). A context manager: its consumer is closed at the end."""
+    (orchestration/compaction.py `read_windows`). A context manager: its consumer is closed at the end."""
 
     def __init__(self, kafka_conf: dict[str, Any], channel: TableChannel, timeout: float = 30.0) -> None:
         self.kafka_conf, self.timeout = kafka_conf, timeout

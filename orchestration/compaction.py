@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -20,17 +20,19 @@ from typing import Any
 from dagster import (
     AssetMaterialization,
     DagsterInstance,
-    DagsterRun,
     DefaultSensorStatus,
     MetadataValue,
-    RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SkipReason,
     sensor,
 )
+from dagster._core.storage.event_log.schema import DynamicPartitionsTable as KEYS_TABLE
+from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
+from sqlalchemy import func, select, text
 
 from assets.relay import asset_key, channel_for, partitions_for
+from orchestration.instance import job_name, table_runs_active
 from resources.config import TableConfig
 from resources.exactly_once import (
     START_MARK_KEYS,
@@ -56,7 +58,9 @@ from resources.slices import SliceRange
 BATCH = 10_000  # keys per storage statement
 
 
-# -- the instance's dynamic partitions and a key-value note: the private Dagster calls, wrapped here only -------
+# -- the instance's dynamic partition keys and a key-value note: the private Dagster calls, wrapped here only ----
+# The keys' reads and their one-transaction replacement live beside the compaction that plans it; the sensor's cut
+# (`open_keys`) and `rowrelay reset` (`replace_keys`) use them from here.
 
 
 def page_keys(instance: DagsterInstance, partitions_name: str, limit: int, ascending: bool,
@@ -76,8 +80,6 @@ KeysVersion = tuple[int, int]  # a partitions definition's (key count, newest ro
 def keys_version(instance: DagsterInstance, partitions_name: str) -> KeysVersion | None:
     """The keys' version (`KeysVersion`), to tell later whether anything added or deleted keys meanwhile; None on a
     storage that is not SQL (its keys are then replaced through the public calls, unchecked)."""
-    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
-
     storage = instance.event_log_storage
     if not isinstance(storage, SqlEventLogStorage):
         return None
@@ -86,11 +88,8 @@ def keys_version(instance: DagsterInstance, partitions_name: str) -> KeysVersion
 
 
 def _keys_version_in(conn: Any, partitions_name: str) -> KeysVersion:
-    from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
-    from sqlalchemy import func, select
-
-    count, newest = conn.execute(select(func.count(), func.max(table.c.id))
-                                 .where(table.c.partitions_def_name == partitions_name)).one()
+    count, newest = conn.execute(select(func.count(), func.max(KEYS_TABLE.c.id))
+                                 .where(KEYS_TABLE.c.partitions_def_name == partitions_name)).one()
     return int(count), int(newest or 0)
 
 
@@ -102,12 +101,8 @@ def replace_keys(instance: DagsterInstance, partitions_name: str, version: KeysV
     transaction each, so a compaction killed between its deletes and its adds left committed ranges without a key
     for good, and a cut appended between them landed before the keys re-added, out of watermark order, where
     `open_keys` (which reads the newest end only) missed it and the sensor cut over it; two compactions at once left
-    keys covering one range twice (found by review). On PostgreSQL the table is locked against other writers (SHARE
+    keys covering one range twice. On PostgreSQL the table is locked against other writers (SHARE
     ROW EXCLUSIVE: a cut's insert waits the few milliseconds until the commit, then appends after these keys)."""
-    from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
-    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
-    from sqlalchemy import select, text
-
     storage = instance.event_log_storage
     if not isinstance(storage, SqlEventLogStorage):  # another storage: the public calls
         for key in delete:
@@ -117,25 +112,23 @@ def replace_keys(instance: DagsterInstance, partitions_name: str, version: KeysV
         return True
     with _transaction(storage) as conn:
         if conn.dialect.name == "postgresql":
-            conn.execute(text(f"LOCK TABLE {conn.dialect.identifier_preparer.format_table(table)} "
+            conn.execute(text(f"LOCK TABLE {conn.dialect.identifier_preparer.format_table(KEYS_TABLE)} "
                               "IN SHARE ROW EXCLUSIVE MODE"))
         if version is not None and _keys_version_in(conn, partitions_name) != version:
             return False
         _delete_keys_in(conn, partitions_name, delete)
         for i in range(0, len(append), BATCH):
             batch = append[i:i + BATCH]
-            present = set(conn.execute(select(table.c.partition).where(
-                (table.c.partitions_def_name == partitions_name) & table.c.partition.in_(batch))).scalars())
+            present = set(conn.execute(select(KEYS_TABLE.c.partition).where(
+                (KEYS_TABLE.c.partitions_def_name == partitions_name) & KEYS_TABLE.c.partition.in_(batch))).scalars())
             if fresh := [key for key in batch if key not in present]:  # as add_dynamic_partitions: once each
-                conn.execute(table.insert(), [{"partitions_def_name": partitions_name, "partition": key}
+                conn.execute(KEYS_TABLE.insert(), [{"partitions_def_name": partitions_name, "partition": key}
                                               for key in fresh])
     return True
 
 
 def delete_keys(instance: DagsterInstance, partitions_name: str, keys: list[str]) -> None:
     """Delete many keys at once, unchecked (`bench/scale.py` empties a seeded table's keys with it)."""
-    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
-
     storage = instance.event_log_storage
     if not isinstance(storage, SqlEventLogStorage):  # another storage: the public call, key by key
         for key in keys:
@@ -160,11 +153,9 @@ def _transaction(storage: Any) -> Iterator[Any]:
 def _delete_keys_in(conn: Any, partitions_name: str, keys: list[str]) -> None:
     """One DELETE per batch of keys (the public `delete_dynamic_partition` is one statement per key: ~300k of them
     took minutes on PostgreSQL)."""
-    from dagster._core.storage.event_log.schema import DynamicPartitionsTable as table
-
     for i in range(0, len(keys), BATCH):
-        conn.execute(table.delete().where((table.c.partitions_def_name == partitions_name)
-                                          & table.c.partition.in_(keys[i:i + BATCH])))
+        conn.execute(KEYS_TABLE.delete().where((KEYS_TABLE.c.partitions_def_name == partitions_name)
+                                          & KEYS_TABLE.c.partition.in_(keys[i:i + BATCH])))
 
 
 def note_key(partitions_name: str) -> str:
@@ -430,30 +421,8 @@ def compact_table(instance: DagsterInstance, table: TableConfig, kafka_conf: dic
     return result
 
 
-def table_active_runs(instance: DagsterInstance, table: TableConfig, job_name: str) -> int:
-    """The table's queued or running runs: of its job, or any run whose asset selection holds the table's asset
-    (the UI's Materialize launches `__ASSET_JOB`)."""
-    from orchestration.sensors import ACTIVE
-
-    return len(runs_of_table(instance.get_runs(RunsFilter(statuses=ACTIVE)), table, job_name))
-
-
-def runs_of_table(runs: Iterable[DagsterRun], table: TableConfig, job_name: str) -> list[DagsterRun]:
-    """The runs among `runs` that materialize the table: of its job, or whose asset selection holds its asset."""
-    key = asset_key(table)
-    return [run for run in runs if run.job_name == job_name or key in (run.asset_selection or ())]
-
-
-def table_runs_active(instance: DagsterInstance, table: TableConfig, job_name: str) -> bool:
-    """Whether a run of the table is queued or running (`table_active_runs`). A roll-up deletes the keys such a run
-    targets."""
-    return table_active_runs(instance, table, job_name) > 0
-
-
 def iter_compact(instance: DagsterInstance, tables: list[TableConfig], kafka_conf: dict[str, Any],
                  transactional_id_prefix: str, full: bool = False) -> Iterator[CompactResult]:
-    from orchestration.factory import job_name
-
     for table in tables:
         yield compact_table(instance, table, kafka_conf, transactional_id_prefix, full=full,
                             job_name=job_name(table))
@@ -467,6 +436,20 @@ HISTORY_EVERY_S = 600.0  # each table compacted at most this often
 HISTORY_BUDGET_S = 20.0  # per tick: the daemon's sensor timeout is 60 s, and other sensors share its workers
 
 
+@dataclass
+class HistoryCursor:
+    """The history sensor's cursor: when each table's last compaction that did something ended."""
+
+    last: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_cursor(cls, cursor: str | None) -> HistoryCursor:
+        return cls(json.loads(cursor).get("last", {}) if cursor else {})
+
+    def to_cursor(self) -> str:
+        return json.dumps({"last": self.last})
+
+
 def due_tables(tables: list[TableConfig], last: dict[str, float], now: float) -> list[TableConfig]:
     """Tables whose compaction is due, the longest-waiting first (never done: first)."""
     due = [t for t in tables if now - last.get(t.table_id, 0.0) >= HISTORY_EVERY_S]
@@ -477,15 +460,13 @@ def build_history_sensor(tables: list[TableConfig], transactional_id_prefix: str
     """One sensor for every table: compacts due tables within a time budget per tick. The first compaction of a
     table reads its whole progress topic (an existing deployment's history), later ones what the policy's horizons
     crossed since the previous one (`compact_table`)."""
-    from orchestration.factory import job_name
 
     @sensor(name=HISTORY_SENSOR, minimum_interval_seconds=HISTORY_INTERVAL_S, required_resource_keys={
             "kafka_io_manager"}, default_status=DefaultSensorStatus.RUNNING,
             description="Rolls up old committed slices of every table (hour, day, month) so partitions stay few.")
     def history_sensor(context: SensorEvaluationContext) -> SkipReason:
         conf = context.resources.kafka_io_manager.kafka_conf()
-        state = json.loads(context.cursor) if context.cursor else {}
-        last: dict[str, float] = state.get("last", {})
+        last = HistoryCursor.from_cursor(context.cursor).last
         started = time.time()
         done: list[str] = []
         for table in due_tables(tables, last, started):
@@ -497,6 +478,7 @@ def build_history_sensor(tables: list[TableConfig], transactional_id_prefix: str
                 last[table.table_id] = time.time()
                 context.log.info(result.line())
             done.append(result.line())
-        context.update_cursor(json.dumps({"last": last}))
+        context.update_cursor(HistoryCursor(last).to_cursor())
         return SkipReason("; ".join(done) or "no table due")
+
     return history_sensor
