@@ -31,7 +31,7 @@ from orchestration.cutting import CutInputs, SensorState, backfill, cached_table
 from orchestration.factory import build_definitions, job_name
 from orchestration.instance import ensure_pool
 from orchestration.launcher import in_process_worker_gone
-from orchestration.runs import ACTIVE, NEXT_STEP, run_slices
+from orchestration.runs import ACTIVE, run_slices
 from orchestration.storage import PooledRunStorage
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import (
@@ -46,6 +46,7 @@ from resources.keys import BACKFILL_TAG, RUN_FAILED_LATER
 from resources.messages import EARLY_READS
 from resources.slices import SliceRange
 from resources.source_database import SourceDatabaseResource
+from resources.stops import ADVICE
 
 
 def keep_storage_connections(instance: Any) -> None:
@@ -292,6 +293,6 @@ def run_failure_text(instance: Any, result: Any) -> str:
     reason = re.sub(r"^[\w.]+: ", "", error.message.strip()) if error is not None else "see its events"
     run = instance.get_run_by_id(result.run_id)
     stopped = run.tags.get(STOPPED_TAG) if run is not None else None
-    step = NEXT_STEP.get(stopped or "", "slices before it stay committed; run backfill again to continue")
+    step = ADVICE.get(stopped or "", "slices before it stay committed; run backfill again to continue")
     step = step.replace("run it again", "run backfill again")
     return f"{reason.splitlines()[0]} (details in the Dagster UI). Next: {step}"

@@ -39,6 +39,7 @@ from orchestration.instance import first_run_at, job_name
 from orchestration.sensors import build_group_slice_sensor, build_slice_sensor
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import TableChannel, read_progress_tail
+from resources.identity import DagsterNames
 from resources.kafka_io_manager import KafkaIOManager
 from resources.source_database import SourceDatabaseResource
 from resources.spark import SparkResource
@@ -50,7 +51,7 @@ LAG_SENSOR_INTERVAL_S = 60
 
 
 def lag_sensor_name(table: TableConfig) -> str:
-    return f"{table.dagster_name}_lag"
+    return DagsterNames.of(table).lag_sensor
 
 
 def lag_tick(instance: DagsterInstance, table: TableConfig, channel: TableChannel, source: SourceDatabaseResource,

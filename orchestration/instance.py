@@ -14,11 +14,12 @@ from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 from assets.relay import asset_key, local_worker_pid
 from orchestration.runs import ACTIVE, run_slices
 from resources.config import TableConfig
+from resources.identity import DagsterNames
 from resources.slices import SliceRange, watermark_text
 
 
 def job_name(table: TableConfig) -> str:
-    return f"relay_{table.dagster_name}"
+    return DagsterNames.of(table).job
 
 
 def queued_or_running(instance: DagsterInstance, job_name: str | None) -> list[DagsterRun]:

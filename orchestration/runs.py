@@ -13,43 +13,13 @@ from dagster._core.storage.tags import (
 )
 
 from resources.config import TableConfig
-from resources.kafka_io_manager import STOPPED_TAG
-from resources.keys import RESUME_TAG
+from resources.keys import RESUME_TAG, STOPPED_TAG
 from resources.slices import SliceRange, watermark_text
+from resources.stops import ADVICE, StopReason
 
 # The statuses of a run that still holds its table: queued or running.
 ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
           DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
-
-TIMED_OUT = "transaction_timeout"  # the STOPPED_TAG value of a run whose transaction outlived its timeout
-
-# What to do after a run stopped, by its stop reason (resources/kafka_io_manager.py STOP_REASONS and the asset's
-# own: source, schema_change, skip_of_many_rows, bad_row), for the sensor's skip message and a failed
-# `rowrelay backfill`.
-NEXT_STEP = {
-    "schema_change": "the table's columns changed and `on_schema_change: fail` stops it: check the change, then "
-                     "`rowrelay schema accept --table ID --reason ...` and run it again",
-    "baseline_missing": "the slice was cut before `start_after: latest`: the next tick (or `rowrelay backfill`) "
-                        "records the baseline and deletes such slices; nothing to do",
-    "fenced": "another publisher of the table took over (the daemon's run or a backfill): it publishes the "
-              "slices; nothing is lost",
-    "bad_row": "fix the row (or list its watermark in `skip_watermarks`) and run it again",
-    "skip_of_many_rows": "a bare `skip_watermarks` value matches several rows: name the one row as the run's message "
-                         "shows and run it again",
-    "source": "fix what the run's message names and run it again",
-    "rows_mismatch": "the source's rows changed under the read: see the run's message, fix the cause, and run it again",
-    "progress_missing": "see docs/operations.md (\"A table dropped and re-created\": progress missing) before anything "
-                        "runs again",
-    "producer_settings": "fix `kafka.producer` as the run's message says and run it again",
-    "topic_settings": "fix the topic's settings (or the table's `key:`) as the run's message says and run it again",
-    "progress_shared": "two deployments share the table's progress: give each its own `kafka.transactional_id_prefix` "
-                       "(or `rowrelay reset` if `topic:` was moved back on purpose; see the run's message)",
-    "watermark_changed": "the table's watermark column or its type changed since its progress was recorded: put it "
-                         "back, or set where the new one stands with `rowrelay reset` (see the run's message)",
-    TIMED_OUT: "the table's sensor (with the daemon) cuts the slice smaller and runs it again; without it, lower "
-               "`slice_max_rows` or raise `transaction.timeout.ms`",
-}
-
 
 def run_slices(tags: dict[str, str]) -> tuple[SliceRange, SliceRange] | None:
     """The first and last slice a run targets, from its partition tags (one partition or a range)."""
@@ -131,7 +101,7 @@ def runs_verdict(table: TableConfig, chain: list[SliceRange], committed_hi: int,
                  job_label: str | None) -> RunsVerdict:
     """The tick's decision from the table's runs: `active` queued or running, `slice_runs` the recent runs of the
     first uncommitted slice (`chain[0]`)."""
-    resplit = bool(chain) and not active and last_stop_reason(slice_runs) == TIMED_OUT
+    resplit = bool(chain) and not active and last_stop_reason(slice_runs) == StopReason.TIMED_OUT
     # Self-healing: the first uncommitted slice has no run (retries exhausted, worker lost) while later ones
     # may be queued; without this they would fail "out of order" and retry forever.
     resume = None if resplit else stalled_slice(slice_runs, chain, committed_hi, table.max_slices_per_run,
@@ -152,5 +122,5 @@ def runs_verdict(table: TableConfig, chain: list[SliceRange], committed_hi: int,
         if reason is None:
             return RunsVerdict(wait=f"{waiting}; waiting for their runs (or a resume)")
         return RunsVerdict(wait=f"{waiting}: run {slice_runs[0].dagster_run.run_id} stopped ({reason}); "
-                                f"{NEXT_STEP.get(reason, 'see the run')}. Resumed with a backoff (up to a minute)")
+                                f"{ADVICE.get(reason, 'see the run')}. Resumed with a backoff (up to a minute)")
     return RunsVerdict(resplit=resplit)

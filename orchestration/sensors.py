@@ -57,6 +57,7 @@ from orchestration.instance import (
 from orchestration.runs import batched_requests, runs_verdict
 from resources.config import TableConfig
 from resources.exactly_once import KafkaUnavailable, ProgressRecord, read_progress_tail
+from resources.identity import DagsterNames
 from resources.kafka_io_manager import KafkaIOManager
 from resources.slices import SliceRange, reconcile
 from resources.source_database import InnodbTrxStale, SourceDatabaseResource
@@ -238,7 +239,7 @@ def build_slice_sensor(table: TableConfig, job: UnresolvedAssetJobDefinition) ->
     source_key = source_resource_key(table.source)
 
     @sensor(
-        name=f"{table.dagster_name}_slices",
+        name=DagsterNames.of(table).slice_sensor,
         job=job,
         minimum_interval_seconds=daemon_min_interval(table.sensor_interval_seconds),
         required_resource_keys={source_key, "kafka_io_manager"},

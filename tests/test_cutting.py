@@ -18,11 +18,12 @@ from orchestration.cutting import (
     trickle,
     trickle_text,
 )
-from orchestration.runs import ACTIVE, TIMED_OUT, RunsVerdict, last_stop_reason, runs_verdict, stalled_slice
+from orchestration.runs import ACTIVE, RunsVerdict, last_stop_reason, runs_verdict, stalled_slice
 from orchestration.sensors import daemon_min_interval
 from resources.config import parse_config
 from resources.keys import STOPPED_TAG
 from resources.slices import SliceRange, WatermarkCandidate
+from resources.stops import StopReason
 
 CONFIG = {
     "sources": {"shop": {"url": "postgresql://u:p@h/db"}},
@@ -99,7 +100,7 @@ def test_stalled_slice_resumes_the_first_uncommitted_slice_only_when_no_run_hold
 
 def test_last_stop_reason_is_the_newest_runs() -> None:
     assert last_stop_reason([]) is None
-    assert last_stop_reason([_record("FAILURE", 0.0, **{STOPPED_TAG: TIMED_OUT})]) == TIMED_OUT
+    assert last_stop_reason([_record("FAILURE", 0.0, **{STOPPED_TAG: StopReason.TIMED_OUT})]) == StopReason.TIMED_OUT
 
 
 def test_daemon_interval_meets_the_loop() -> None:
@@ -119,7 +120,7 @@ def test_runs_verdict_waits_for_runs_resplits_a_timed_out_slice_or_lets_the_cut_
     assert runs_verdict(table, [], 10, 2, [], None).wait == "2 run(s) of shop.public.orders still queued or running"
     assert runs_verdict(table, chain, 10, 1, [_record(ACTIVE[0], None)], None).wait == (
         "1 run(s) of shop.public.orders still queued or running")
-    timed_out = [_record("FAILURE", 1e18, **{STOPPED_TAG: TIMED_OUT})]
+    timed_out = [_record("FAILURE", 1e18, **{STOPPED_TAG: StopReason.TIMED_OUT})]
     assert runs_verdict(table, chain, 10, 0, timed_out, None) == RunsVerdict(resplit=True)
     held = runs_verdict(table, chain, 10, 0, [_record("FAILURE", 1e18)], None)
     assert held.wait == ("shop.public.orders: slices after 10 are not committed yet; waiting for their runs "
