@@ -77,12 +77,13 @@ explore: stack
 test-bench: stack
 	$(WITH_ENV) $(PY) -m pytest -q tests -m bench
 
-# Checks that need no service: style, the direction of imports (.importlinter), and the documents' links, anchors
-# and README size (tests/test_docs.py).
+# Checks that need no service: style, the direction of imports (.importlinter), the documents' links, anchors
+# and README size (tests/test_docs.py), and the code's shape: module and function sizes, import circles, hidden
+# imports, changelog comments (tests/test_shape.py over bench/shape.py).
 lint: install
 	$(PY) -m ruff check .
 	.venv/bin/lint-imports --no-cache
-	$(PY) -m pytest -q tests/test_docs.py
+	$(PY) -m pytest -q tests/test_docs.py tests/test_shape.py
 
 # The code's shape: lines per module, the longest functions, import circles (bench/shape.py; limits in
 # tests/test_shape.py, part of `make lint`).

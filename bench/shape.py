@@ -27,7 +27,7 @@ MODULE_LIMIT_EXEMPT = {"orchestration/launcher.py"}
 # A function-level import is allowed where a comment on it (or the line above) says it keeps start-up fast.
 STARTUP_NOTE = re.compile(r"start-?up", re.IGNORECASE)
 CHANGELOG = re.compile(r"found by (review|a review)|CI caught|before this release|last release"
-                       r"|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"  # a commit hash
+                       r"|(?<![.\w])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"  # a commit hash
                        r"|\b\d+(\.\d+)?\s?%")
 
 
@@ -70,23 +70,28 @@ def _type_checking_only(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports(tree: ast.Module, module: str, is_package: bool) -> Iterator[tuple[str, ast.stmt, bool]]:
-    """(imported module, statement, inside a function) for each import outside `if TYPE_CHECKING:` blocks."""
-    def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[str, ast.stmt, bool]]:
+Enclosing = ast.FunctionDef | ast.AsyncFunctionDef | None
+
+
+def imports(tree: ast.Module, module: str, is_package: bool) -> Iterator[tuple[str, ast.stmt, Enclosing]]:
+    """(imported module, statement, the function it sits in or None) for each import outside `if TYPE_CHECKING:`
+    blocks."""
+    def visit(node: ast.AST, function: Enclosing) -> Iterator[tuple[str, ast.stmt, Enclosing]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _type_checking_only(child):
                 continue
             if isinstance(child, ast.Import):
                 for alias in child.names:
-                    yield alias.name, child, in_function
+                    yield alias.name, child, function
             elif isinstance(child, ast.ImportFrom):
                 base = _absolute(child, module, is_package)
-                yield base, child, in_function
+                yield base, child, function
                 for alias in child.names:  # `from package import module`
-                    yield f"{base}.{alias.name}", child, in_function
+                    yield f"{base}.{alias.name}", child, function
             else:
-                yield from visit(child, in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
-    yield from visit(tree, False)
+                inner = child if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+                yield from visit(child, inner)
+    yield from visit(tree, None)
 
 
 def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
@@ -156,14 +161,14 @@ def measure(root: Path = ROOT) -> Shape:
         shape.functions.extend(functions(tree, rel))
         module = module_name(path, root)
         edges = graph.setdefault(module, set())
-        for target, stmt, in_function in imports(tree, module, path.name == "__init__.py"):
+        for target, stmt, function in imports(tree, module, path.name == "__init__.py"):
             # A package's own modules importing through the package (its `__init__` re-exports) is not a circle
             # of concepts; a package importing its own module is how packages work.
             if target in names and target != module and not _is_ancestor(target, module) \
                     and not _is_ancestor(module, target):
                 edges.add(target)
-            if in_function and target.split(".")[0] in PRODUCT + ("dagster", "pyspark", "confluent_kafka") \
-                    and not _noted(lines, stmt):
+            if function is not None and target.split(".")[0] in PRODUCT + ("dagster", "pyspark", "confluent_kafka") \
+                    and not _noted(lines, stmt, function):
                 shape.hidden_imports.append(f"{rel}:{stmt.lineno}")
         shape.changelog_comments.extend(f"{rel}:{n}: {text.strip()}" for n, text in comments(source)
                                         if CHANGELOG.search(text))
@@ -173,10 +178,11 @@ def measure(root: Path = ROOT) -> Shape:
     return shape
 
 
-def _noted(lines: list[str], stmt: ast.stmt) -> bool:
-    """True if the import's own lines or the two lines above it name start-up time."""
-    first = max(stmt.lineno - 3, 0)
-    return any(STARTUP_NOTE.search(line) for line in lines[first: stmt.end_lineno or stmt.lineno])
+def _noted(lines: list[str], stmt: ast.stmt, function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """True if the import's own lines, the three lines above it or its function's docstring name start-up time."""
+    first = max(stmt.lineno - 4, 0)
+    return any(STARTUP_NOTE.search(line) for line in lines[first: stmt.end_lineno or stmt.lineno]) or bool(
+        STARTUP_NOTE.search(ast.get_docstring(function) or ""))
 
 
 def over_limits(shape: Shape) -> list[str]:

@@ -87,6 +87,7 @@ from dagster._serdes import ConfigurableClass, ConfigurableClassData  # dagster.
 from dagster._utils.hosted_user_process import recon_repository_from_origin  # loads a code origin's definitions
 from dagster._utils.interrupts import setup_interrupt_handlers  # SIGTERM -> interrupt, as Dagster's workers
 
+from assets.worker import local_worker_pid  # the worker tags' reader: stdlib only, cheap for the daemon to load
 from resources.keys import WARM_WORKER_TAG
 
 WORKER_TAG = WARM_WORKER_TAG
@@ -121,12 +122,10 @@ def process_start_ticks(pid: int) -> tuple[int, str] | None:
 def in_process_worker_gone(run: DagsterRun) -> str | None:
     """Why a run executed in-process (`rowrelay backfill`, `dagster asset materialize`) has no live worker, or None.
 
-    Such a run's process tags it with its pid and host when the asset starts (assets/relay.py). If that process
+    Such a run's process tags it with its pid and host when the asset starts (assets/worker.py). If that process
     died (kill -9, OOM, a closed terminal), the run stayed STARTED for good: no launcher tracks it, so run
     monitoring never failed it, and it held the table's pool (every later run of the table queued behind it). Only
     processes on this host are judged; a pid reused since by another process keeps the run (judged alive)."""
-    from assets.relay import local_worker_pid
-
     if WORKER_TAG in run.tags or GRPC_INFO_TAG in run.tags:
         # Launched by this launcher or through a code server: their own health checks judge it.
         return None

@@ -25,6 +25,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+import confluent_kafka
 import pyarrow as pa
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,6 @@ class _Native:
     @classmethod
     def get(cls) -> _Native | None:
         if cls._loaded is None and not cls._failed:
-            import confluent_kafka
-
             version = confluent_kafka.__version__
             if version not in CHECKED_VERSIONS:
                 log.warning("rowrelay: confluent-kafka %s is not one the C produce loop was checked with (%s); "
@@ -131,8 +130,6 @@ class _Native:
 
     def handle_of(self, producer: Any) -> int | None:
         """The producer's rd_kafka_t, if its object holds it where checked (see the module docstring)."""
-        import confluent_kafka
-
         if not isinstance(producer, confluent_kafka.Producer):  # only its C struct may be read this way
             return None
         rk = ctypes.c_void_p.from_address(id(producer) + object.__basicsize__).value

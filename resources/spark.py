@@ -51,6 +51,7 @@ def check_connect_server(url: str, setting: str | None = None, timeout_s: float 
     and its exit hook retries again: a wrong port must fail in seconds, before anything is cut. A TCP connect tells
     a refused or unroutable address; a gRPC channel becoming ready tells a port that takes connections but does not
     speak HTTP/2 (another service, a firewall that swallows them). `setting`: the URL as written in the config."""
+    # On first use, for start-up time (see SparkResource.get_session).
     import grpc
     from pyspark.sql.connect.client import DefaultChannelBuilder
 
@@ -229,6 +230,8 @@ class SparkResource(ConfigurableResource):
 
     def get_session(self) -> SparkSession:
         """The session, created once per process by dagster-pyspark's LazyPySparkResource (on first use)."""
+        # PySpark is imported on first use, for start-up time: the CLI, the daemon and the webserver load this
+        # module with the code location and never read a slice.
         from dagster_pyspark import LazyPySparkResource
         from pyspark.sql import SparkSession
 
@@ -254,7 +257,7 @@ class SparkResource(ConfigurableResource):
                    expected_rows: int, skip: Sequence[RowSkip] = ()) -> DataFrame:
         """The slice's rows (lo < watermark <= hi) but those `skip` names, ordered by watermark within each ordered
         partition."""
-        from pyspark.sql import functions as F
+        from pyspark.sql import functions as F  # on first use, for start-up time (see get_session)
 
         preparer = source.engine.dialect.identifier_preparer
         qualified = preparer.quote(shape.name)
