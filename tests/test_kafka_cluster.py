@@ -269,3 +269,35 @@ def test_two_of_three_nodes_down_the_relay_waits_and_resumes(scenario: tuple[Har
                 n.start()
 
     fault_mid_publish(h, reader, cluster, lambda: 1, two_down, back, heal_after_s=30)
+
+
+def test_topics_a_single_broker_could_undo_are_named_with_their_fix(cluster: KafkaCluster, caplog: Any) -> None:
+    """A progress topic someone created with one replica, and a data topic with three replicas but
+    min.insync.replicas=1: each is named once, with the command that fixes it."""
+    from confluent_kafka.admin import NewTopic
+
+    from resources.exactly_once import TableChannel, ensure_topics
+
+    name = unique("weak")
+    channel = TableChannel.for_table(f"src.public.{name}", f"cluster.{name}", prefix=PREFIX)
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
+    created = admin.create_topics([
+        NewTopic(channel.topic, 1, 3, config={"min.insync.replicas": "1"}),
+        NewTopic(channel.progress_topic, 1, 1, config={"cleanup.policy": "compact"})])
+    for fut in created.values():
+        fut.result(30)
+    conf = {"bootstrap.servers": cluster.bootstrap}
+    with caplog.at_level("WARNING"):
+        ensure_topics(conf, channel)
+    warned = [r.getMessage() for r in caplog.records if "replica" in r.getMessage()]
+    progress = f"progress topic {channel.progress_topic} has one replica on a cluster of 3"
+    assert any(progress in w for w in warned), warned
+    assert any(f"data topic {channel.topic} has 3 replicas but min.insync.replicas=1" in w for w in warned), warned
+    # Topics rowrelay creates itself take the cluster's defaults (3 replicas, 2 in sync): nothing to say.
+    caplog.clear()
+    sound = TableChannel.for_table(f"src.public.{name}_ok", f"cluster.{name}_ok", prefix=PREFIX)
+    with caplog.at_level("WARNING"):
+        ensure_topics(conf, sound)
+        ensure_topics(conf, sound)  # now existing: checked
+    assert not [r for r in caplog.records if "replica" in r.getMessage()]
+

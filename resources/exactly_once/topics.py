@@ -45,6 +45,45 @@ def _topic_configs(admin: AdminClient, topics: list[str], timeout: float) -> dic
     return found
 
 
+# Durability warnings already given, per process: one line per topic and kind, not one per run or tick.
+_WARNED: set[tuple[str, str]] = set()
+
+
+def durability_warning(table: str, topic: str, role: str, brokers: int, replicas: int, min_isr: int | None
+                       ) -> str | None:
+    """What is weak about a topic's durability on a cluster of `brokers`, with the fix; None if nothing is.
+
+    The progress topic is the authority on where a table stands: with one replica, that broker's disk is the table's
+    place; with `min.insync.replicas=1`, a commit one replica acknowledged dies with it."""
+    lost = "the table's place (its slices would be sent again)" if role == "progress" else "the rows in it"
+    if brokers > 1 and replicas == 1:
+        return (f"{table}: {role} topic {topic} has one replica on a cluster of {brokers} brokers: losing that "
+                f"broker's disk loses {lost}. Give it 3 replicas (kafka-reassign-partitions.sh) and "
+                "min.insync.replicas=2")
+    if replicas > 1 and min_isr == 1:
+        return (f"{table}: {role} topic {topic} has {replicas} replicas but min.insync.replicas=1: a commit only one "
+                f"replica acknowledged is lost if that broker fails before the others copy it, and with it {lost}. "
+                f"Set min.insync.replicas=2 (kafka-configs.sh --alter --entity-type topics --entity-name {topic} "
+                "--add-config min.insync.replicas=2)")
+    return None
+
+
+def _warn_durability(admin: AdminClient, channel: TableChannel, existing: dict[str, Any],
+                     configs: dict[str, dict[str, str]], timeout: float) -> None:
+    """Log, once per process, each of the channel's topics that a single broker's loss could undo."""
+    brokers = len(admin.list_topics(timeout=timeout).brokers)
+    for topic, role in ((channel.topic, "data"), (channel.progress_topic, "progress")):
+        meta = existing.get(topic)
+        if meta is None or not meta.partitions:
+            continue
+        replicas = min(len(p.replicas) for p in meta.partitions.values())
+        min_isr = configs.get(topic, {}).get("min.insync.replicas")
+        text = durability_warning(channel.table, topic, role, brokers, replicas, int(min_isr) if min_isr else None)
+        if text is not None and (topic, text[:40]) not in _WARNED:
+            _WARNED.add((topic, text[:40]))
+            _log.warning("rowrelay: %s", text)
+
+
 def _check_existing_topics(admin: AdminClient, channel: TableChannel, existing: dict[str, Any],
                            timeout: float, bootstrap: str) -> int | None:
     """Refuse topics someone else created with settings rowrelay cannot work with; returns the data topic's
@@ -85,6 +124,7 @@ def _check_existing_topics(admin: AdminClient, channel: TableChannel, existing: 
                 f"compacted only: kafka-configs.sh --alter --entity-type topics --entity-name {ch.progress_topic} "
                 f"--add-config cleanup.policy=compact --bootstrap-server {bootstrap.split(',')[0]} (with the "
                 "client settings your cluster needs: --command-config); nothing was sent")
+    _warn_durability(admin, ch, existing, configs, timeout)
     data = configs.get(ch.topic, {})
     if ch.shared_with and "compact" in data.get("cleanup.policy", ""):
         raise TopicSettingsError(
