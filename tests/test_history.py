@@ -598,6 +598,7 @@ def test_a_reset_racing_a_compaction_leaves_keys_tiling_progress(services, pg_da
     import yaml
 
     import orchestration.compaction as history
+    import orchestration.reset as reset
     from bench.scale import seed_history
     from orchestration.cli import main
     from orchestration.factory import job_name
@@ -634,6 +635,7 @@ def test_a_reset_racing_a_compaction_leaves_keys_tiling_progress(services, pg_da
 
     monkeypatch.setattr(history, "read_records", read_records_then_wait)
     monkeypatch.setattr(history, "replace_keys", compaction_lands_first)
+    monkeypatch.setattr(reset, "replace_keys", compaction_lands_first)  # the reset's own reference to it
     compaction = threading.Thread(target=lambda: results.append(history.compact_table(
         dagster_instance, table, kafka, PREFIX, full=True, job_name=job_name(table), now=now + timedelta(days=2))))
     compaction.start()

@@ -84,14 +84,19 @@ class Transaction:
     def _serve(self, fn: Callable[[float], int], timeout: float) -> int:
         """producer.poll / producer.flush. A producer turned fatal (fenced, or its transaction aborted on timeout)
         raises from inside them; confluent-kafka 2.16 then also calls the next delivery callback with that
-        exception pending, which surfaces as a SystemError caused by it. Either becomes our error for it."""
+        exception pending, which surfaces as a SystemError caused by it, or, when the exception was lost on the
+        way, by nothing ("returned NULL without setting an exception"): then the transaction's own state says what
+        failed it. Each becomes our error for it."""
         try:
             return fn(timeout)
         except (KafkaException, SystemError) as exc:
             cause = exc if isinstance(exc, KafkaException) else exc.__cause__
-            if not isinstance(cause, KafkaException):
+            if isinstance(cause, KafkaException):
+                self._raise_for(cause.args[0])
+            failure = self._transaction_failure() if self._txn_began is not None else None
+            if failure is None:
                 raise
-            self._raise_for(cause.args[0])
+            self._raise_for(failure)
             raise  # _raise_for always raises
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
