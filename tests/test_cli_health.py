@@ -295,6 +295,7 @@ def test_a_replay_that_outlives_the_transaction_timeout_says_what_to_do(
     the broker aborted it the user got a KafkaException traceback (found by review). Now it takes the publisher's
     timeout and fails with what happened and what to do; nothing of it is visible."""
     import resources.exactly_once as protocol
+    from resources.exactly_once import replay
 
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
@@ -313,7 +314,7 @@ def test_a_replay_that_outlives_the_transaction_timeout_says_what_to_do(
         yield from read(conf, record)
         time.sleep(5.5)
 
-    monkeypatch.setattr(protocol, "read_published_messages", slow_read)
+    monkeypatch.setattr(replay, "read_published_messages", slow_read)
     capsys.readouterr()
     assert main(["--config", config_file, "replay", "--table", table.table_id, "--from", "0", "--to", "200"]) == 1
     err = capsys.readouterr().err

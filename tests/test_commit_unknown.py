@@ -10,8 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-import resources.exactly_once as protocol
-from resources.exactly_once import OutgoingMessage, SlicePublisher, TableChannel, read_progress_history
+from resources.exactly_once import OutgoingMessage, SlicePublisher, TableChannel, clients, read_progress_history
 from resources.slices import SliceRange
 from tests.pipeline import read_topic, visible_progress
 from tests.private_kafka import PrivateKafka, private_kafka
@@ -45,7 +44,7 @@ def test_a_commit_that_times_out_while_the_broker_is_paused_publishes_the_slice_
     transaction) and reads the progress again: the slice is there once, and is not sent again.
     `record-undelivered`: the progress record still on its way when the broker stops; whichever way the broker
     settles the transaction, the slice is in the topic once."""
-    monkeypatch.setattr(protocol, "RETRIABLE_CALL_S", 0.0)  # a commit is never called again on the same producer
+    monkeypatch.setattr(clients, "RETRIABLE_CALL_S", 0.0)  # a commit is never called again on the same producer
     conf = {"bootstrap.servers": broker.bootstrap}
     table = f"paused_{uuid.uuid4().hex[:8]}"
     channel = TableChannel.for_table(f"paused.public.{table}", table)

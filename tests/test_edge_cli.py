@@ -203,11 +203,11 @@ def test_a_replay_whose_commit_outcome_is_unknown_says_so_not_nothing_was_replay
     """The commit still timed out after its retries (here: no time for any): its outcome is unknown, as the commit
     may complete in the background, and here it does. "nothing was replayed, run the replay again" was false; the
     message now says the outcome is unknown and which replay id to look for before running it again."""
-    import resources.exactly_once as protocol
+    from resources.exactly_once import clients
 
     table, config_file = _relayed_200(services, pg_database, pg_engine, dagster_instance, dagster_home, name,
                                       tmp_path, monkeypatch)
-    monkeypatch.setattr(protocol, "RETRIABLE_CALL_S", 0.0, raising=False)  # one call, no retry
+    monkeypatch.setattr(clients, "RETRIABLE_CALL_S", 0.0)  # one call, no retry
     quick_commit = _quick_commits(monkeypatch)
     capsys.readouterr()
     code = main(["--config", config_file, "replay", "--table", table.table_id, "--from", "0", "--to", "200"])

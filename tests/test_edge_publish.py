@@ -21,8 +21,11 @@ from resources.exactly_once import (
     RelayError,
     SlicePublisher,
     TableChannel,
+    clients,
+    progress_log,
     read_committed_progress,
     read_progress_history,
+    topics,
 )
 from resources.kafka_io_manager import STOPPED_TAG
 from resources.slices import SliceRange, micros_text, parse_watermark
@@ -407,8 +410,9 @@ def test_topics_are_made_from_their_own_metadata_not_the_whole_clusters(services
         asked.append(topic)
         return real(client, kafka_conf, topic, timeout)
 
-    monkeypatch.setattr(eo, "list_topics", spy)
-    monkeypatch.setattr(eo, "_broker_max_timeout_ms", {})  # read it again, through DescribeCluster
+    monkeypatch.setattr(clients, "list_topics", spy)
+    monkeypatch.setattr(progress_log, "list_topics", spy)
+    monkeypatch.setattr(clients, "_broker_max_timeout_ms", {})  # read it again, through DescribeCluster
     assert eo.ensure_topics(conf, channel).partitions == 2  # the existing topic's own partition count
     assert eo.ensure_topics(conf, channel).partitions == 2  # both exist now: nothing to create
     assert asked and None not in asked, f"whole-cluster metadata asked: {asked}"
@@ -450,7 +454,7 @@ def test_a_progress_topic_with_several_partitions_keeps_every_record_in_the_one_
     stray = Producer({"bootstrap.servers": services.kafka_bootstrap})
     stray.produce(channel.progress_topic, b"{}", b"000000000400-000000000500", partition=2)
     stray.flush(10)
-    monkeypatch.setattr(eo, "_TOPICS_FIT", {})  # as a process started later (the check is kept for a minute)
+    monkeypatch.setattr(topics, "_TOPICS_FIT", {})  # as a process started later (the check is kept for a minute)
     with pytest.raises(eo.TopicSettingsError, match=r"partition\(s\) \[2\] hold records.*reads progress from "
                                                     r"partition 0 only.*nothing was sent"):
         eo.publish_slice(channel, conf, SliceRange(400, 500), _rows(400, 500))

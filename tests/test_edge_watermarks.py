@@ -16,9 +16,8 @@ from sqlalchemy.engine import URL, Engine
 
 from orchestration import exits
 from orchestration.cli import main
-from resources import source_database
 from resources.slices import WatermarkCandidate, datetime_to_micros
-from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, TableShape
+from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError, TableShape, hooks
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, source_url
 from tests.private_servers import private_mariadb_database
 from tests.test_errors import failure_text
@@ -620,7 +619,7 @@ def test_mariadb_statement_ending_before_the_processlist_read_is_in_the_innodb_t
             assert observer in listed and writer_id not in listed, (observer, writer_id, listed)
             threading.Timer(0.6, stale.close).start()  # fresh again within observe's wait
 
-        monkeypatch.setattr(source_database, "observe_pause", pause)
+        monkeypatch.setattr(hooks, "observe_pause", pause)
         seen = source.observe(shape)
         assert held and seen is not None
         at = writer.execute(text(f"SELECT at FROM {name} WHERE v = 1 AND n > 1")).scalar()

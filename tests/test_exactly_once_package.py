@@ -6,10 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import resources.exactly_once as protocol
-from resources.exactly_once import clients, publisher, topics
 
 PACKAGE = Path(protocol.__file__).parent
 
@@ -52,19 +49,3 @@ def test_the_package_modules_import_each_other_without_a_circle() -> None:
 def test_every_exported_name_is_there() -> None:
     missing = [name for name in protocol.__all__ if not hasattr(protocol, name)]
     assert not missing, missing
-
-
-def test_setting_a_package_name_reaches_the_modules_that_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    def hook(stage: str) -> None:
-        return None
-
-    real_failpoint, real_fit = protocol.env_failpoint, protocol._TOPICS_FIT
-    with monkeypatch.context() as patched:
-        patched.setattr(protocol, "env_failpoint", hook)
-        patched.setattr(protocol, "RETRIABLE_CALL_S", 0.0)
-        patched.setattr(protocol, "_TOPICS_FIT", {})
-        assert publisher.env_failpoint is hook and clients.env_failpoint is hook
-        assert clients.RETRIABLE_CALL_S == 0.0
-        assert topics._TOPICS_FIT == {} and topics._TOPICS_FIT is not real_fit
-    assert publisher.env_failpoint is real_failpoint and clients.env_failpoint is real_failpoint
-    assert topics._TOPICS_FIT is real_fit

@@ -124,9 +124,8 @@ def test_columns_changed_mid_run(request, services, dagster_instance, spark, nam
     stopped). Now: `fail` stops before the first slice of the new shape (nothing of it in Kafka, progress at the
     last slice of the old one); `follow` publishes the new rendering and records it; every message matches the
     columns its slice records."""
-    import resources.exactly_once as exactly_once
     from assets.relay import channel_for, table_shape
-    from resources.exactly_once import live_records, read_progress_history
+    from resources.exactly_once import live_records, publisher, read_progress_history
     from resources.kafka_io_manager import STOPPED_TAG
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
@@ -147,7 +146,7 @@ def test_columns_changed_mid_run(request, services, dagster_instance, spark, nam
     assert len(keys) == ROWS // SLICE_ROWS
     statements = [s.format(t=name) for s in CHANGES[(dialect, change)]]
     if when == "between":
-        monkeypatch.setattr(exactly_once, "env_failpoint", ddl_after_commits(engine, statements, DDL_AFTER_SLICES))
+        monkeypatch.setattr(publisher, "env_failpoint", ddl_after_commits(engine, statements, DDL_AFTER_SLICES))
     else:
         monkeypatch.setattr(SparkResource, "read_slice", ddl_before_read(engine, statements, DDL_AFTER_SLICES))
     result = h.run(table, run_key, raise_on_error=False)

@@ -30,9 +30,6 @@ names callers use.
 
 from __future__ import annotations
 
-import sys
-import types
-
 from resources.exactly_once.batches import (
     REPLAY_HEADER,
     TABLE_HEADER,
@@ -51,9 +48,6 @@ from resources.exactly_once.clients import (
     RETRIABLE_CALL_S,
     STAGES,
     StageHook,
-    _broker_max_timeout_ms,
-    _consumer,
-    _RepeatsDropped,
     base_conf,
     broker_max_transaction_timeout_ms,
     call_retrying,
@@ -80,8 +74,6 @@ from resources.exactly_once.errors import (
     TopicSettingsError,
     TransactionTimedOut,
     WatermarkChanged,
-    _AbortAndRedo,
-    _CommitUnknown,
     largest_field,
     skip_advice,
 )
@@ -151,7 +143,6 @@ from resources.exactly_once.slice_rows import (
     SliceRows,
 )
 from resources.exactly_once.topics import (
-    _TOPICS_FIT,
     TOPICS_FIT_TTL_S,
     TopicsReady,
     ensure_topics,
@@ -211,12 +202,6 @@ __all__ = [
     "TransactionTimedOut",
     "WATERMARK_HEADER",
     "WatermarkChanged",
-    "_AbortAndRedo",
-    "_CommitUnknown",
-    "_RepeatsDropped",
-    "_TOPICS_FIT",
-    "_broker_max_timeout_ms",
-    "_consumer",
     "base_conf",
     "broker_max_transaction_timeout_ms",
     "call_retrying",
@@ -266,20 +251,3 @@ __all__ = [
     "watermark_fields",
     "with_error_cb",
 ]
-
-_MODULES = tuple(module for name, module in sorted(sys.modules.items()) if name.startswith(f"{__name__}."))
-
-
-class _Package(types.ModuleType):
-    """Setting one of the package's names (as a test's monkeypatch does) sets it too in each module of the package
-    that holds the same object, so the code that looks it up sees the new value, as one module would."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        old = self.__dict__.get(name, _Package)
-        for module in _MODULES:
-            if vars(module).get(name, _Package) is old and old is not _Package:
-                setattr(module, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -7,13 +7,6 @@ other modules use are exported here."""
 
 from __future__ import annotations
 
-import sys
-import types
-from collections.abc import Callable
-
-import sqlalchemy as sa
-
-from resources.source_database import hooks
 from resources.source_database.cache import SETTLED_ANSWERS, KeptAnswers
 from resources.source_database.errors import (
     InnodbTrxStale,
@@ -47,23 +40,7 @@ __all__ = [
     "DURABLE_TARGETS", "FRAME_WATERMARK", "INTERNAL_PREFIX", "MAX_MICROS", "MAX_WATERMARK", "MIN_MICROS",
     "SETTLED_ANSWERS", "SUPPORTED_TYPES", "ColumnInfo", "InnodbTrxStale", "KeptAnswers", "SchemaChange",
     "SchemaChanged", "SchemaRaced", "SourceDatabase", "SourceDatabaseResource", "SourceError", "TableShape",
-    "below_step_in_reach", "exceeds_spark_decimal", "invalid_datetime_message", "null_watermark_error", "observe_pause",
+    "below_step_in_reach", "exceeds_spark_decimal", "invalid_datetime_message", "null_watermark_error",
     "pg_lsn", "read_as_text", "schema_change", "schema_fingerprint", "skipped_rows_predicate", "source_rendering",
     "sqlite_affinity", "wal_flushed_to",
 ]
-
-
-class _Package(types.ModuleType):
-    """This package, whose `observe_pause` is the hook `observe` calls (resources/source_database/hooks.py): tests
-    set it here, as `monkeypatch.setattr(source_database, "observe_pause", pause)`."""
-
-    @property
-    def observe_pause(self) -> Callable[[str, sa.Connection], None]:
-        return hooks.observe_pause
-
-    @observe_pause.setter
-    def observe_pause(self, pause: Callable[[str, sa.Connection], None]) -> None:
-        hooks.observe_pause = pause
-
-
-sys.modules[__name__].__class__ = _Package

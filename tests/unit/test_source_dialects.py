@@ -5,8 +5,6 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
 
-import resources.source_database as source_database
-from resources.source_database import hooks
 from resources.source_database.cache import KeptAnswers
 from resources.source_database.dialect import Dialect
 from resources.source_database.errors import SourceError
@@ -97,13 +95,3 @@ def test_kept_answers_keep_the_most_recent_within_their_limit() -> None:
     assert asked == [1, 2, 3, 2]  # 2 went out when 3 came in; 1, asked again in between, stayed
     kept.forget((1,))
     assert kept.answer((1,), lambda: ask(10)) == 10
-
-
-def test_observe_pause_set_on_the_package_is_the_hook_observe_calls(monkeypatch) -> None:
-    def pause(point: str, conn: sa.Connection) -> None:
-        pass
-
-    monkeypatch.setattr(source_database, "observe_pause", pause)
-    assert hooks.observe_pause is pause and source_database.observe_pause is pause
-    monkeypatch.undo()
-    assert hooks.observe_pause is not pause
