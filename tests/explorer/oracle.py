@@ -10,11 +10,13 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from assets.relay import channel_for
 from orchestration.cli import verify_table
 from resources.config import RelayConfig, TableConfig
-from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER
+from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER, ProgressRecord, read_progress_history
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import datetime_to_micros
-from tests.explorer.model import TableModel
+from tests.explorer.model import TableModel, admits
 from tests.pipeline import Consumed, read_topic
 
 
@@ -70,7 +72,8 @@ def order_problems(messages: list[Consumed], table: TableConfig) -> list[str]:
 
 def replay_problems(copies: list[Consumed], rows: dict[str, dict[str, Any]], model: TableModel,
                     table: TableConfig) -> list[str]:
-    """Each `rowrelay replay` copied exactly the source rows of its range (lo, hi], once each, values unchanged."""
+    """Each `rowrelay replay` copied exactly the source rows of its range (lo, hi] that the range's `where:`
+    admitted, once each, values unchanged."""
     out = []
     by_id: dict[str, list[str]] = {}
     for m in copies:
@@ -79,42 +82,98 @@ def replay_problems(copies: list[Consumed], rows: dict[str, dict[str, Any]], mod
         if row is None or any(m.value.get(c) != v for c, v in row.items() if not isinstance(v, datetime)
                               and c in m.value):
             out.append(f"replay copy {m.value} differs from its source row {row}")
-    for replay_id, (lo, hi) in model.replays.items():
-        want = sorted(t for t, r in rows.items() if lo < watermark_of(r[table.watermark]) <= hi)
+    for replay_id, (lo, hi, where) in model.replays.items():
+        want = sorted(t for t, r in rows.items() if lo < watermark_of(r[table.watermark]) <= hi
+                      and t in model.committed and admits(where, r["v"]))
         if sorted(by_id.pop(replay_id, [])) != want:
             out.append(f"replay {replay_id} of ({lo}, {hi}] did not copy its {len(want)} rows exactly once")
     out.extend(f"replay copies nobody made: {rid}" for rid in by_id)
     return out
 
 
+def resets_of(config: RelayConfig, table: TableConfig) -> list[ProgressRecord]:
+    """The table's resets in the order they were recorded, read from its progress topic: each names its W (`hi`)
+    and where it found the data topic's partitions ending (`topic_ends`)."""
+    from orchestration.cli import kafka_conf
+
+    history = read_progress_history(kafka_conf(config), channel_for(table, PREFIX))
+    return [r for r in history if r.topic_ends is not None]
+
+
+def segments(messages: list[Consumed], resets: list[ProgressRecord]) -> list[list[Consumed]]:
+    """The messages cut at each reset's position in their partition: segment k came after the k-th reset (segment 0
+    before any)."""
+    out: list[list[Consumed]] = [[] for _ in range(len(resets) + 1)]
+    for m in sorted(messages, key=lambda m: (m.partition, m.offset)):
+        ends = [int((r.topic_ends or {}).get(str(m.partition), 0)) for r in resets]
+        out[sum(m.offset >= e for e in ends)].append(m)
+    return out
+
+
+def reset_problems(parts: list[list[Consumed]], resets: list[ProgressRecord], must: set[str],
+                   rows: dict[str, dict[str, Any]], table: TableConfig) -> list[str]:
+    """After the newest reset to W: each row to send above W exactly once, none at or below W, nothing else. Before
+    it: each row at or below W sent at least once (a reset back re-sends rows above it, so those may appear again).
+    After each reset: nothing at or below its W, no row twice, offsets in order."""
+    out = []
+    last_w = resets[-1].hi if resets else None
+
+    def wm(t: str) -> int:
+        return watermark_of(rows[t][table.watermark])
+
+    above = {t for t in must if t in rows and (last_w is None or wm(t) > last_w)}
+    seen = Counter(m.value.get("tok") for m in parts[-1])
+    for label, toks in (("duplicated", sorted(t for t, n in seen.items() if n > 1)),
+                        ("missing", sorted(above - set(seen))),
+                        ("extra", sorted(str(t) for t in set(seen) - above))):
+        if toks:
+            where = f" after the reset to {last_w}" if resets else ""
+            out.append(f"{len(toks)} {label} rows{where}, e.g. {toks[:5]}")
+            if label == "missing":
+                out.append(f"missing rows' (watermark, id): {sorted((wm(t), rows[t]['id']) for t in toks)[:5]}")
+    earlier = Counter(m.value.get("tok") for part in parts[:-1] for m in part)
+    lost = sorted(must - above - set(earlier))
+    if lost:
+        out.append(f"{len(lost)} rows at or below the reset to {last_w} never sent before it, e.g. {lost[:5]}")
+    stray = sorted(str(t) for t in set(earlier) - must)
+    if stray:
+        out.append(f"{len(stray)} rows sent before the newest reset that are not to be sent, e.g. {stray[:5]}")
+    for k, part in enumerate(parts[:-1]):
+        twice = sorted(t for t, n in Counter(m.value.get("tok") for m in part).items() if n > 1)
+        if twice:
+            out.append(f"{len(twice)} rows sent twice between reset {k} and the next, e.g. {twice[:5]}")
+    for k, part in enumerate(parts):
+        if k:
+            below = [m.value.get("tok") for m in part if m.watermark <= resets[k - 1].hi]
+            if below:
+                out.append(f"{len(below)} rows at or below reset {k}'s {resets[k - 1].hi} sent after it: {below[:5]}")
+        out.extend(f"after reset {k}: {p}" if k else p for p in order_problems(part, table))
+    return out
+
+
 def check_table(config: RelayConfig, table: TableConfig, engine: Engine, model: TableModel,
                 table_id: str, bootstrap: str, added: frozenset[str] | set[str] = frozenset()) -> list[str]:
-    """Every problem found: [] when the topic holds each row the model must send exactly once, in order, equal to
-    its source row, nothing else, and `verify` agrees."""
-    must = model.must_send()
+    """Every problem found: [] when the topic holds each row the model must send exactly once (after the newest
+    reset; before it, at least once each), in order, equal to its source row, nothing else, and `verify` agrees."""
+    committed = model.must_send()
     rows = source_rows(engine, table)
     problems = []
-    if set(rows) != must:  # the model and the source disagree: the explorer's own bug, or a source's
-        problems.append(f"model vs source: only in source {sorted(set(rows) - must)[:5]}, "
-                        f"only in model {sorted(must - set(rows))[:5]}")
+    if set(rows) != committed:  # the model and the source disagree: the explorer's own bug, or a source's
+        problems.append(f"model vs source: only in source {sorted(set(rows) - committed)[:5]}, "
+                        f"only in model {sorted(committed - set(rows))[:5]}")
+    must = {t for t in committed if t in rows
+            and admits(model.where_for(watermark_of(rows[t][table.watermark])), rows[t]["v"])}
     messages = read_topic(bootstrap, table.topic_name)
     copies = [m for m in messages if REPLAY_HEADER in m.headers]
     messages = [m for m in messages if REPLAY_HEADER not in m.headers]
     problems.extend(replay_problems(copies, rows, model, table))
-    seen = Counter(m.value.get("tok") for m in messages)
-    dupes = sorted(t for t, n in seen.items() if n > 1)
-    missing = sorted(must - set(seen))
-    extra = sorted(str(t) for t in set(seen) - must)
-    for label, toks in (("duplicated", dupes), ("missing", missing), ("extra", extra)):
-        if toks:
-            problems.append(f"{len(toks)} {label} rows, e.g. {toks[:5]}")
-    if missing:
-        lost = sorted((watermark_of(rows[t][table.watermark]), rows[t]["id"]) for t in missing if t in rows)
-        problems.append(f"missing rows' (watermark, id): {lost[:5]}")
+    resets = resets_of(config, table)
+    if len(resets) != len(model.resets) or [r.hi for r in resets] != model.resets:
+        problems.append(f"progress records resets at {[r.hi for r in resets]}, the schedule made {model.resets}")
+    problems.extend(reset_problems(segments(messages, resets), resets, must, rows, table))
     for m in messages:
         if m.value.get("tok") in rows:
             problems.extend(payload_problems(m, rows[m.value["tok"]], table, table_id, added)[:3])
-    problems.extend(order_problems(messages, table))
     report = verify_table(config, table)
     if report.ok != (not problems):
         problems.append(f"verify disagrees with the oracle: {report}")

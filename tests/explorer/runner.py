@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +21,13 @@ from sqlalchemy import create_engine, text
 from assets.relay import channel_for
 from resources.config import RelayConfig, TableConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
+from resources.slices import micros_text
 from tests.conftest import Services, unique
 from tests.explorer import faults, oracle
+from tests.explorer.model import Where
 from tests.explorer.schedule import TABLES, Schedule, Step
 from tests.explorer.writers import Writers, table_name
-from tests.pipeline import Harness, relay_config
+from tests.pipeline import ROOT, Harness, relay_config
 
 
 @dataclass
@@ -62,7 +67,7 @@ def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = T
     sources = {k: unique(k) for k in urls}  # a new table identity each time: progress topic, transactional id
     settings = [{"source": sources[TABLES[i][0]], "table": table_name(i), "watermark": "id" if TABLES[i][1] == "int"
                  else "ts", "topic": f"explore.{names['xpg']}.{table_name(i)}", "slice_max_rows": 150,
-                 "max_slices_per_run": 3, "settle_seconds": 1, "rollup_after_seconds": None,
+                 "max_slices_per_run": 3, "settle_seconds": 1, "rollup_after_seconds": 3600,
                  **({"tie_break": "id"} if TABLES[i][1] == "ts" else {})}
                 for i in tables]
     for s in settings:
@@ -142,20 +147,118 @@ def relay(w: World, step: Step) -> None:
 
 
 def replay(w: World, step: Step) -> None:
-    """`rowrelay replay` of one committed slice (drawn by `pick`), its copies recorded in the model."""
+    """`rowrelay replay` of one committed slice since the newest reset (drawn by `pick`), its copies recorded in
+    the model with the filter its rows were chosen by."""
     from orchestration.cli import kafka_conf, replay_range
     from resources.exactly_once import read_progress_history
 
     table = w.tables[step.table]
-    history = [r for r in read_progress_history(kafka_conf(w.config), channel_for(table, PREFIX))
-               if r.rows and r.hi > r.lo]
+    history = read_progress_history(kafka_conf(w.config), channel_for(table, PREFIX))
+    since = max((n for n, r in enumerate(history) if r.topic_ends is not None), default=-1)
+    history = [r for r in history[since + 1:] if r.rows and r.hi > r.lo and r.topic_ends is None]
     if not history:
         w.say("  nothing committed to replay")
         return
     record = history[int(step.args["pick"] * len(history))]
     done = replay_range(w.config, table, record.lo, record.hi, None)
-    w.writers.models[step.table].replays[done["replay_id"]] = (record.lo, record.hi)
+    model = w.writers.models[step.table]
+    model.replays[done["replay_id"]] = (record.lo, record.hi, model.where_for(record.hi))
     w.say(f"  replayed ({record.lo}, {record.hi}]: {done['rows']} rows as {done['replay_id']}")
+
+
+def rowrelay(w: World, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `rowrelay` command line on the explorer's config and instance, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "orchestration.cli", "--config", str(w.harness.config_file()),
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=w.harness.cli_env())
+
+
+def reset(w: World, step: Step) -> None:
+    """`rowrelay reset --after W` back to a committed watermark: a slice's bound or a point inside one (drawn by
+    `pick`); rows above W are then expected once more, after the reset's position in the topic."""
+    table = w.tables[step.table]
+    progress = w.harness.progress(table)
+    if progress is None or progress.hi <= (w.writers.models[step.table].resets or [-(2**62)])[-1]:
+        w.say("  nothing committed since the last reset: no reset")
+        return
+    slices = committed_slices(w, table)
+    if not slices:
+        w.say("  no committed slice to reset into")
+        return
+    floor = min(r.lo for r in slices)
+    after = floor + int(step.args["pick"] * (progress.hi - floor))
+    if step.args["at_bound"]:
+        after = max((r.hi for r in slices if r.hi <= after), default=after)
+    text_after = micros_text(after) if TABLES[step.table][1] == "ts" else str(after)
+    done = rowrelay(w, "reset", "--table", table.table_id, "--after", text_after, "--reason", f"explorer {step.args}")
+    if done.returncode != 0:
+        w.problems.append(f"rowrelay reset of {table.table_id} to {text_after} failed: {done.stderr[-1500:]}")
+        w.say("  reset FAILED")
+        return
+    model = w.writers.models[step.table]
+    model.resets.append(after)
+    # The rows above W are sent again by slices cut from now on, chosen by today's filter.
+    model.wheres = [(p, f) for p, f in model.wheres if p < after] + [(after, model.where_now())]
+    w.say(f"  reset to {text_after} ({after}; progress was {progress.hi})")
+
+
+def committed_slices(w: World, table: TableConfig) -> list[Any]:
+    """The committed slices recorded in the table's progress topic (resets left out)."""
+    from orchestration.cli import kafka_conf
+    from resources.exactly_once import read_progress_history
+
+    return [r for r in read_progress_history(kafka_conf(w.config), channel_for(table, PREFIX))
+            if r.topic_ends is None and r.hi > r.lo and r.rows]
+
+
+def reconfigure(w: World, index: int, **changes: Any) -> None:
+    """An operator's config edit between relay steps: the next ticks and runs read the new file (runs are processes
+    of their own, each loading it at its start, as a code location reload does); the sensor keeps its cursor."""
+    dumped = w.config.model_dump(mode="json")
+    position = list(w.tables).index(index)
+    dumped["tables"][position] = {**dumped["tables"][position], **changes}
+    config = RelayConfig.model_validate(dumped)
+    harness = Harness(config, w.harness.instance)
+    harness.cursors, harness.skip_messages = w.harness.cursors, w.harness.skip_messages
+    w.config, w.harness = config, harness
+    w.tables = dict(zip(w.tables, config.tables, strict=True))
+
+
+def change_where(w: World, step: Step) -> None:
+    """`where:` widened or narrowed (or dropped) once the table has caught up: rows above its committed progress are
+    chosen by the new filter, rows at or below it stay as they were sent."""
+    table = w.tables[step.table]
+    model = w.writers.models[step.table]
+    if w.harness.max_watermark(table):
+        w.harness.drain(table, until_hi=matching_max(w, step.table), timeout=300)
+    progress = w.harness.progress(table)
+    where: Where = None if step.args["v_min"] is None else (f"v >= {step.args['v_min']}", step.args["v_min"])
+    reconfigure(w, step.table, where=where and where[0])
+    model.wheres.append((progress.hi if progress else -(2**62), where))
+    w.say(f"  where: {where and where[0]} from progress {progress and progress.hi}")
+
+
+def matching_max(w: World, index: int) -> int:
+    """The highest watermark of a row the table's current filter admits (progress ends at the last such row)."""
+    table = w.tables[index]
+    where = w.writers.models[index].where_now()
+    with w.writers.engines[TABLES[index][0]].connect() as conn:
+        top = conn.execute(text(f"SELECT max({table.watermark}) FROM {table_name(index)}"
+                                + (f" WHERE {where[0]}" if where else ""))).scalar()
+    return 0 if top is None else oracle.watermark_of(top)
+
+
+def compact(w: World, step: Step) -> None:
+    """History compaction on the explorer's instance between relay steps, as the history sensor runs it, with the
+    clock `hours` ahead so that committed slices are old enough to roll up."""
+    from orchestration.cli import kafka_conf
+    from orchestration.factory import job_name
+    from orchestration.history import compact_table
+
+    table = w.tables[step.table]
+    result = compact_table(w.harness.instance, table, kafka_conf(w.config), PREFIX,
+                           now=datetime.now(UTC) + timedelta(hours=step.args["hours"]), full=step.args["full"],
+                           job_name=job_name(table))
+    w.say(f"  compacted: {result.line()}")
 
 
 def catch_up_and_check(w: World, timeout: float = 300.0, only: int | None = None) -> list[str]:
@@ -166,8 +269,8 @@ def catch_up_and_check(w: World, timeout: float = 300.0, only: int | None = None
         if only is not None and i != only:
             continue
         try:
-            if w.harness.max_watermark(table):  # an empty table has nothing to drain (its progress stays empty)
-                w.harness.drain(table, timeout=timeout)
+            if top := matching_max(w, i):  # an empty table has nothing to drain (its progress stays empty)
+                w.harness.drain(table, until_hi=top, timeout=timeout)
         except AssertionError as exc:
             problems.append(f"{table.table_id}: no catch-up: {exc}")
             continue
@@ -190,7 +293,7 @@ def execute(w: World, step: Step) -> None:
     elif step.args["op"] == "add_column":
         w.writers.add_column(step.table)
     else:
-        replay(w, step)
+        {"replay": replay, "reset": reset, "where": change_where, "compact": compact}[step.args["op"]](w, step)
 
 
 def explore(w: World, schedule: Schedule, minutes: float, round_steps: int = 12,

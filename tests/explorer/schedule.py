@@ -18,10 +18,15 @@ TABLES = (("pg", "int"), ("pg", "ts"), ("maria", "int"), ("maria", "ts"))
 
 # What writers do; `ts_only` kinds need a timestamp watermark. Besides these, a `burst` step starts a writer thread
 # that commits small transactions, each held 0-2 s, for some seconds beside the schedule (writers.py), and `op`
-# steps are an operator's: a column added, or `rowrelay replay` of a committed slice.
+# steps are an operator's: a column added, `rowrelay replay` of a committed slice, `rowrelay reset` back, a `where:`
+# edit (after the table caught up), history compaction.
 WRITER_KINDS = ("autocommit", "long_txn", "rollback", "batch_now", "whole_second", "client_stamped", "out_of_order")
 TS_ONLY = {"batch_now", "whole_second", "client_stamped"}
 HELD = {"long_txn", "rollback", "out_of_order", "client_stamped"}  # their transaction stays open over later steps
+
+# The `where:` filters an operator step draws (rows with `v` at least this; None: no filter), `v` drawn in
+# [-10**12, 10**12] (bursts: [0, 10**9]): a wide one, one that admits half, one that admits bursts only rarely.
+WHERES = (None, -5 * 10**11, 0, 5 * 10**11)
 
 # Writer kinds left out while a defect they hit is open (and fixed elsewhere); each with the open item it hits.
 # Drawn anyway with `--include-open`, to see the defect.
@@ -67,10 +72,19 @@ class Schedule:
             return Step("end", due[0][1], {"txn": due[0][2], "commit": self.rng.random() < 0.8})
         table = self.rng.choice(self.tables)
         draw = self.rng.random()
-        if draw < 0.04 and not any(o[1] == table for o in self.open):  # a held transaction would block the DDL
+        held_here = any(o[1] == table for o in self.open)
+        if draw < 0.03 and not held_here:  # a held transaction would block the DDL
             return Step("op", table, {"op": "add_column"})
-        if draw < 0.08:  # `rowrelay replay` of a committed slice, `pick` choosing which
+        if draw < 0.06:  # `rowrelay replay` of a committed slice, `pick` choosing which
             return Step("op", table, {"op": "replay", "pick": round(self.rng.random(), 3)})
+        if draw < 0.08 and not held_here:  # `rowrelay reset` back to a bound (or a point inside a slice)
+            return Step("op", table, {"op": "reset", "pick": round(self.rng.random(), 3),
+                                      "at_bound": self.rng.random() < 0.5})
+        if draw < 0.10 and not self.open:  # its catch-up first: a held transaction anywhere stalls PostgreSQL's cuts
+            return Step("op", table, {"op": "where", "v_min": self.rng.choice(WHERES)})
+        if draw < 0.115:  # history compaction, the clock `hours` ahead
+            return Step("op", table, {"op": "compact", "hours": self.rng.choice((0, 2, 30, 24 * 100)),
+                                      "full": self.rng.random() < 0.3})
         if draw < 0.13:
             whole = TABLES[table][1] == "ts" and "whole_second" in self.kinds and self.rng.random() < 0.5
             return Step("write", table, {"writer": "burst", "seconds": self.rng.randint(5, 20), "seed": self.token(),
