@@ -20,6 +20,7 @@ class TableModel:
     rolled_back: set[str] = field(default_factory=set)
     pending: dict[int, list[str]] = field(default_factory=dict)  # held transaction (its step) -> its rows
     replays: dict[str, tuple[int, int]] = field(default_factory=dict)  # `rowrelay replay` id -> its range (lo, hi]
+    skipped: set[str] = field(default_factory=set)  # rows an entry of `skip_watermarks` names
     resets: list[int] = field(default_factory=list)  # each `rowrelay reset --after W`, in order
     # Each `where:` change: (committed progress when it took effect, the new filter). A row above the newest such
     # progress below its watermark is chosen by that change's filter; rows at or below the first by no filter.
@@ -47,4 +48,4 @@ class TableModel:
 
     def must_send(self) -> set[str]:
         assert not self.pending, f"transactions still open at a check: {sorted(self.pending)}"
-        return set(self.committed)
+        return self.committed - self.skipped

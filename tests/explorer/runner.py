@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,9 +25,9 @@ from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import micros_text
 from tests.conftest import Services, unique
 from tests.explorer import faults, oracle
-from tests.explorer.model import Where
+from tests.explorer.model import Where, admits
 from tests.explorer.schedule import TABLES, Schedule, Step
-from tests.explorer.writers import Writers, table_name
+from tests.explorer.writers import MESSAGE_MAX_BYTES, Writers, table_name
 from tests.pipeline import ROOT, Harness, relay_config
 
 
@@ -73,7 +74,8 @@ def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = T
     for s in settings:
         if s["source"] == sources["pg"]:
             s["table"] = f"public.{s['table']}"
-    config = relay_config(services, {sources[k]: u for k, u in urls.items()}, settings, spark_remote=True)
+    config = relay_config(services, {sources[k]: u for k, u in urls.items()}, settings,
+                          producer={"message.max.bytes": MESSAGE_MAX_BYTES}, spark_remote=True)
     home = Path(tempfile.mkdtemp(prefix="explore-"))
     (home / "dagster.yaml").write_text(yaml.safe_dump({
         "storage": services.dagster_storage(names["dagster"]), "telemetry": {"enabled": False},
@@ -184,7 +186,7 @@ def reset(w: World, step: Step) -> None:
     if not slices:
         w.say("  no committed slice to reset into")
         return
-    floor = min(r.lo for r in slices)
+    floor = min(r.hi for r in slices) - 1  # inside or above the first slice: not back to the epoch
     after = floor + int(step.args["pick"] * (progress.hi - floor))
     if step.args["at_bound"]:
         after = max((r.hi for r in slices if r.hi <= after), default=after)
@@ -247,6 +249,52 @@ def matching_max(w: World, index: int) -> int:
     return 0 if top is None else oracle.watermark_of(top)
 
 
+SUGGESTED_SKIP = re.compile(r"skip_watermarks: \[(.+?)\](?:;|\s|$)")
+
+
+def bad_row(w: World, step: Step) -> None:
+    """A committed transaction holding one row the producer refuses (over message.max.bytes); the table is relayed
+    until its run stops as `bad_row`, whose message must name that row as a skip_watermarks entry ({watermark,
+    tie_break} where rows may share the watermark); the entry is added as the runbook says and the table relayed
+    on: every row but that one is then to be sent."""
+    index, table = step.table, w.tables[step.table]
+    tok = w.writers.bad_row(index, step.args)
+    with w.writers.engines[TABLES[index][0]].connect() as conn:
+        row = conn.execute(text(f"SELECT id, v, {table.watermark} AS wm FROM {table_name(index)} WHERE tok = :t"),
+                           {"t": tok}).one()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for key in w.harness.cut(table, timeout=10):
+            result = w.harness.run_cli(table, key)
+            if result.success:
+                continue
+            found = SUGGESTED_SKIP.search(result.output)
+            if found is None:
+                w.problems.append(f"run of {key} stopped at a bad row without naming a skip: {result.output[-2000:]}")
+                return
+            entry = yaml.safe_load(f"[{found.group(1)}]")[0]
+            names = (entry.get("tie_break") == row.id if isinstance(entry, dict)
+                     else TABLES[index][1] == "int" and entry == row.id)
+            w.say(f"  run {key} stopped at the bad row (id {row.id}); suggested skip {entry!r}")
+            w.records.append(faults.FaultRecord(table.table_id, key, "bad_row", "publish", f"stopped; skip {entry!r}",
+                                                True))
+            if not names:
+                w.problems.append(f"the bad row's stop suggests skip {entry!r}, not row id {row.id} ({row.wm})")
+                return
+            now = w.config.model_dump(mode="json")["tables"][list(w.tables).index(index)]["skip_watermarks"]
+            reconfigure(w, index, skip_watermarks=[*now, entry])
+            w.writers.models[index].skipped.add(tok)
+            return
+        if (progress := w.harness.progress(table)) is not None and progress.hi >= oracle.watermark_of(row.wm):
+            break
+    left_out = not admits(w.writers.models[index].where_now(), row.v)
+    if not left_out:
+        w.problems.append(f"the bad row (id {row.id}) stopped no run of {table.table_id} within 300 s")
+    w.records.append(faults.FaultRecord(table.table_id, "-", "bad_row", "-", "no stop: where: leaves the row out"
+                                        if left_out else "no stop", False))
+    w.say("  the bad row stopped nothing")
+
+
 def compact(w: World, step: Step) -> None:
     """History compaction on the explorer's instance between relay steps, as the history sensor runs it, with the
     clock `hours` ahead so that committed slices are old enough to roll up."""
@@ -293,7 +341,10 @@ def execute(w: World, step: Step) -> None:
     elif step.args["op"] == "add_column":
         w.writers.add_column(step.table)
     else:
-        {"replay": replay, "reset": reset, "where": change_where, "compact": compact}[step.args["op"]](w, step)
+        OPS[step.args["op"]](w, step)
+
+
+OPS = {"replay": replay, "bad_row": bad_row, "reset": reset, "where": change_where, "compact": compact}
 
 
 def explore(w: World, schedule: Schedule, minutes: float, round_steps: int = 12,

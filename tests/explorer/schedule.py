@@ -82,10 +82,15 @@ class Schedule:
                                       "at_bound": self.rng.random() < 0.5})
         if draw < 0.10 and not self.open:  # its catch-up first: a held transaction anywhere stalls PostgreSQL's cuts
             return Step("op", table, {"op": "where", "v_min": self.rng.choice(WHERES)})
-        if draw < 0.115:  # history compaction, the clock `hours` ahead
+        if draw < 0.12 and not self.open:  # a bad row, relayed until its run stops, then skipped
+            whole = TABLES[table][1] == "ts" and self.rng.random() < 0.5  # the row shares its time with others
+            return Step("op", table, {"op": "bad_row", "rows": self.rng.choice((1, 3, 40)),
+                                      "at": self.rng.randrange(40), "seed": self.token(),
+                                      **({"whole_second": True} if whole else {})})
+        if draw < 0.135:  # history compaction, the clock `hours` ahead
             return Step("op", table, {"op": "compact", "hours": self.rng.choice((0, 2, 30, 24 * 100)),
                                       "full": self.rng.random() < 0.3})
-        if draw < 0.13:
+        if draw < 0.18:
             whole = TABLES[table][1] == "ts" and "whole_second" in self.kinds and self.rng.random() < 0.5
             return Step("write", table, {"writer": "burst", "seconds": self.rng.randint(5, 20), "seed": self.token(),
                                          **({"whole_second": True} if whole else {})})

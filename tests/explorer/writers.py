@@ -23,10 +23,12 @@ DDL = {
     ("pg", "ts"): "CREATE TABLE {t} (id bigserial PRIMARY KEY, ts timestamptz NOT NULL DEFAULT now(), "
                   "tok text NOT NULL, v bigint, s text)",
     ("maria", "int"): "CREATE TABLE {t} (id bigint AUTO_INCREMENT PRIMARY KEY, tok varchar(32) NOT NULL, v bigint, "
-                      "s varchar(300))",
+                      "s mediumtext)",
     ("maria", "ts"): "CREATE TABLE {t} (id bigint AUTO_INCREMENT PRIMARY KEY, ts DATETIME(6) NOT NULL DEFAULT "
-                     "NOW(6), tok varchar(32) NOT NULL, v bigint, s varchar(300))",
+                     "NOW(6), tok varchar(32) NOT NULL, v bigint, s mediumtext)",
 }
+# The producer's message.max.bytes in the explorer's world: a bad row's message is over it, any other far under it.
+MESSAGE_MAX_BYTES = 100_000
 # The time a kind writes into `ts` (None: the column's default, the transaction's or statement's now()).
 WHOLE_SECOND = {"pg": "date_trunc('second', now())", "maria": "NOW()"}
 CLOCK = {"pg": "SELECT clock_timestamp()", "maria": "SELECT NOW(6)"}
@@ -113,6 +115,19 @@ class Writers:
                 time.sleep(rng.choice((0, 0, 0.2, 0.5, 1.0, 2.0)))
                 tx.commit()
             self.models[table].written(None, [r["tok"] for r in rows])
+
+    def bad_row(self, table: int, args: dict[str, Any]) -> str:
+        """One transaction of `rows` rows, committed, one of them (the `at`-th) too large for the producer: random
+        hex, which compression cannot shrink under the limit. Returns that row's tok."""
+        rng = random.Random(args["seed"])
+        rows = [{"tok": f"{args['seed']}-{n}", "v": rng.randint(0, 10**12), "s": "ok",
+                 **{c: rng.randint(0, 10**6) for c in self.added.get(table, [])}} for n in range(args["rows"])]
+        big = rows[args["at"] % len(rows)]
+        big["s"] = f"{rng.getrandbits(4 * 2 * MESSAGE_MAX_BYTES):0{2 * MESSAGE_MAX_BYTES}x}"
+        self._insert(self.engines[TABLES[table][0]], table, rows, WHOLE_SECOND[TABLES[table][0]]
+                     if args.get("whole_second") and TABLES[table][1] == "ts" else None)
+        self.models[table].written(None, [r["tok"] for r in rows])
+        return str(big["tok"])
 
     def add_column(self, table: int) -> None:
         """A nullable column added (the relay follows it); rows written from now on fill it."""
