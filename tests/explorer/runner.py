@@ -46,6 +46,12 @@ class World:
         self.log.append(line)
         print(line, flush=True)
 
+    def note(self, index: int, kind: str, run: str, stage: str, outcome: str, disrupted: bool) -> None:
+        """An operator action's record beside the faults': what it hit, and whether it changed anything."""
+        record = faults.FaultRecord(self.tables[index].table_id, run, kind, stage, outcome, disrupted)
+        self.records.append(record)
+        self.say(f"  {'op' if disrupted else 'op without effect'} {json.dumps(record.as_dict())}")
+
 
 @contextlib.contextmanager
 def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = True) -> Iterator[World]:
@@ -159,13 +165,14 @@ def replay(w: World, step: Step) -> None:
     since = max((n for n, r in enumerate(history) if r.topic_ends is not None), default=-1)
     history = [r for r in history[since + 1:] if r.rows and r.hi > r.lo and r.topic_ends is None]
     if not history:
-        w.say("  nothing committed to replay")
+        w.note(step.table, "replay", "-", "-", "nothing committed since the newest reset", False)
         return
     record = history[int(step.args["pick"] * len(history))]
     done = replay_range(w.config, table, record.lo, record.hi, None)
     model = w.writers.models[step.table]
     model.replays[done["replay_id"]] = (record.lo, record.hi, model.where_for(record.hi))
-    w.say(f"  replayed ({record.lo}, {record.hi}]: {done['rows']} rows as {done['replay_id']}")
+    w.note(step.table, "replay", record.slice, f"({record.lo}, {record.hi}]",
+           f"{done['rows']} rows as {done['replay_id']}", bool(done["rows"]))
 
 
 def rowrelay(w: World, *args: str) -> subprocess.CompletedProcess[str]:
@@ -179,12 +186,9 @@ def reset(w: World, step: Step) -> None:
     `pick`); rows above W are then expected once more, after the reset's position in the topic."""
     table = w.tables[step.table]
     progress = w.harness.progress(table)
-    if progress is None or progress.hi <= (w.writers.models[step.table].resets or [-(2**62)])[-1]:
-        w.say("  nothing committed since the last reset: no reset")
-        return
     slices = committed_slices(w, table)
-    if not slices:
-        w.say("  no committed slice to reset into")
+    if progress is None or not slices or progress.hi <= (w.writers.models[step.table].resets or [-(2**62)])[-1]:
+        w.note(step.table, "reset", "-", "-", "not made: nothing committed since the newest reset", False)
         return
     floor = min(r.hi for r in slices) - 1  # inside or above the first slice: not back to the epoch
     after = floor + int(step.args["pick"] * (progress.hi - floor))
@@ -200,7 +204,8 @@ def reset(w: World, step: Step) -> None:
     model.resets.append(after)
     # The rows above W are sent again by slices cut from now on, chosen by today's filter.
     model.wheres = [(p, f) for p, f in model.wheres if p < after] + [(after, model.where_now())]
-    w.say(f"  reset to {text_after} ({after}; progress was {progress.hi})")
+    w.note(step.table, "reset", progress.slice, f"--after {text_after} ({after})",
+           f"progress {progress.hi} back to {after}", True)
 
 
 def committed_slices(w: World, table: TableConfig) -> list[Any]:
@@ -234,9 +239,11 @@ def change_where(w: World, step: Step) -> None:
         w.harness.drain(table, until_hi=matching_max(w, step.table), timeout=300)
     progress = w.harness.progress(table)
     where: Where = None if step.args["v_min"] is None else (f"v >= {step.args['v_min']}", step.args["v_min"])
+    was = model.where_now()
     reconfigure(w, step.table, where=where and where[0])
     model.wheres.append((progress.hi if progress else -(2**62), where))
-    w.say(f"  where: {where and where[0]} from progress {progress and progress.hi}")
+    w.note(step.table, "where", progress.slice if progress else "-", f"from progress {progress and progress.hi}",
+           f"where: {was and was[0]} -> {where and where[0]}", was != where)
 
 
 def matching_max(w: World, index: int) -> int:
@@ -276,8 +283,7 @@ def bad_row(w: World, step: Step) -> None:
             names = (entry.get("tie_break") == row.id if isinstance(entry, dict)
                      else TABLES[index][1] == "int" and entry == row.id)
             w.say(f"  run {key} stopped at the bad row (id {row.id}); suggested skip {entry!r}")
-            w.records.append(faults.FaultRecord(table.table_id, key, "bad_row", "publish", f"stopped; skip {entry!r}",
-                                                True))
+            w.note(index, "bad_row", key, "publish", f"stopped; skip {entry!r}", True)
             if not names:
                 w.problems.append(f"the bad row's stop suggests skip {entry!r}, not row id {row.id} ({row.wm})")
                 return
@@ -290,9 +296,7 @@ def bad_row(w: World, step: Step) -> None:
     left_out = not admits(w.writers.models[index].where_now(), row.v)
     if not left_out:
         w.problems.append(f"the bad row (id {row.id}) stopped no run of {table.table_id} within 300 s")
-    w.records.append(faults.FaultRecord(table.table_id, "-", "bad_row", "-", "no stop: where: leaves the row out"
-                                        if left_out else "no stop", False))
-    w.say("  the bad row stopped nothing")
+    w.note(index, "bad_row", "-", "-", "no stop: where: leaves the row out" if left_out else "no stop", False)
 
 
 def compact(w: World, step: Step) -> None:
@@ -306,7 +310,8 @@ def compact(w: World, step: Step) -> None:
     result = compact_table(w.harness.instance, table, kafka_conf(w.config), PREFIX,
                            now=datetime.now(UTC) + timedelta(hours=step.args["hours"]), full=step.args["full"],
                            job_name=job_name(table))
-    w.say(f"  compacted: {result.line()}")
+    w.note(step.table, "compact", f"{result.keys_before} keys", f"now +{step.args['hours']} h", result.line(),
+           result.rollups > 0)
 
 
 def catch_up_and_check(w: World, timeout: float = 300.0, only: int | None = None) -> list[str]:
@@ -340,6 +345,7 @@ def execute(w: World, step: Step) -> None:
         relay(w, step)
     elif step.args["op"] == "add_column":
         w.writers.add_column(step.table)
+        w.note(step.table, "add_column", "-", "between relay steps", f"added {w.writers.added[step.table][-1]}", True)
     else:
         OPS[step.args["op"]](w, step)
 
