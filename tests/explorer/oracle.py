@@ -12,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from assets.relay import channel_for
-from orchestration.cli import verify_table
+from orchestration.cli import kafka_conf, verify_table
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import REPLAY_HEADER, TABLE_HEADER, WATERMARK_HEADER, ProgressRecord, read_progress_history
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
@@ -31,22 +31,37 @@ def watermark_of(value: Any) -> int:
     return datetime_to_micros(value) if isinstance(value, datetime) else int(value)
 
 
+@dataclass(frozen=True)
+class Columns:
+    """The table's column changes the schedule made: added, later dropped, retyped from bigint to text."""
+
+    added: frozenset[str] = frozenset()
+    dropped: frozenset[str] = frozenset()
+    retyped: frozenset[str] = frozenset()
+
+
+def same_value(col: str, got: Any, want: Any, columns: Columns) -> bool:
+    if isinstance(want, datetime):
+        got = datetime.fromisoformat(got) if isinstance(got, str) else got
+    if col in columns.retyped and got is not None and want is not None:  # sent as a number before, text after
+        return str(got) == str(want)
+    return bool(got == want)
+
+
 def payload_problems(msg: Consumed, row: dict[str, Any], table: TableConfig, table_id: str,
-                     added: frozenset[str] | set[str]) -> list[str]:
+                     columns: Columns) -> list[str]:
     """The message's value equals the source row column by column (a column added later may be absent from a
-    message published before it, where the row holds NULL in it); its headers name the table and the row's
-    watermark."""
+    message published before it, where the row holds NULL in it; a column dropped since is in messages published
+    before); its headers name the table and the row's watermark."""
     out = []
     absent = set(row) - set(msg.value)
-    if set(msg.value) - set(row) or absent - {c for c in added if row[c] is None}:
+    if set(msg.value) - set(row) - columns.dropped or absent - {c for c in columns.added if row.get(c) is None}:
         out.append(f"columns {sorted(msg.value)} != source {sorted(row)}")
     for col, want in row.items():
         if col in absent:
             continue
         got = msg.value.get(col)
-        if isinstance(want, datetime):
-            got = datetime.fromisoformat(got) if isinstance(got, str) else got
-        if got != want:
+        if not same_value(col, got, want, columns):
             out.append(f"{col}: sent {msg.value.get(col)!r}, source {want!r}")
     if msg.headers.get(TABLE_HEADER) != table_id.encode():
         out.append(f"header {TABLE_HEADER} {msg.headers.get(TABLE_HEADER)!r}")
@@ -72,7 +87,7 @@ def order_problems(messages: list[Consumed], table: TableConfig) -> list[str]:
 
 
 def replay_problems(copies: list[Consumed], rows: dict[str, dict[str, Any]], model: TableModel,
-                    table: TableConfig) -> list[str]:
+                    table: TableConfig, columns: Columns) -> list[str]:
     """Each `rowrelay replay` copied exactly the source rows of its range (lo, hi] that the range's `where:`
     admitted, once each, values unchanged."""
     out = []
@@ -80,8 +95,8 @@ def replay_problems(copies: list[Consumed], rows: dict[str, dict[str, Any]], mod
     for m in copies:
         by_id.setdefault(m.headers[REPLAY_HEADER].decode(), []).append(m.value.get("tok"))
         row = rows.get(m.value.get("tok"))
-        if row is None or any(m.value.get(c) != v for c, v in row.items() if not isinstance(v, datetime)
-                              and c in m.value):
+        if row is None or any(not same_value(c, m.value.get(c), v, columns) for c, v in row.items()
+                              if not isinstance(v, datetime) and c in m.value):
             out.append(f"replay copy {m.value} differs from its source row {row}")
     for replay_id, (lo, hi, where) in model.replays.items():
         want = sorted(t for t, r in rows.items() if lo < watermark_of(r[table.watermark]) <= hi
@@ -92,13 +107,27 @@ def replay_problems(copies: list[Consumed], rows: dict[str, dict[str, Any]], mod
     return out
 
 
-def resets_of(config: RelayConfig, table: TableConfig) -> list[ProgressRecord]:
-    """The table's resets in the order they were recorded, read from its progress topic: each names its W (`hi`)
-    and where it found the data topic's partitions ending (`topic_ends`)."""
-    from orchestration.cli import kafka_conf
-
-    history = read_progress_history(kafka_conf(config), channel_for(table, PREFIX))
-    return [r for r in history if r.topic_ends is not None]
+def shape_problems(messages: list[Consumed], history: list[ProgressRecord], columns: Columns) -> list[str]:
+    """Each message carries the columns its slice's progress record says it was read with (a NULL may be left
+    out), a retyped column rendered as that record's type: a number under BIGINT, text under a text type."""
+    out: list[str] = []
+    spans = [(int(p), first, last, r) for r in history if r.columns for p, (first, last) in r.offsets.items()]
+    for m in messages:
+        record = next((r for p, first, last, r in spans if p == m.partition and first <= m.offset <= last), None)
+        if record is None:
+            continue
+        shape = {name: kind.upper() for name, kind in record.columns}
+        if set(m.value) - set(shape) or any(m.value.get(c) is not None for c in set(shape) - set(m.value)):
+            out.append(f"tok {m.value.get('tok')}: columns {sorted(m.value)}, its slice {record.slice} was read "
+                       f"with {sorted(shape)}")
+        for col in columns.retyped & set(m.value):
+            got = m.value[col]
+            if got is not None and isinstance(got, str) != ("INT" not in shape.get(col, "")):
+                out.append(f"tok {m.value.get('tok')}: {col} sent as {got!r}, its slice {record.slice} read it as "
+                           f"{shape.get(col)}")
+        if len(out) > 5:
+            break
+    return out
 
 
 def segments(messages: list[Consumed], resets: list[ProgressRecord]) -> list[list[Consumed]]:
@@ -188,7 +217,7 @@ def verify_disagrees(report: Any, expected: Expected, oracle_ok: bool) -> str | 
 
 
 def check_table(config: RelayConfig, table: TableConfig, engine: Engine, model: TableModel,
-                table_id: str, bootstrap: str, added: frozenset[str] | set[str] = frozenset()) -> list[str]:
+                table_id: str, bootstrap: str, columns: Columns = Columns()) -> list[str]:
     """Every problem found: [] when the topic holds each row the model must send exactly once (after the newest
     reset; before it, at least once each), in order, equal to its source row, nothing else, and `verify` agrees."""
     committed = model.must_send()
@@ -203,15 +232,17 @@ def check_table(config: RelayConfig, table: TableConfig, engine: Engine, model: 
     messages = read_topic(bootstrap, table.topic_name)
     copies = [m for m in messages if REPLAY_HEADER in m.headers]
     messages = [m for m in messages if REPLAY_HEADER not in m.headers]
-    problems.extend(replay_problems(copies, rows, model, table))
-    resets = resets_of(config, table)
+    problems.extend(replay_problems(copies, rows, model, table, columns))
+    history = read_progress_history(kafka_conf(config), channel_for(table, PREFIX))
+    resets = [r for r in history if r.topic_ends is not None]  # each names its W and where the topic ended
+    problems.extend(shape_problems(messages, history, columns))
     if len(resets) != len(model.resets) or [r.hi for r in resets] != model.resets:
         problems.append(f"progress records resets at {[r.hi for r in resets]}, the schedule made {model.resets}")
     found, expected = reset_problems(segments(messages, resets), resets, must, committed, rows, table)
     problems.extend(found)
     for m in messages:
         if m.value.get("tok") in rows:
-            problems.extend(payload_problems(m, rows[m.value["tok"]], table, table_id, added)[:3])
+            problems.extend(payload_problems(m, rows[m.value["tok"]], table, table_id, columns)[:3])
     report = verify_table(config, table)
     disagreement = verify_disagrees(report, expected, not problems)
     if disagreement:

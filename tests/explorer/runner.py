@@ -299,6 +299,50 @@ def bad_row(w: World, step: Step) -> None:
     w.note(index, "bad_row", "-", "-", "no stop: where: leaves the row out" if left_out else "no stop", False)
 
 
+def change_schema(w: World, step: Step) -> None:
+    """An added column dropped or retyped (bigint to text). `follow`: the relay follows, the new rendering in the
+    slices recorded with the new shape (the oracle's shape check). `fail`: the table caught up first; the next run
+    stops naming the change and nothing new is sent (progress unchanged) until `rowrelay schema accept`; then the
+    same slice publishes."""
+    index, table, change = step.table, w.tables[step.table], step.args["change"]
+    fail = step.args["policy"] == "fail"
+    if fail and (top := matching_max(w, index)):
+        w.harness.drain(table, until_hi=top, timeout=300)
+    column = w.writers.change_column(index, change)
+    if column is None:
+        w.note(index, change, "-", "-", "no added column left to change", False)
+        return
+    if not fail:
+        w.note(index, change, "-", "between relay steps", f"{column} ({step.args['policy']})", True)
+        return
+    reconfigure(w, index, on_schema_change="fail")
+    before = w.harness.progress(table)
+    w.writers.write(index, {"writer": "autocommit", "rows": 3, "seed": step.args["seed"]})
+    keys = w.harness.cut(table, timeout=60)
+    if not keys:
+        w.problems.append(f"{table.table_id}: no cut within 60 s after {change} of {column}")
+        return
+    stopped = w.harness.run_cli(table, keys[0])
+    after = w.harness.progress(table)
+    if stopped.success or "rowrelay schema accept" not in stopped.output:
+        w.problems.append(f"{table.table_id}: {change} of {column} under on_schema_change: fail did not stop the run "
+                          f"of {keys[0]} naming `rowrelay schema accept`: {stopped.output[-1500:]}")
+    if (after and after.hi) != (before and before.hi):
+        w.problems.append(f"{table.table_id}: progress moved from {before and before.hi} to {after and after.hi} "
+                          "while the table was stopped by a schema change")
+    accepted = rowrelay(w, "schema", "accept", "--table", table.table_id, "--reason", f"explorer: {change} {column}")
+    if accepted.returncode != 0:
+        w.problems.append(f"rowrelay schema accept of {table.table_id} failed: {accepted.stderr[-1500:]}")
+    reconfigure(w, index, on_schema_change="follow")
+    w.note(index, change, keys[0], "table check (on_schema_change: fail)",
+           f"{column}: run stopped (exit {stopped.returncode}), accepted (exit {accepted.returncode})", True)
+    for key in keys:
+        result = w.harness.run_cli(table, key)
+        if not result.success:
+            w.problems.append(f"run of {key} after `rowrelay schema accept` failed: {result.output[-2000:]}")
+            return
+
+
 def compact(w: World, step: Step) -> None:
     """History compaction on the explorer's instance between relay steps, as the history sensor runs it, with the
     clock `hours` ahead so that committed slices are old enough to roll up."""
@@ -329,7 +373,9 @@ def catch_up_and_check(w: World, timeout: float = 300.0, only: int | None = None
             continue
         engine = w.writers.engines[TABLES[i][0]]
         found = oracle.check_table(w.config, table, engine, w.writers.models[i], channel_for(table, PREFIX).table,
-                                   w.services.kafka_bootstrap, set(w.writers.added.get(i, [])))
+                                   w.services.kafka_bootstrap, oracle.Columns(
+                                       frozenset(w.writers.added.get(i, [])), frozenset(w.writers.dropped.get(i, [])),
+                                       frozenset(w.writers.retyped.get(i, []))))
         problems.extend(f"{table.table_id}: {p}" for p in found)
     w.problems.extend(problems)
     return problems
@@ -350,7 +396,8 @@ def execute(w: World, step: Step) -> None:
         OPS[step.args["op"]](w, step)
 
 
-OPS = {"replay": replay, "bad_row": bad_row, "reset": reset, "where": change_where, "compact": compact}
+OPS = {"replay": replay, "bad_row": bad_row, "reset": reset, "where": change_where, "compact": compact,
+       "schema": change_schema}
 
 
 def explore(w: World, schedule: Schedule, minutes: float, round_steps: int = 12,

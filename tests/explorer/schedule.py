@@ -19,7 +19,7 @@ TABLES = (("pg", "int"), ("pg", "ts"), ("maria", "int"), ("maria", "ts"))
 # What writers do; `ts_only` kinds need a timestamp watermark. Besides these, a `burst` step starts a writer thread
 # that commits small transactions, each held 0-2 s, for some seconds beside the schedule (writers.py), and `op`
 # steps are an operator's: a column added, `rowrelay replay` of a committed slice, `rowrelay reset` back, a `where:`
-# edit (after the table caught up), history compaction.
+# edit (after the table caught up), a bad row then its skip, history compaction, an added column dropped or retyped.
 WRITER_KINDS = ("autocommit", "long_txn", "rollback", "batch_now", "whole_second", "client_stamped", "out_of_order")
 TS_ONLY = {"batch_now", "whole_second", "client_stamped"}
 HELD = {"long_txn", "rollback", "out_of_order", "client_stamped"}  # their transaction stays open over later steps
@@ -90,7 +90,11 @@ class Schedule:
         if draw < 0.135:  # history compaction, the clock `hours` ahead
             return Step("op", table, {"op": "compact", "hours": self.rng.choice((0, 2, 30, 24 * 100)),
                                       "full": self.rng.random() < 0.3})
-        if draw < 0.18:
+        if draw < 0.15 and not held_here:  # an added column dropped or retyped, followed or stopping the table
+            policy = "fail" if not self.open and self.rng.random() < 0.4 else "follow"
+            return Step("op", table, {"op": "schema", "change": self.rng.choice(("drop", "retype")),
+                                      "policy": policy, "seed": self.token()})
+        if draw < 0.20:
             whole = TABLES[table][1] == "ts" and "whole_second" in self.kinds and self.rng.random() < 0.5
             return Step("write", table, {"writer": "burst", "seconds": self.rng.randint(5, 20), "seed": self.token(),
                                          **({"whole_second": True} if whole else {})})
