@@ -175,6 +175,20 @@ def replay(w: World, step: Step) -> None:
            f"{done['rows']} rows as {done['replay_id']}", bool(done["rows"]))
 
 
+def fail_dead_runs(w: World) -> int:
+    """Between steps no run of the explorer is alive: a run its faults SIGKILLed stays STARTED on the instance, as
+    there is no daemon whose run monitor would fail it. Fails them as that monitor does (else `rowrelay reset` and
+    compaction rightly wait for them forever). Returns how many."""
+    from dagster import DagsterRunStatus, RunsFilter
+
+    unfinished = [DagsterRunStatus.STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.NOT_STARTED,
+                  DagsterRunStatus.QUEUED, DagsterRunStatus.CANCELING]
+    runs = w.harness.instance.get_runs(RunsFilter(statuses=unfinished))
+    for run in runs:
+        w.harness.instance.report_run_failed(run, "its process was killed by the explorer (no run monitor here)")
+    return len(runs)
+
+
 def rowrelay(w: World, *args: str) -> subprocess.CompletedProcess[str]:
     """The `rowrelay` command line on the explorer's config and instance, as an operator runs it."""
     return subprocess.run([sys.executable, "-m", "orchestration.cli", "--config", str(w.harness.config_file()),
@@ -195,6 +209,7 @@ def reset(w: World, step: Step) -> None:
     if step.args["at_bound"]:
         after = max((r.hi for r in slices if r.hi <= after), default=after)
     text_after = micros_text(after) if TABLES[step.table][1] == "ts" else str(after)
+    fail_dead_runs(w)
     done = rowrelay(w, "reset", "--table", table.table_id, "--after", text_after, "--reason", f"explorer {step.args}")
     if done.returncode != 0:
         w.problems.append(f"rowrelay reset of {table.table_id} to {text_after} failed: {done.stderr[-1500:]}")
@@ -351,6 +366,7 @@ def compact(w: World, step: Step) -> None:
     from orchestration.history import compact_table
 
     table = w.tables[step.table]
+    fail_dead_runs(w)
     result = compact_table(w.harness.instance, table, kafka_conf(w.config), PREFIX,
                            now=datetime.now(UTC) + timedelta(hours=step.args["hours"]), full=step.args["full"],
                            job_name=job_name(table))
@@ -442,3 +458,18 @@ def run_matrix(w: World, steps: list[Step]) -> dict[str, Any]:
         for p in found:
             w.say(f"  PROBLEM {p}")
     return summary(w, len(steps), len(steps), time.monotonic() - started)
+
+
+def run_ops(w: World, steps: list[Step]) -> dict[str, Any]:
+    """The operator actions' cells: the steps in order, then catch-up and the oracle on their table; every action
+    must have acted (none recorded as without effect)."""
+    started = time.monotonic()
+    for step in steps:
+        execute(w, step)
+    idle = [f"{r.fault}: {r.outcome}" for r in w.records if not r.disrupted]
+    w.problems.extend(f"ops cell without effect: {i}" for i in idle)
+    found = catch_up_and_check(w, only=steps[0].table)
+    w.say(f"ops on {TABLES[steps[0].table]}: {'OK' if not found and not idle else 'FAILED'}")
+    for p in found:
+        w.say(f"  PROBLEM {p}")
+    return summary(w, len(steps), 1, time.monotonic() - started)

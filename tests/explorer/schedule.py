@@ -130,3 +130,23 @@ def matrix() -> list[Step]:
     cells = [(stage, fault) for stage in STAGES for fault in ("kill", "freeze_takeover")]
     return [Step("relay", i % len(TABLES), {"fault": fault, "stage": stage, "wait_s": 60})
             for i, (stage, fault) in enumerate(cells)]
+
+
+def ops_cells(table: int) -> list[Step]:
+    """Every operator action once on `table`, in an order where each has something to act on: columns added, a
+    row relayed to its stop then skipped, a reset back inside a slice, a `where:` narrowed then dropped, a column
+    retyped under `follow` and dropped under `fail`, a replay, a compaction, and a reset to a slice bound."""
+    ts = TABLES[table][1] == "ts"
+    write = [Step("write", table, {"writer": "autocommit", "rows": 20, "seed": f"o{n}"}) for n in range(4)]
+    return [write[0], Step("op", table, {"op": "add_column"}), Step("op", table, {"op": "add_column"}), write[1],
+            Step("relay", table, {"wait_s": 60}),
+            Step("op", table, {"op": "bad_row", "rows": 40, "at": 7, "seed": "ob", **({"whole_second": True}
+                                                                                   if ts else {})}),
+            Step("op", table, {"op": "reset", "pick": 0.5, "at_bound": False}), Step("relay", table, {"wait_s": 60}),
+            Step("op", table, {"op": "where", "v_min": 0}), write[2],
+            Step("op", table, {"op": "schema", "change": "retype", "policy": "follow", "seed": "os1"}),
+            Step("relay", table, {"wait_s": 60}), Step("op", table, {"op": "where", "v_min": None}),
+            Step("op", table, {"op": "schema", "change": "drop", "policy": "fail", "seed": "os2"}), write[3],
+            Step("op", table, {"op": "replay", "pick": 0.9}),
+            Step("op", table, {"op": "compact", "hours": 24 * 100, "full": True}),
+            Step("op", table, {"op": "reset", "pick": 0.3, "at_bound": True})]
