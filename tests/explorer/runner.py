@@ -26,7 +26,7 @@ from resources.slices import micros_text
 from tests.conftest import Services, unique
 from tests.explorer import faults, oracle
 from tests.explorer.model import Where, admits
-from tests.explorer.schedule import TABLES, Schedule, Step
+from tests.explorer.schedule import FAULT_KINDS, TABLES, Schedule, Step
 from tests.explorer.writers import MESSAGE_MAX_BYTES, Writers, table_name
 from tests.pipeline import ROOT, Harness, relay_config
 
@@ -436,8 +436,11 @@ def explore(w: World, schedule: Schedule, minutes: float, round_steps: int = 12,
 
 
 def summary(w: World, steps: int, rounds: int, seconds: float) -> dict[str, Any]:
+    faulted = [r for r in w.records if r.fault in FAULT_KINDS]
+    ops = [r for r in w.records if r.fault not in FAULT_KINDS]
     return {"steps": steps, "rounds": rounds, "seconds": round(seconds), "ok": not w.problems,
-            "faults": len(w.records), "faults_without_effect": sum(not r.disrupted for r in w.records),
+            "faults": len(faulted), "faults_without_effect": sum(not r.disrupted for r in faulted),
+            "ops": len(ops), "ops_without_effect": sum(not r.disrupted for r in ops),
             "problems": w.problems[:20]}
 
 
