@@ -26,7 +26,7 @@ from resources.slices import micros_text
 from tests.conftest import Services, unique
 from tests.explorer import faults, oracle
 from tests.explorer.model import Where, admits
-from tests.explorer.schedule import FAULT_KINDS, TABLES, Schedule, Step
+from tests.explorer.schedule import TABLES, Schedule, Step
 from tests.explorer.writers import MESSAGE_MAX_BYTES, Writers, table_name
 from tests.pipeline import ROOT, Harness, relay_config
 
@@ -39,6 +39,7 @@ class World:
     writers: Writers
     tables: dict[int, TableConfig]  # schedule table index -> its config
     records: list[faults.FaultRecord] = field(default_factory=list)
+    broker: Any = None  # the world's private broker (tests/private_kafka.py), when its schedule stops brokers
     problems: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
 
@@ -111,6 +112,19 @@ def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = T
         maria_admin.dispose()
 
 
+@contextlib.contextmanager
+def private_broker_world(services: Services, tables: tuple[int, ...]) -> Iterator[World]:
+    """A world whose topics live on a broker of its own (tests/private_kafka.py), so that broker faults stop no
+    broker other people's tests use; its databases and Spark Connect server are still the stack's."""
+    from dataclasses import replace
+
+    from tests.private_kafka import private_kafka
+
+    with private_kafka() as broker, world(replace(services, kafka_bootstrap=broker.bootstrap), tables) as w:
+        w.broker = broker
+        yield w
+
+
 def delete_topics(bootstrap: str, marks: list[str]) -> None:
     from confluent_kafka.admin import AdminClient
 
@@ -136,6 +150,10 @@ def relay(w: World, step: Step) -> None:
             w.problems.extend(problems)
         elif fault == "kill_early":
             rec = faults.kill_early(w.harness, table, key, step.args["after_s"])
+        elif fault == "broker":
+            rec, problems = faults.broker_mid_run(w.harness, table, key, w.broker, step.args["after_s"],
+                                                  step.args["kill"], step.args["down_s"])
+            w.problems.extend(problems)
         else:
             rec = None
         if rec is not None:
@@ -436,12 +454,16 @@ def explore(w: World, schedule: Schedule, minutes: float, round_steps: int = 12,
 
 
 def summary(w: World, steps: int, rounds: int, seconds: float) -> dict[str, Any]:
-    faulted = [r for r in w.records if r.fault in FAULT_KINDS]
-    ops = [r for r in w.records if r.fault not in FAULT_KINDS]
+    faulted = [r for r in w.records if r.fault not in OP_RECORDS]
+    ops = [r for r in w.records if r.fault in OP_RECORDS]
     return {"steps": steps, "rounds": rounds, "seconds": round(seconds), "ok": not w.problems,
             "faults": len(faulted), "faults_without_effect": sum(not r.disrupted for r in faulted),
             "ops": len(ops), "ops_without_effect": sum(not r.disrupted for r in ops),
             "problems": w.problems[:20]}
+
+
+# What operator actions' records call them (the rest are faults').
+OP_RECORDS = {*OPS, "add_column", "drop", "retype"}
 
 
 def run_matrix(w: World, steps: list[Step]) -> dict[str, Any]:

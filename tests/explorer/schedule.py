@@ -35,6 +35,9 @@ KNOWN_OPEN: dict[str, str] = {}
 # Faults on a relay step's run: SIGKILLed at a publisher stage; frozen (SIGSTOP) at a stage then taken over by a
 # new run and resumed; SIGKILLed a drawn moment after its process starts, before or after RUN_START.
 FAULT_KINDS = ("kill", "freeze_takeover", "kill_early")
+# With `broker_faults` (a world on a private broker only): the broker SIGKILLed or shut down a drawn moment into the
+# run, then started again.
+BROKER_FAULT = "broker"
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,11 @@ class Schedule:
     """Draws steps one by one from `seed`; `fault_rate` is the chance a relay step's run gets a fault."""
 
     def __init__(self, seed: int, include_open: bool = False, fault_rate: float = 0.5,
-                 tables: tuple[int, ...] = tuple(range(len(TABLES)))) -> None:
+                 tables: tuple[int, ...] = tuple(range(len(TABLES))), broker_faults: bool = False) -> None:
         self.seed, self.rng = seed, random.Random(seed)
         self.kinds = [k for k in WRITER_KINDS if include_open or k not in KNOWN_OPEN]
         self.fault_rate, self.tables = fault_rate, tables
+        self.faults = (*FAULT_KINDS, BROKER_FAULT) if broker_faults else FAULT_KINDS
         self.open: list[tuple[int, int, int]] = []  # (step it ends at, table, step it began) of each held one
         self.index = 0
 
@@ -116,10 +120,13 @@ class Schedule:
     def _relay(self, table: int) -> Step:
         args: dict[str, Any] = {}
         if self.rng.random() < self.fault_rate:
-            fault = self.rng.choice(FAULT_KINDS)
+            fault = self.rng.choice(self.faults)
             args["fault"] = fault
             if fault == "kill_early":
                 args["after_s"] = round(self.rng.uniform(0.5, 6.0), 1)
+            elif fault == BROKER_FAULT:
+                args.update(after_s=round(self.rng.uniform(1.0, 8.0), 1), kill=self.rng.random() < 0.5,
+                            down_s=round(self.rng.uniform(0.0, 5.0), 1))
             else:
                 args["stage"] = self.rng.choice(STAGES)
         return Step("relay", table, args)
