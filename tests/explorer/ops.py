@@ -107,15 +107,18 @@ def committed_slices(w: World, table: TableConfig) -> list[Any]:
             if r.topic_ends is None and r.hi > r.lo and r.rows]
 
 
-def reconfigure(w: World, index: int, **changes: Any) -> None:
-    """An operator's config edit between relay steps: the next ticks and runs read the new file (runs are processes
-    of their own, each loading it at its start, as a code location reload does); the sensor keeps its cursor."""
+def reconfigure(w: World, index: int, reload: bool = True, **changes: Any) -> None:
+    """An operator's config edit between relay steps: runs (processes of their own) load the new file at their
+    start; the sensor's definitions follow it on a code location reload (`reload`), else they keep the old config
+    until the next reload; the sensor keeps its cursor either way."""
     dumped = w.config.model_dump(mode="json")
     position = list(w.tables).index(index)
     dumped["tables"][position] = {**dumped["tables"][position], **changes}
     config = RelayConfig.model_validate(dumped)
     harness = Harness(config, w.harness.instance)
     harness.cursors, harness.skip_messages = w.harness.cursors, w.harness.skip_messages
+    if not reload:
+        harness.defs = w.harness.defs
     w.config, w.harness = config, harness
     w.tables = dict(zip(w.tables, config.tables, strict=True))
 
@@ -189,6 +192,17 @@ def bad_row(w: World, step: Step) -> None:
     w.note(index, "bad_row", "-", "-", "no stop: where: leaves the row out" if left_out else "no stop", False)
 
 
+def edit_config(w: World, step: Step) -> None:
+    """Slice sizing edited (`slice_max_rows`, `max_slices_per_run`), with or without a code location reload: what
+    must be sent does not change."""
+    table = w.tables[step.table]
+    changes = {k: step.args[k] for k in ("slice_max_rows", "max_slices_per_run")}
+    was = {k: getattr(table, k) for k in changes}
+    reconfigure(w, step.table, reload=step.args["reload"], **changes)
+    w.note(step.table, "config", "-", "with a reload" if step.args["reload"] else "without a reload (runs only)",
+           f"{was} -> {changes}", was != changes)
+
+
 def change_schema(w: World, step: Step) -> None:
     """An added column dropped or retyped (bigint to text). `follow`: the relay follows, the new rendering in the
     slices recorded with the new shape (the oracle's shape check). `fail`: the table caught up first; the next run
@@ -250,4 +264,4 @@ def compact(w: World, step: Step) -> None:
 
 
 OPS = {"replay": replay, "bad_row": bad_row, "reset": reset, "where": change_where, "compact": compact,
-       "schema": change_schema}
+       "schema": change_schema, "config": edit_config}

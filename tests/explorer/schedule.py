@@ -19,7 +19,8 @@ TABLES = (("pg", "int"), ("pg", "ts"), ("maria", "int"), ("maria", "ts"))
 # What writers do; `ts_only` kinds need a timestamp watermark. Besides these, a `burst` step starts a writer thread
 # that commits small transactions, each held 0-2 s, for some seconds beside the schedule (writers.py), and `op`
 # steps are an operator's: a column added, `rowrelay replay` of a committed slice, `rowrelay reset` back, a `where:`
-# edit (after the table caught up), a bad row then its skip, history compaction, an added column dropped or retyped.
+# edit (after the table caught up), a bad row then its skip, history compaction, an added column dropped or retyped,
+# slice sizing edited with or without a code location reload.
 WRITER_KINDS = ("autocommit", "long_txn", "rollback", "batch_now", "whole_second", "client_stamped", "out_of_order")
 TS_ONLY = {"batch_now", "whole_second", "client_stamped"}
 HELD = {"long_txn", "rollback", "out_of_order", "client_stamped"}  # their transaction stays open over later steps
@@ -98,7 +99,11 @@ class Schedule:
             policy = "fail" if not self.open and self.rng.random() < 0.4 else "follow"
             return Step("op", table, {"op": "schema", "change": self.rng.choice(("drop", "retype")),
                                       "policy": policy, "seed": self.token()})
-        if draw < 0.20:
+        if draw < 0.165:  # slice sizing edited; `reload` False: the sensor keeps the old config, runs read the new
+            return Step("op", table, {"op": "config", "slice_max_rows": self.rng.choice((20, 150, 1000)),
+                                      "max_slices_per_run": self.rng.choice((1, 3)),
+                                      "reload": self.rng.random() < 0.5})
+        if draw < 0.215:
             whole = TABLES[table][1] == "ts" and "whole_second" in self.kinds and self.rng.random() < 0.5
             return Step("write", table, {"writer": "burst", "seconds": self.rng.randint(5, 20), "seed": self.token(),
                                          **({"whole_second": True} if whole else {})})
@@ -140,13 +145,16 @@ def matrix() -> list[Step]:
 
 
 def ops_cells(table: int) -> list[Step]:
-    """Every operator action once on `table`, in an order where each has something to act on: columns added, a
-    row relayed to its stop then skipped, a reset back inside a slice, a `where:` narrowed then dropped, a column
-    retyped under `follow` and dropped under `fail`, a replay, a compaction, and a reset to a slice bound."""
+    """Every operator action once on `table`, in an order where each has something to act on: columns added,
+    slice sizing edited without then with a reload, a row relayed to its stop then skipped, a reset back inside a
+    slice, a `where:` narrowed then dropped, a column retyped under `follow` and dropped under `fail`, a replay, a
+    compaction, and a reset to a slice bound."""
     ts = TABLES[table][1] == "ts"
     write = [Step("write", table, {"writer": "autocommit", "rows": 20, "seed": f"o{n}"}) for n in range(4)]
     return [write[0], Step("op", table, {"op": "add_column"}), Step("op", table, {"op": "add_column"}), write[1],
+            Step("op", table, {"op": "config", "slice_max_rows": 20, "max_slices_per_run": 1, "reload": False}),
             Step("relay", table, {"wait_s": 60}),
+            Step("op", table, {"op": "config", "slice_max_rows": 1000, "max_slices_per_run": 3, "reload": True}),
             Step("op", table, {"op": "bad_row", "rows": 40, "at": 7, "seed": "ob", **({"whole_second": True}
                                                                                    if ts else {})}),
             Step("op", table, {"op": "reset", "pick": 0.5, "at_bound": False}), Step("relay", table, {"wait_s": 60}),
