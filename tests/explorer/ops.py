@@ -152,6 +152,21 @@ def matching_max(w: World, index: int) -> int:
 SUGGESTED_SKIP = re.compile(r"skip_watermarks: \[(.+?)\](?:;|\s|$)")
 
 
+def names_row(w: World, index: int, entry: Any, row: Any) -> bool:
+    """A skip_watermarks entry names the row: {watermark, tie_break} with its tie_break, or a bare watermark where
+    no other row has that watermark (docs/configuration.md)."""
+    def micros(value: Any) -> int:  # YAML reads most times as datetimes; some stay text
+        return oracle.watermark_of(datetime.fromisoformat(value) if isinstance(value, str) else value)
+
+    if isinstance(entry, dict):
+        return bool(entry.get("tie_break") == row.id and micros(entry.get("watermark")) == micros(row.wm))
+    table = w.tables[index]
+    with w.writers.engines[TABLES[index][0]].connect() as conn:
+        sharing = conn.execute(text(f"SELECT count(*) FROM {table_name(index)} WHERE {table.watermark} = :wm"),
+                               {"wm": row.wm}).scalar()
+    return micros(entry) == micros(row.wm) and sharing == 1
+
+
 def bad_row(w: World, step: Step) -> None:
     """A committed transaction holding one row the producer refuses (over message.max.bytes); the table is relayed
     until its run stops as `bad_row`, whose message must name that row as a skip_watermarks entry ({watermark,
@@ -173,8 +188,7 @@ def bad_row(w: World, step: Step) -> None:
                 w.problems.append(f"run of {key} stopped at a bad row without naming a skip: {result.output[-2000:]}")
                 return
             entry = yaml.safe_load(f"[{found.group(1)}]")[0]
-            names = (entry.get("tie_break") == row.id if isinstance(entry, dict)
-                     else TABLES[index][1] == "int" and entry == row.id)
+            names = names_row(w, index, entry, row)
             w.say(f"  run {key} stopped at the bad row (id {row.id}); suggested skip {entry!r}")
             w.note(index, "bad_row", key, "publish", f"stopped; skip {entry!r}", True)
             if not names:
