@@ -67,11 +67,12 @@ test-cluster: stack
 	$(WITH_ENV) $(PY) -m pytest -q -s tests -m cluster
 
 # The randomized schedule explorer (tests/explorer): SEED= replays a schedule (default: a fresh seed, printed
-# first), MINUTES= how long it explores.
+# first), MINUTES= how long it explores, BROKER_FAULTS=1 also stops its broker mid-run (a private broker of its own).
 SEED ?=
 MINUTES ?= 10
+BROKER_FAULTS ?=
 explore: stack
-	$(WITH_ENV) $(PY) -m tests.explorer --minutes $(MINUTES) $(if $(SEED),--seed $(SEED))
+	$(WITH_ENV) $(PY) -m tests.explorer --minutes $(MINUTES) $(if $(SEED),--seed $(SEED)) $(if $(BROKER_FAULTS),--broker-faults)
 
 # The benchmark peers' own tests (Debezium's JVM runs, ~1 min): not part of `make test`.
 test-bench: stack

@@ -121,3 +121,61 @@ def kill_early(h: Harness, table: TableConfig, key: str, after_s: float) -> Faul
     committed = committed_hi(h, table) >= slice_hi(key)
     return FaultRecord(table.table_id, key, "kill_early", stage,
                        f"killed {after_s} s after its start", not committed)
+
+
+def restart_broker(broker: Any, kill: bool, down_s: float) -> None:
+    """The private broker stopped (SIGKILL, or SIGTERM: a clean shutdown) and started again on its data directory
+    after `down_s` seconds; waits until it answers. Never the shared stack's broker."""
+    from stack.local import kafka_classpath, kafka_ready
+    from tests.private_kafka import JVM_OPTIONS
+
+    process = broker.process
+    process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    time.sleep(down_s)
+    base = broker.log.parent  # private_kafka keeps its properties beside its log
+    with open(broker.log, "ab") as out:
+        broker.process = subprocess.Popen(
+            ["java", *JVM_OPTIONS, f"-Dlog4j2.configurationFile={base / 'log4j2.properties'}", "-cp",
+             kafka_classpath(), "kafka.Kafka", str(base / "server.properties")],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not kafka_ready(broker.port):
+        assert broker.process.poll() is None, f"the private broker did not restart:\n{broker.log_tail()}"
+        assert time.monotonic() < deadline, f"the private broker not ready 180 s after its restart:\n" \
+                                            f"{broker.log_tail()}"
+        time.sleep(0.5)
+
+
+def broker_mid_run(h: Harness, table: TableConfig, key: str, broker: Any, after_s: float, kill: bool,
+                   down_s: float) -> tuple[FaultRecord, list[str]]:
+    """The run started; `after_s` later the broker is stopped (SIGKILL or SIGTERM), `down_s` after that started
+    again. The run may fail or ride it out; either way nothing may be lost or doubled (the oracle's check). The
+    record says whether the run was still publishing when the broker went."""
+    log = h.instance.root_directory + f"/broker-{time.monotonic_ns()}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(h.cli_command(table, key), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env=h.cli_env())
+    fault = "broker_kill" if kill else "broker_restart"
+    try:
+        proc.wait(timeout=after_s)
+        return FaultRecord(table.table_id, key, fault, "ended before the broker stopped", f"exit {proc.returncode}",
+                           False), []
+    except subprocess.TimeoutExpired:
+        pass
+    committed_before = committed_hi(h, table) >= slice_hi(key)
+    restart_broker(broker, kill, down_s)
+    problems = []
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        problems.append(f"run of {key} did not end within 300 s of the broker's restart")
+    stage = "after its commit" if committed_before else "mid-run, before its commit"
+    return FaultRecord(table.table_id, key, fault, stage, f"broker down {down_s} s; the run's exit {proc.returncode}",
+                       not committed_before), problems

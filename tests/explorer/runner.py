@@ -19,9 +19,9 @@ from assets.relay import channel_for
 from resources.config import RelayConfig, TableConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.conftest import Services, unique
-from tests.explorer import faults, oracle
+from tests.explorer import faults, ops, oracle
 from tests.explorer.schedule import TABLES, Schedule, Step
-from tests.explorer.writers import Writers, table_name
+from tests.explorer.writers import MESSAGE_MAX_BYTES, Writers, table_name
 from tests.pipeline import Harness, relay_config
 
 
@@ -33,12 +33,19 @@ class World:
     writers: Writers
     tables: dict[int, TableConfig]  # schedule table index -> its config
     records: list[faults.FaultRecord] = field(default_factory=list)
+    broker: Any = None  # the world's private broker (tests/private_kafka.py), when its schedule stops brokers
     problems: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
 
     def say(self, line: str) -> None:
         self.log.append(line)
         print(line, flush=True)
+
+    def note(self, index: int, kind: str, run: str, stage: str, outcome: str, disrupted: bool) -> None:
+        """An operator action's record beside the faults': what it hit, and whether it changed anything."""
+        record = faults.FaultRecord(self.tables[index].table_id, run, kind, stage, outcome, disrupted)
+        self.records.append(record)
+        self.say(f"  {'op' if disrupted else 'op without effect'} {json.dumps(record.as_dict())}")
 
 
 @contextlib.contextmanager
@@ -62,13 +69,14 @@ def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = T
     sources = {k: unique(k) for k in urls}  # a new table identity each time: progress topic, transactional id
     settings = [{"source": sources[TABLES[i][0]], "table": table_name(i), "watermark": "id" if TABLES[i][1] == "int"
                  else "ts", "topic": f"explore.{names['xpg']}.{table_name(i)}", "slice_max_rows": 150,
-                 "max_slices_per_run": 3, "settle_seconds": 1, "rollup_after_seconds": None,
+                 "max_slices_per_run": 3, "settle_seconds": 1, "rollup_after_seconds": 3600,
                  **({"tie_break": "id"} if TABLES[i][1] == "ts" else {})}
                 for i in tables]
     for s in settings:
         if s["source"] == sources["pg"]:
             s["table"] = f"public.{s['table']}"
-    config = relay_config(services, {sources[k]: u for k, u in urls.items()}, settings, spark_remote=True)
+    config = relay_config(services, {sources[k]: u for k, u in urls.items()}, settings,
+                          producer={"message.max.bytes": MESSAGE_MAX_BYTES}, spark_remote=True)
     home = Path(tempfile.mkdtemp(prefix="explore-"))
     (home / "dagster.yaml").write_text(yaml.safe_dump({
         "storage": services.dagster_storage(names["dagster"]), "telemetry": {"enabled": False},
@@ -98,6 +106,19 @@ def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = T
         maria_admin.dispose()
 
 
+@contextlib.contextmanager
+def private_broker_world(services: Services, tables: tuple[int, ...]) -> Iterator[World]:
+    """A world whose topics live on a broker of its own (tests/private_kafka.py), so that broker faults stop no
+    broker other people's tests use; its databases and Spark Connect server are still the stack's."""
+    from dataclasses import replace
+
+    from tests.private_kafka import private_kafka
+
+    with private_kafka() as broker, world(replace(services, kafka_bootstrap=broker.bootstrap), tables) as w:
+        w.broker = broker
+        yield w
+
+
 def delete_topics(bootstrap: str, marks: list[str]) -> None:
     from confluent_kafka.admin import AdminClient
 
@@ -123,6 +144,10 @@ def relay(w: World, step: Step) -> None:
             w.problems.extend(problems)
         elif fault == "kill_early":
             rec = faults.kill_early(w.harness, table, key, step.args["after_s"])
+        elif fault == "broker":
+            rec, problems = faults.broker_mid_run(w.harness, table, key, w.broker, step.args["after_s"],
+                                                  step.args["kill"], step.args["down_s"])
+            w.problems.extend(problems)
         else:
             rec = None
         if rec is not None:
@@ -141,24 +166,6 @@ def relay(w: World, step: Step) -> None:
                                                 False))
 
 
-def replay(w: World, step: Step) -> None:
-    """`rowrelay replay` of one committed slice (drawn by `pick`), its copies recorded in the model."""
-    from orchestration.cli.replay import replay_range
-    from orchestration.tables import kafka_conf
-    from resources.exactly_once import read_progress_history
-
-    table = w.tables[step.table]
-    history = [r for r in read_progress_history(kafka_conf(w.config), channel_for(table, PREFIX))
-               if r.rows and r.hi > r.lo]
-    if not history:
-        w.say("  nothing committed to replay")
-        return
-    record = history[int(step.args["pick"] * len(history))]
-    done = replay_range(w.config, table, record.lo, record.hi, None)
-    w.writers.models[step.table].replays[done["replay_id"]] = (record.lo, record.hi)
-    w.say(f"  replayed ({record.lo}, {record.hi}]: {done['rows']} rows as {done['replay_id']}")
-
-
 def catch_up_and_check(w: World, timeout: float = 300.0, only: int | None = None) -> list[str]:
     """End held transactions, relay every table (or table `only`) up to its max watermark, then the oracle on each."""
     w.writers.end_all()
@@ -167,14 +174,16 @@ def catch_up_and_check(w: World, timeout: float = 300.0, only: int | None = None
         if only is not None and i != only:
             continue
         try:
-            if w.harness.max_watermark(table):  # an empty table has nothing to drain (its progress stays empty)
-                w.harness.drain(table, timeout=timeout)
+            if top := ops.matching_max(w, i):  # an empty table has nothing to drain (its progress stays empty)
+                w.harness.drain(table, until_hi=top, timeout=timeout)
         except AssertionError as exc:
             problems.append(f"{table.table_id}: no catch-up: {exc}")
             continue
         engine = w.writers.engines[TABLES[i][0]]
         found = oracle.check_table(w.config, table, engine, w.writers.models[i], channel_for(table, PREFIX).table,
-                                   w.services.kafka_bootstrap, set(w.writers.added.get(i, [])))
+                                   w.services.kafka_bootstrap, oracle.Columns(
+                                       frozenset(w.writers.added.get(i, [])), frozenset(w.writers.dropped.get(i, [])),
+                                       frozenset(w.writers.retyped.get(i, []))))
         problems.extend(f"{table.table_id}: {p}" for p in found)
     w.problems.extend(problems)
     return problems
@@ -190,8 +199,9 @@ def execute(w: World, step: Step) -> None:
         relay(w, step)
     elif step.args["op"] == "add_column":
         w.writers.add_column(step.table)
+        w.note(step.table, "add_column", "-", "between relay steps", f"added {w.writers.added[step.table][-1]}", True)
     else:
-        replay(w, step)
+        ops.OPS[step.args["op"]](w, step)
 
 
 def explore(w: World, schedule: Schedule, minutes: float, round_steps: int = 12,
@@ -214,9 +224,16 @@ def explore(w: World, schedule: Schedule, minutes: float, round_steps: int = 12,
 
 
 def summary(w: World, steps: int, rounds: int, seconds: float) -> dict[str, Any]:
+    faulted = [r for r in w.records if r.fault not in OP_RECORDS]
+    ops = [r for r in w.records if r.fault in OP_RECORDS]
     return {"steps": steps, "rounds": rounds, "seconds": round(seconds), "ok": not w.problems,
-            "faults": len(w.records), "faults_without_effect": sum(not r.disrupted for r in w.records),
+            "faults": len(faulted), "faults_without_effect": sum(not r.disrupted for r in faulted),
+            "ops": len(ops), "ops_without_effect": sum(not r.disrupted for r in ops),
             "problems": w.problems[:20]}
+
+
+# What operator actions' records call them (the rest are faults').
+OP_RECORDS = {*ops.OPS, "add_column", "drop", "retype"}
 
 
 def run_matrix(w: World, steps: list[Step]) -> dict[str, Any]:
@@ -236,3 +253,18 @@ def run_matrix(w: World, steps: list[Step]) -> dict[str, Any]:
         for p in found:
             w.say(f"  PROBLEM {p}")
     return summary(w, len(steps), len(steps), time.monotonic() - started)
+
+
+def run_ops(w: World, steps: list[Step]) -> dict[str, Any]:
+    """The operator actions' cells: the steps in order, then catch-up and the oracle on their table; every action
+    must have acted (none recorded as without effect)."""
+    started = time.monotonic()
+    for step in steps:
+        execute(w, step)
+    idle = [f"{r.fault}: {r.outcome}" for r in w.records if not r.disrupted]
+    w.problems.extend(f"ops cell without effect: {i}" for i in idle)
+    found = catch_up_and_check(w, only=steps[0].table)
+    w.say(f"ops on {TABLES[steps[0].table]}: {'OK' if not found and not idle else 'FAILED'}")
+    for p in found:
+        w.say(f"  PROBLEM {p}")
+    return summary(w, len(steps), 1, time.monotonic() - started)

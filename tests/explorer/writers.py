@@ -23,10 +23,12 @@ DDL = {
     ("pg", "ts"): "CREATE TABLE {t} (id bigserial PRIMARY KEY, ts timestamptz NOT NULL DEFAULT now(), "
                   "tok text NOT NULL, v bigint, s text)",
     ("maria", "int"): "CREATE TABLE {t} (id bigint AUTO_INCREMENT PRIMARY KEY, tok varchar(32) NOT NULL, v bigint, "
-                      "s varchar(300))",
+                      "s mediumtext)",
     ("maria", "ts"): "CREATE TABLE {t} (id bigint AUTO_INCREMENT PRIMARY KEY, ts DATETIME(6) NOT NULL DEFAULT "
-                     "NOW(6), tok varchar(32) NOT NULL, v bigint, s varchar(300))",
+                     "NOW(6), tok varchar(32) NOT NULL, v bigint, s mediumtext)",
 }
+# The producer's message.max.bytes in the explorer's world: a bad row's message is over it, any other far under it.
+MESSAGE_MAX_BYTES = 100_000
 # The time a kind writes into `ts` (None: the column's default, the transaction's or statement's now()).
 WHOLE_SECOND = {"pg": "date_trunc('second', now())", "maria": "NOW()"}
 CLOCK = {"pg": "SELECT clock_timestamp()", "maria": "SELECT NOW(6)"}
@@ -45,6 +47,8 @@ class Writers:
     models: dict[int, TableModel] = field(default_factory=dict)
     held: dict[int, tuple[Connection, Any, str]] = field(default_factory=dict)  # txn -> (connection, its txn, kind)
     added: dict[int, list[str]] = field(default_factory=dict)  # table -> columns added since it was created
+    dropped: dict[int, set[str]] = field(default_factory=dict)  # table -> added columns dropped since
+    retyped: dict[int, set[str]] = field(default_factory=dict)  # table -> added columns made text since
     bursts: list[threading.Thread] = field(default_factory=list)  # writer threads running beside the schedule
 
     def create_tables(self, tables: tuple[int, ...]) -> None:
@@ -63,7 +67,7 @@ class Writers:
             return
         rows = [{"tok": f"{args['seed']}-{n}", "v": rng.randint(-10**12, 10**12),
                  "s": "".join(rng.choice("abcxyz é") for _ in range(rng.randint(0, 40))),
-                 **{c: rng.randint(0, 10**6) for c in self.added.get(table, [])}}
+                 **{c: rng.randint(0, 10**6) for c in self.columns(table)}}
                 for n in range(args["rows"])]
         if kind == "autocommit":
             for row in rows:  # each row its own commit
@@ -105,7 +109,7 @@ class Writers:
         deadline, n = time.monotonic() + args["seconds"], 0
         while time.monotonic() < deadline:
             rows = [{"tok": f"{args['seed']}-{n}-{k}", "v": rng.randint(0, 10**9), "s": "burst",
-                     **{c: rng.randint(0, 10**6) for c in self.added.get(table, [])}} for k in range(rng.randint(1, 3))]
+                     **{c: rng.randint(0, 10**6) for c in self.columns(table)}} for k in range(rng.randint(1, 3))]
             n += 1
             with self.engines[dialect].connect() as conn:
                 tx = conn.begin()
@@ -114,12 +118,45 @@ class Writers:
                 tx.commit()
             self.models[table].written(None, [r["tok"] for r in rows])
 
+    def bad_row(self, table: int, args: dict[str, Any]) -> str:
+        """One transaction of `rows` rows, committed, one of them (the `at`-th) too large for the producer: random
+        hex, which compression cannot shrink under the limit. Returns that row's tok."""
+        rng = random.Random(args["seed"])
+        rows = [{"tok": f"{args['seed']}-{n}", "v": rng.randint(0, 10**12), "s": "ok",
+                 **{c: rng.randint(0, 10**6) for c in self.columns(table)}} for n in range(args["rows"])]
+        big = rows[args["at"] % len(rows)]
+        big["s"] = f"{rng.getrandbits(4 * 2 * MESSAGE_MAX_BYTES):0{2 * MESSAGE_MAX_BYTES}x}"
+        self._insert(self.engines[TABLES[table][0]], table, rows, WHOLE_SECOND[TABLES[table][0]]
+                     if args.get("whole_second") and TABLES[table][1] == "ts" else None)
+        self.models[table].written(None, [r["tok"] for r in rows])
+        return str(big["tok"])
+
     def add_column(self, table: int) -> None:
         """A nullable column added (the relay follows it); rows written from now on fill it."""
         column = f"c{len(self.added.setdefault(table, [])) + 1}"
         with self.engines[TABLES[table][0]].begin() as conn:
             conn.execute(text(f"ALTER TABLE {table_name(table)} ADD COLUMN {column} bigint"))
         self.added[table].append(column)
+
+    def change_column(self, table: int, change: str) -> str | None:
+        """The newest added column still there dropped, or retyped from bigint to text (rows written from then on
+        fill it with the text of a number); None where no added column is left."""
+        alive = [c for c in self.added.get(table, []) if c not in self.dropped.get(table, set())
+                 and (change == "drop" or c not in self.retyped.get(table, set()))]
+        if not alive:
+            return None
+        column, (dialect, _) = alive[-1], TABLES[table]
+        sql = {"drop": f"ALTER TABLE {table_name(table)} DROP COLUMN {column}",
+               "retype": f"ALTER TABLE {table_name(table)} ALTER COLUMN {column} TYPE text USING {column}::text"
+               if dialect == "pg" else f"ALTER TABLE {table_name(table)} MODIFY {column} varchar(40)"}[change]
+        with self.engines[dialect].begin() as conn:
+            conn.execute(text(sql))
+        (self.dropped if change == "drop" else self.retyped).setdefault(table, set()).add(column)
+        return column
+
+    def columns(self, table: int) -> list[str]:
+        """The added columns writers fill now."""
+        return [c for c in self.added.get(table, []) if c not in self.dropped.get(table, set())]
 
     def end(self, table: int, args: dict[str, Any]) -> None:
         conn, tx, kind = self.held.pop(args["txn"])
@@ -139,7 +176,9 @@ class Writers:
 
     def _insert(self, target: Engine | Connection, table: int, rows: list[dict[str, Any]], ts_sql: str | None,
                 stamp: Any = None) -> None:
-        names = ["tok", "v", "s", *self.added.get(table, [])]
+        names = ["tok", "v", "s", *self.columns(table)]
+        texts = self.retyped.get(table, set())
+        rows = [{k: str(v) if k in texts else v for k, v in r.items()} for r in rows]
         cols, values = ", ".join(names), ", ".join(f":{n}" for n in names)
         if stamp is not None:
             cols, values, rows = cols + ", ts", values + ", :ts", [{**r, "ts": stamp} for r in rows]
