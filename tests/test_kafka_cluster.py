@@ -218,27 +218,29 @@ def fault_mid_publish(h: Harness, reader: Reader, cluster: KafkaCluster, victim:
     print(f"node {node} faulted mid-publish; the held run exited {proc.returncode}")
 
 
+def sigkill_mid_publish(scenario: tuple[Harness, Reader], cluster: KafkaCluster,
+                        victim: Callable[[Harness], int]) -> None:
+    """The node `victim` names SIGKILLed while the held run's transaction is open, restarted once the run ended."""
+    h, reader = scenario
+    fault_mid_publish(h, reader, cluster, lambda: victim(h), lambda n: cluster.node(n).kill(),
+                      lambda n: cluster.node(n).start())
+
+
 def test_leader_of_the_data_partition_sigkilled_mid_publish(scenario: tuple[Harness, Reader],
                                                             cluster: KafkaCluster) -> None:
-    h, reader = scenario
-    fault_mid_publish(h, reader, cluster, lambda: leader_of(cluster, h.table().topic_name),
-                      lambda n: cluster.node(n).kill(), lambda n: cluster.node(n).start())
+    sigkill_mid_publish(scenario, cluster, lambda h: leader_of(cluster, h.table().topic_name))
 
 
 def test_leader_of_the_progress_partition_sigkilled_mid_publish(scenario: tuple[Harness, Reader],
                                                                 cluster: KafkaCluster) -> None:
-    h, reader = scenario
-    progress = channel_for(h.table(), PREFIX).progress_topic
-    fault_mid_publish(h, reader, cluster, lambda: leader_of(cluster, progress),
-                      lambda n: cluster.node(n).kill(), lambda n: cluster.node(n).start())
+    sigkill_mid_publish(scenario, cluster,
+                        lambda h: leader_of(cluster, channel_for(h.table(), PREFIX).progress_topic))
 
 
 def test_transaction_coordinator_sigkilled_mid_publish(scenario: tuple[Harness, Reader],
                                                        cluster: KafkaCluster) -> None:
-    h, reader = scenario
-    tid = channel_for(h.table(), PREFIX).transactional_id
-    fault_mid_publish(h, reader, cluster, lambda: coordinator_of(cluster, tid),
-                      lambda n: cluster.node(n).kill(), lambda n: cluster.node(n).start())
+    sigkill_mid_publish(scenario, cluster,
+                        lambda h: coordinator_of(cluster, channel_for(h.table(), PREFIX).transactional_id))
 
 
 def test_a_node_frozen_past_the_request_timeouts_then_resumed(scenario: tuple[Harness, Reader],

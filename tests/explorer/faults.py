@@ -49,6 +49,17 @@ def slice_hi(key: str) -> int:
     return SliceRange.from_key(key.split("...")[-1]).hi
 
 
+def ended_within(proc: subprocess.Popen, timeout: float) -> bool:
+    """Waits for `proc`; SIGKILLs it if it has not ended within `timeout` s. True if it ended on its own."""
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+
+
 def kill_at_stage(h: Harness, table: TableConfig, key: str, stage: str) -> FaultRecord:
     """The run SIGKILLs itself at `stage`."""
     result = h.run_cli(table, key, env={"ROWRELAY_FAILPOINT": stage})
@@ -83,11 +94,7 @@ def freeze_then_takeover(h: Harness, table: TableConfig, key: str, stage: str) -
     newer = h.run_cli(table, key)
     problems = [] if newer.success else [f"takeover run of {key} failed: {newer.output[-1500:]}"]
     os.kill(zombie.pid, signal.SIGCONT)
-    try:
-        zombie.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        zombie.kill()
-        zombie.wait()
+    if not ended_within(zombie, 300):
         problems.append(f"frozen run of {key} did not end within 300 s of its SIGCONT")
     text = Path(log).read_text(errors="replace")
     fenced = "fenced" in text.lower() or "another publisher took over" in text or "PRODUCER_FENCED" in text
@@ -131,11 +138,7 @@ def restart_broker(broker: Any, kill: bool, down_s: float) -> None:
 
     process = broker.process
     process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    ended_within(process, 60)
     time.sleep(down_s)
     base = broker.log.parent  # private_kafka keeps its properties beside its log
     with open(broker.log, "ab") as out:
@@ -169,13 +172,7 @@ def broker_mid_run(h: Harness, table: TableConfig, key: str, broker: Any, after_
         pass
     committed_before = committed_hi(h, table) >= slice_hi(key)
     restart_broker(broker, kill, down_s)
-    problems = []
-    try:
-        proc.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        problems.append(f"run of {key} did not end within 300 s of the broker's restart")
+    problems = [] if ended_within(proc, 300) else [f"run of {key} did not end within 300 s of the broker's restart"]
     stage = "after its commit" if committed_before else "mid-run, before its commit"
     return FaultRecord(table.table_id, key, fault, stage, f"broker down {down_s} s; the run's exit {proc.returncode}",
                        not committed_before), problems
