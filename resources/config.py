@@ -429,6 +429,30 @@ def config_path() -> Path:
     return Path(os.environ.get("ROWRELAY_CONFIG", "rowrelay.yaml"))
 
 
+def component_origin(path: Path) -> str:
+    """How an error names a Dagster component's settings: the `attributes:` of the `defs.yaml` at `path` (the
+    file, or the folder holding it)."""
+    return f"{path / 'defs.yaml' if path.is_dir() else path} attributes"
+
+
+def load_component_config(path: str | Path) -> RelayConfig:
+    """The settings of the rowrelay component declared in a Dagster project's `defs.yaml` (`rowrelay --defs`): the
+    `attributes:` of its document whose `type` is the RelayComponent, validated as `rowrelay.yaml` is."""
+    p = Path(path)
+    file = p / "defs.yaml" if p.is_dir() else p
+    if not file.exists():
+        raise ConfigError(f"component file {file} not found")
+    try:
+        documents = [d for d in yaml.safe_load_all(file.read_text()) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file} is not valid YAML: {exc}") from None
+    relays = [d for d in documents if isinstance(d, dict) and str(d.get("type", "")).endswith(".RelayComponent")]
+    if len(relays) != 1:
+        raise ConfigError(f"{file}: expected one component of type orchestration.component.RelayComponent, found "
+                          f"{len(relays)}")
+    return parse_config(relays[0].get("attributes") or {}, component_origin(file))
+
+
 def load_config(path: str | Path | None = None) -> RelayConfig:
     p = Path(path) if path is not None else config_path()
     if not p.exists():

@@ -31,7 +31,7 @@ from collections.abc import Callable  # noqa: E402
 from orchestration.cli.arguments import COMMAND_SUMMARIES, build_parser  # noqa: E402
 from orchestration.cli.errors import STORAGE_RETRY_LINES, dagster_home_problem, user_error  # noqa: E402
 from orchestration.exits import FAILED, INTERRUPTED, USAGE, bound_process_end, finish  # noqa: E402
-from resources.config import ConfigError, RelayConfig, load_config  # noqa: E402
+from resources.config import ConfigError, RelayConfig, load_component_config, load_config  # noqa: E402
 
 Command = Callable[[RelayConfig, argparse.Namespace], int]
 
@@ -66,7 +66,7 @@ def run_command(argv: list[str] | None) -> int:
     config = None
     logging.getLogger().addFilter(STORAGE_RETRY_LINES)  # once: the same filter object is not added twice
     try:
-        config = load_config(args.config)
+        config = load_component_config(args.defs) if args.defs else load_config(args.config)
         if (problem := dagster_home_problem()) is not None:
             raise ConfigError(problem)
         return command(args.cmd)(config, args)

@@ -23,7 +23,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     """The `rowrelay` command's arguments: one subcommand per `COMMAND_SUMMARIES` entry."""
     parser = argparse.ArgumentParser(prog="rowrelay", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
+    settings = parser.add_mutually_exclusive_group()
+    settings.add_argument("--config", help="rowrelay.yaml (default: $ROWRELAY_CONFIG or ./rowrelay.yaml)")
+    settings.add_argument("--defs", metavar="PATH", help="a Dagster project's defs.yaml (or its folder) declaring "
+                          "the rowrelay component: its attributes instead of rowrelay.yaml")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, summary in COMMAND_SUMMARIES.items():
         p = sub.add_parser(name, help=summary, description=summary)
