@@ -1,18 +1,34 @@
-"""The code location image's recipe (deploy/install.sh, which deploy/Dockerfile runs) works on a fresh
-directory: a new virtualenv gets rowrelay with the locked dependencies, every product module imports from the
-installed copy (not this checkout), the CLI starts, and the code location's definitions load."""
+"""rowrelay installed as its users install it, in a fresh virtualenv:
+- the code location image's recipe (deploy/install.sh, which deploy/Dockerfile runs): rowrelay with the locked
+  dependencies, every product module imported from the installed copy (not this checkout), the CLI starting, the
+  code location's definitions loading;
+- a Dagster project adopting it as a component: `create-dagster project`, `dg scaffold defs` of the rowrelay
+  component, `dg check defs`, `dg list defs`, and a daemon's sensor run relaying rows on the stack exactly once.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import dagster
 import pytest
 import yaml
+from sqlalchemy import text
+from sqlalchemy.engine import URL, Engine
 
-from tests.pipeline import ROOT
+from assets.identity import channel_for
+from orchestration.verify import verify_table
+from resources.exactly_once import read_committed_progress
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
+from tests.conftest import Services, unique
+from tests.pipeline import ROOT, relay_config
+from tests.test_faults import DAGSTER_YAML, LAUNCHERS
 
 pytestmark = pytest.mark.integration
 
@@ -30,14 +46,25 @@ print(len(names), native.LIBRARY.exists())
 """
 
 
-def test_the_image_recipe_installs_a_working_code_location_in_a_fresh_venv(tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtualenv with rowrelay installed by the image's recipe."""
+    venv = tmp_path_factory.mktemp("deploy") / "venv"
     install = subprocess.run([str(ROOT / "deploy" / "install.sh"), str(venv)], capture_output=True, text=True,
                              timeout=600)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    return venv
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without what would make this checkout importable."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def test_the_image_recipe_installs_a_working_code_location_in_a_fresh_venv(venv: Path, tmp_path: Path) -> None:
     python = str(venv / "bin" / "python")
     # Run from an empty directory so nothing of this checkout is importable but what was installed.
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = clean_env()
     work = tmp_path / "work"
     work.mkdir()
     config = work / "rowrelay.yaml"
@@ -59,3 +86,78 @@ def test_the_image_recipe_installs_a_working_code_location_in_a_fresh_venv(tmp_p
                             env=env)
     assert loaded.returncode == 0, loaded.stdout[-3000:] + loaded.stderr[-3000:]
     assert sys.executable != python
+
+
+def run_ok(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> str:
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{args}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def a_project_with_the_component(venv: Path, tmp_path: Path, settings: dict, env: dict[str, str]) -> Path:
+    """A Dagster project as `create-dagster` makes one, with a rowrelay component scaffolded by `dg scaffold defs`
+    and its attributes set to `settings`; returns the project's directory."""
+    bin_ = venv / "bin"
+    run_ok([str(bin_ / "python"), "-m", "uv", "pip", "install", "--quiet", "--python", str(bin_ / "python"),
+            f"dagster-dg-cli=={dagster.__version__}", f"create-dagster=={dagster.__version__}"], tmp_path, env)
+    run_ok([str(bin_ / "create-dagster"), "project", "--no-uv-sync", "adopter"], tmp_path, env)
+    project = tmp_path / "adopter"
+    run_ok([str(bin_ / "python"), "-m", "uv", "pip", "install", "--quiet", "--python", str(bin_ / "python"),
+            "--no-deps", "-e", str(project)], tmp_path, env)
+    listed = run_ok([str(bin_ / "dg"), "list", "components"], project, env)
+    assert "orchestration.component.RelayComponent" in listed, listed
+    run_ok([str(bin_ / "dg"), "scaffold", "defs", "orchestration.component.RelayComponent", "relay"], project, env)
+    defs = project / "src" / "adopter" / "defs" / "relay" / "defs.yaml"
+    scaffolded = yaml.safe_load(defs.read_text())
+    assert scaffolded["type"] == "orchestration.component.RelayComponent", scaffolded
+    defs.write_text(yaml.safe_dump({**scaffolded, "attributes": settings}))
+    return project
+
+
+def test_a_dagster_project_adopts_the_component_and_its_sensor_relays_rows(
+        venv: Path, tmp_path: Path, services: Services, pg_database: URL, pg_engine: Engine) -> None:
+    name = unique("adopt")
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+    cfg = relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 1000,
+         "sensor_interval_seconds": 1, "topic": f"adopt.{name}"}], spark_remote=True)
+    home = tmp_path / "home"
+    home.mkdir()
+    dagster_db = unique("dagster")
+    with contextlib.closing(pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT")) as conn:
+        conn.execute(text(f'CREATE DATABASE "{dagster_db}"'))
+    (home / "dagster.yaml").write_text(DAGSTER_YAML.format(
+        storage=yaml.safe_dump({"storage": services.dagster_storage(dagster_db)}), launcher=LAUNCHERS["default"]))
+    env = {**clean_env(), "DAGSTER_HOME": str(home), "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+    daemon = None
+    try:
+        project = a_project_with_the_component(venv, tmp_path, cfg.model_dump(mode="json", exclude_none=True), env)
+        checked = run_ok([str(venv / "bin" / "dg"), "check", "defs"], project, env)
+        assert "loaded successfully" in checked, checked
+        listed = run_ok([str(venv / "bin" / "dg"), "list", "defs", "--json"], project, env)
+        assert f'"src/public/{name}"' in listed.replace(" ", ""), listed[-3000:]
+        with pg_engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 2500) g"))
+        log = open(home / "daemon.log", "ab")  # noqa: SIM115 - owned by the daemon
+        daemon = subprocess.Popen([str(venv / "bin" / "dagster-daemon"), "run", "-m", "adopter.definitions"],
+                                  cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        conf = {"bootstrap.servers": services.kafka_bootstrap}
+        channel = channel_for(cfg.tables[0], PREFIX)
+        deadline = time.monotonic() + 300
+        while (progress := read_committed_progress(conf, channel)) is None or progress.hi < 2500:
+            assert daemon.poll() is None and time.monotonic() < deadline, \
+                f"the component's sensor runs did not relay 2500 rows\n{(home / 'daemon.log').read_text()[-4000:]}"
+            time.sleep(2)
+        defs = project / "src" / "adopter" / "defs" / "relay" / "defs.yaml"
+        verified = run_ok([str(venv / "bin" / "rowrelay"), "--defs", str(defs), "verify"], project, env)
+        assert "2500" in verified, verified
+        report = verify_table(cfg, cfg.tables[0])
+        assert report.ok and report.source_rows == report.messages == 2500, report
+    finally:
+        if daemon is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait(30)
+        with contextlib.closing(pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT")) as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{dagster_db}" WITH (FORCE)'))
