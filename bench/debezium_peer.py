@@ -41,7 +41,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,6 +50,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from stack.local import free_ports
 
 CONNECTOR_CLASS = "io.debezium.connector.postgresql.PostgresConnector"
 SNAPSHOT_FETCH_SIZE = 10_240
@@ -309,12 +310,6 @@ def count_committed(bootstrap: str, topic: str) -> int:
 # -- the Connect JVM --------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch_worker(libs: Path, main_class: str, args: list[str], workdir: Path, env: dict[str, str],
                   ) -> subprocess.Popen[bytes]:
     """Start the Connect JVM in its own process group (so one killpg stops it and anything it spawned)."""
@@ -472,7 +467,7 @@ def run_debezium(pg: dict, table: str, bootstrap: str, topic_prefix: str, rows: 
     ensure_topic(bootstrap, topic)
     before = count_committed(bootstrap, topic)
 
-    port = free_port()
+    port = free_ports(1)[0]
     base_url = f"http://127.0.0.1:{port}"
     names = InternalTopics.for_run(run) if exactly_once else None
     worker = worker_props(bootstrap, port, workdir, distributed=exactly_once, names=names)

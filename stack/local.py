@@ -125,6 +125,20 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, logfile: Pa
     raise StackError(f"{what} did not answer within {timeout:.0f}s; read {logfile}")
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports for private servers (tests, the bench): every socket stays bound until all are
+    chosen, so the OS cannot hand out the same port twice (one at a time, it may: a server then gets two listeners
+    on one port)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def require_free_port(port: int, service: str, env_var: str) -> None:
     if port_open(port):
         raise StackError(

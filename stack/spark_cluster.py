@@ -8,15 +8,17 @@ server attached; the default stays `local[2]`. Tests start private clusters with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stack.local import log, read_pid, spark_home, stop_pidfile, wait_until
+from stack.local import free_ports, log, read_pid, spark_home, start_spark_connect, stop_pidfile, wait_until
 
 WORKER_CORES = 1
 WORKER_MEMORY = "1g"
@@ -115,3 +117,46 @@ def cluster_down(base: Path) -> None:
     for pidfile in sorted(base.glob("worker-*.pid")):
         stop_pidfile(f"spark {pidfile.stem}", pidfile)
     stop_pidfile("spark master", base / "master.pid")
+
+
+@dataclass(frozen=True)
+class AttachedCluster:
+    """A private cluster with a Spark Connect server of its own on it, whose application's REST API says where
+    tasks ran."""
+    cluster: Cluster
+    remote: str
+    ui_port: int
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/api/v1{path}", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def executors(self) -> list[dict[str, Any]]:
+        """Every executor the Connect server's application has had, the driver left out."""
+        app = self.get("/applications")[0]["id"]
+        return [e for e in self.get(f"/applications/{app}/allexecutors") if e["id"] != "driver"]
+
+    def tasks_by_executor(self) -> dict[str, int]:
+        """Tasks each executor has run so far."""
+        return {e["id"]: e["totalTasks"] for e in self.executors()}
+
+    def running_tasks(self) -> int:
+        app = self.get("/applications")[0]["id"]
+        return sum(s.get("numActiveTasks", 0) for s in self.get(f"/applications/{app}/stages?status=active"))
+
+
+@contextlib.contextmanager
+def attached_cluster(base: Path, workers: int) -> Iterator[AttachedCluster]:
+    """A master, `workers` workers and a Connect server on them, all on free ports under `base` (tests, the
+    bench): never the stack's own."""
+    master, master_ui, connect_port, ui_port = free_ports(4)
+    cluster = cluster_up(base / "cluster", workers, ClusterPorts(master, master_ui, 0))
+    try:
+        start_spark_connect(base / "connect", connect_port, cluster.master_url, {
+            **executor_conf(workers), "spark.ui.enabled": "true", "spark.ui.port": str(ui_port)})
+        try:
+            yield AttachedCluster(cluster, f"sc://127.0.0.1:{connect_port}", ui_port)
+        finally:
+            stop_pidfile("spark connect", base / "connect" / "spark-connect.pid")
+    finally:
+        cluster_down(base / "cluster")

@@ -7,7 +7,6 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,20 +19,9 @@ import pymysql
 import pytest
 from sqlalchemy.engine import URL
 
+from stack.local import free_ports
+
 USER = "rowrelay"
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports: every socket stays bound until all are chosen, so the OS cannot hand out
-    the same port twice (one at a time, it may: a server then gets two listeners on one port)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def free_port() -> int:

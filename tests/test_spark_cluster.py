@@ -9,15 +9,11 @@ Part of the fault suite (`make test-faults`): four JVMs on two cores, run alone.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
-import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -28,11 +24,9 @@ from sqlalchemy.engine import URL, Engine
 
 from orchestration.verify import verify_table
 from resources.config import RelayConfig, SparkConfig
-from stack import local as stack
-from stack.spark_cluster import Cluster, ClusterPorts, cluster_down, cluster_up, executor_conf
+from stack.spark_cluster import AttachedCluster, Cluster, attached_cluster
 from tests.conftest import Services
 from tests.pipeline import Harness, read_topic, relay_config
-from tests.private_servers import free_ports
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -40,41 +34,10 @@ FIRST_ROWS = 2_000_000
 MORE_ROWS = 500_000
 
 
-@dataclass
-class PrivateSpark:
-    cluster: Cluster
-    remote: str
-    ui_port: int
-    connect: subprocess.Popen
-
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/api/v1{path}", timeout=10) as resp:
-            return json.loads(resp.read())
-
-    def executors(self) -> list[dict[str, Any]]:
-        """Every executor the Connect server's application has had, the driver left out."""
-        app = self.get("/applications")[0]["id"]
-        return [e for e in self.get(f"/applications/{app}/allexecutors") if e["id"] != "driver"]
-
-    def running_tasks(self) -> int:
-        app = self.get("/applications")[0]["id"]
-        return sum(s.get("numActiveTasks", 0) for s in self.get(f"/applications/{app}/stages?status=active"))
-
-
 @pytest.fixture(scope="module")
-def private_spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateSpark]:
-    base = tmp_path_factory.mktemp("spark_cluster")
-    master, master_ui, connect_port, ui_port = free_ports(4)
-    cluster = cluster_up(base / "cluster", 2, ClusterPorts(master, master_ui, 0))
-    try:
-        connect = stack.start_spark_connect(base / "connect", connect_port, cluster.master_url, {
-            **executor_conf(2), "spark.ui.enabled": "true", "spark.ui.port": str(ui_port)})
-        try:
-            yield PrivateSpark(cluster, f"sc://127.0.0.1:{connect_port}", ui_port, connect)
-        finally:
-            stack.stop_pidfile("spark connect", base / "connect" / "spark-connect.pid")
-    finally:
-        cluster_down(base / "cluster")
+def private_spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AttachedCluster]:
+    with attached_cluster(tmp_path_factory.mktemp("spark_cluster"), 2) as found:
+        yield found
 
 
 def expected_row(i: int) -> dict[str, Any]:
@@ -116,7 +79,7 @@ def worker_processes(cluster: Cluster, index: int) -> list[int]:
 
 
 @pytest.fixture
-def cluster_config(services: Services, pg_database: URL, pg_engine: Engine, private_spark: PrivateSpark,
+def cluster_config(services: Services, pg_database: URL, pg_engine: Engine, private_spark: AttachedCluster,
                    name: str) -> RelayConfig:
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigint PRIMARY KEY, v text, amount numeric(12, 2))"))
@@ -127,7 +90,7 @@ def cluster_config(services: Services, pg_database: URL, pg_engine: Engine, priv
 
 
 def test_a_two_million_row_slice_runs_on_both_executors_then_survives_a_worker_killed_mid_read(
-        cluster_config: RelayConfig, private_spark: PrivateSpark, services: Services, pg_engine: Engine,
+        cluster_config: RelayConfig, private_spark: AttachedCluster, services: Services, pg_engine: Engine,
         dagster_instance: Any) -> None:
     table = cluster_config.tables[0]
     insert_rows(pg_engine, table.table_name, 1, FIRST_ROWS)
