@@ -16,6 +16,8 @@ TCP (sslmode=disable) and produces lz4 to the same broker:
   freshness insert one row, time until it is visible read_committed, with the daemon's sensor ticking at
             the default interval; warm Spark (Connect server) and cold Spark (a JVM per run)
   memory    peak RSS of the run worker (the backfill process) for the largest slice
+  cluster   that slice again, read on a private two-worker Spark standalone cluster (bench/cluster.py): rows/s,
+            executors used, and its ratio to the memory run's local[2]
 The 1M-row runs (raw, ceiling, rowrelay, dpone, Debezium) go in `--repeats` rounds (3), every tool once per round;
 each figure is the median of its rounds, and every sample is kept in results.json. The ceiling, ceiling + Kafka and
 rowrelay runs also record the CPU-seconds of each process of the stack over the run (`cpu_s`).
@@ -316,11 +318,13 @@ def dagster_env(stack: Stack, config: Path, launcher: str | None = None) -> dict
             "ROWRELAY_CONFIG": str(config), "PYTHONPATH": str(ROOT)}
 
 
-def write_config(stack: Stack, path: Path, tables: list[dict[str, Any]], warm_spark: bool = True) -> Path:
+def write_config(stack: Stack, path: Path, tables: list[dict[str, Any]], warm_spark: bool = True,
+                 spark_remote: str | None = None) -> Path:
     url = ("postgresql://${ROWRELAY_PG_USER:-rowrelay}:${ROWRELAY_PG_PASSWORD}@${ROWRELAY_PG_HOST:-127.0.0.1}:"
            "${ROWRELAY_PG_PORT:-15432}/" + BENCH_DB + "?sslmode=disable")  # every tool reads over plain TCP here
     sources = {t["source"]: {"url": url} for t in tables}
-    spark = {"remote": stack.spark_remote} if warm_spark and stack.spark_remote else {"master": "local[2]"}
+    remote = spark_remote or (stack.spark_remote if warm_spark else "")
+    spark = {"remote": remote} if remote else {"master": "local[2]"}
     path.write_text(yaml.safe_dump({"sources": sources, "tables": tables, "spark": spark,
                                     "kafka": {"bootstrap_servers": "${ROWRELAY_KAFKA_BOOTSTRAP}"}}))
     return path
@@ -513,12 +517,15 @@ class CommittedWatch:
         self.pid = pid
 
 
-def run_rowrelay(stack: Stack, table: str, rows: int, slice_rows: int, workdir: Path, label: str) -> dict[str, Any]:
+def run_rowrelay(stack: Stack, table: str, rows: int, slice_rows: int, workdir: Path, label: str,
+                 spark_remote: str | None = None) -> dict[str, Any]:
+    """`rowrelay backfill` of `table` under a source of its own (`label`: its own topic and progress); Spark is the
+    stack's Connect server unless `spark_remote` names another."""
     source = f"bench{label}"
     table_id = f"{source}.public.{table}"
     config = write_config(stack, workdir / f"rowrelay-{label}.yaml", [
         {"source": source, "table": f"public.{table}", "watermark": "id", "slice_max_rows": slice_rows,
-         "key": ["id"]}])
+         "key": ["id"]}], spark_remote=spark_remote)
     env = dagster_env(stack, config)
     cmd = [sys.executable, "-m", "orchestration.cli", "backfill", "--table", table_id]
     # Timed from launch until the last slice is visible read_committed, as the peers are (Debezium: until the
@@ -685,10 +692,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launchers", nargs="+", choices=sorted(LAUNCHERS), default=["warm"],
                         help="run launchers to measure freshness and run overhead with (the first gives the "
                              "unsuffixed keys)")
-    parts = ["raw", "ceiling", "rowrelay", "dpone", "debezium", "idle", "scale", "freshness", "memory"]
+    parts = ["raw", "ceiling", "rowrelay", "dpone", "debezium", "idle", "scale", "freshness", "memory", "cluster"]
     parser.add_argument("--only", choices=parts, nargs="*")
     args = parser.parse_args(argv)
     only = set(args.only or parts)
+    if "cluster" in only and "memory" not in only:  # the cluster's slice is the memory part's, beside it
+        parser.error("--only cluster needs memory in the same run (the same slice on local[2], its baseline)")
     if "idle" in only and "rowrelay" not in only:  # the idle tick is that of the table the rowrelay runs relayed
         parser.error("--only idle needs rowrelay in the same run (its idle tick is on the table rowrelay relays)")
     stack = Stack()
@@ -837,6 +846,16 @@ def main(argv: list[str] | None = None) -> int:
         results["peak_rss_mib"] = r["peak_rss_mib"]
         results["peak_rss_rows"] = args.rss_rows
         log(f"memory: {args.rss_rows:,}-row slice, peak RSS {r['peak_rss_mib']} MiB, {r['rows_per_s']:,} rows/s")
+        if "cluster" in only:
+            from bench.cluster import cluster_slice  # it builds on this module: imported where used
+
+            c = cluster_slice(stack, big, args.rss_rows, workdir)
+            results["cluster"] = c
+            results["cluster_slice_rows_per_s"] = c["rows_per_s"]
+            results["cluster_executors_used"] = c["executors_used"]
+            results["ratio_cluster_vs_local"] = round(c["rows_per_s"] / r["rows_per_s"], 2)
+            log(f"cluster: {args.rss_rows:,}-row slice on {c['workers']} workers, {c['rows_per_s']:,} rows/s on "
+                f"{c['executors_used']} executor(s); {results['ratio_cluster_vs_local']}x local[2]")
         with stack.connect() as conn:
             conn.execute(f"DROP TABLE IF EXISTS {big}")
 
@@ -861,7 +880,8 @@ def main(argv: list[str] | None = None) -> int:
     # Exactly once in every run that promises it (rowrelay's, the ceiling + Kafka path's, which publishes with
     # rowrelay's publisher, the memory run's): each topic read to its end, every watermark once.
     promised = [*results.get("rowrelay_runs", []), *results.get("kafka_path_runs", []),
-                *([results["memory"]] if "memory" in results else [])]
+                *([results["memory"]] if "memory" in results else []),
+                *([results["cluster"]] if "cluster" in results else [])]
     broken = [r for r in promised if not r.get("exactly_once")]
     results["exactly_once_every_run"] = not broken if promised else None
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
@@ -965,7 +985,10 @@ def print_table(r: dict[str, Any]) -> None:
               f"{fmt(r['run_start_s'])} / {fmt(r['run_overhead_s'])}"),
              ("freshness p50, s (JVM per run)", r.get("freshness_cold_p50_s")),
              ("peak RSS of the run worker, MiB", r["peak_rss_mib"]),
-             ("  for a one-slice run of rows", r["peak_rss_rows"])]
+             ("  for a one-slice run of rows", r["peak_rss_rows"]),
+             *((("the same slice on a two-worker Spark cluster, rows/s", r["cluster_slice_rows_per_s"]),
+                ("  executors that ran its tasks", r["cluster_executors_used"]),
+                ("  ratio to local[2]", r["ratio_cluster_vs_local"])) if r.get("cluster_slice_rows_per_s") else ())]
     width = max(len(k) for k, _ in rows)
     print()
     for k, v in rows:
