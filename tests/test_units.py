@@ -127,7 +127,7 @@ def test_config_defaults_and_names() -> None:
     shared = copy.deepcopy(BASE)
     shared["tables"] += [dict(BASE["tables"][0], table="public.refunds", topic="shop.public.orders"),
                          dict(BASE["tables"][0], table="public.carts")]
-    from assets.relay import channel_for
+    from assets.identity import channel_for
 
     orders, refunds, carts = parse_config(shared).tables
     assert orders.topic_shared_with == ("shop.public.refunds",) and refunds.topic_shared_with == ("shop.public.orders",)
@@ -344,7 +344,7 @@ def test_a_run_whose_slices_do_not_follow_each_other_says_so() -> None:
 def test_slices_committed_before_a_failure_are_found_by_their_ranges() -> None:
     """The failure hook's slices: those inside the run's tag `<run>/first...last`, in watermark order, negative
     watermarks (whose keys do not sort as text) included; none without the tag, or with a tag of another run."""
-    from assets.relay import committed_before_failure
+    from assets.checks import committed_before_failure
     from resources.kafka_io_manager import COMMITTED_BEFORE_FAILURE_TAG
     from resources.slices import SliceRange
 
@@ -641,7 +641,8 @@ def test_a_source_below_its_committed_progress_is_flagged() -> None:
     passed, while its new rows up to the old progress would count as sent and never be published."""
     from dagster import AssetCheckSeverity
 
-    from assets.relay import TableLag, lag_result
+    from assets.checks import lag_result
+    from assets.lag import TableLag
     from resources.config import TableConfig
 
     table = TableConfig(source="src", table="public.orders", watermark="id")
@@ -733,7 +734,7 @@ def test_the_recorded_slice_is_the_highest_not_the_latest_materialization() -> N
     while (4, 6] had committed, and the refusal's reset point would have sent (4, 6] again (found by review)."""
     from dagster import AssetKey, AssetMaterialization, DagsterInstance
 
-    from assets.relay import last_recorded_slice
+    from assets.records import last_recorded_slice
 
     key = AssetKey(["src", "public", "t"])
     with DagsterInstance.ephemeral() as instance:
