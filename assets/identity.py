@@ -5,7 +5,6 @@ from dagster import AssetKey, DynamicPartitionsDefinition
 from resources.config import TableConfig
 from resources.exactly_once import TableChannel
 from resources.identity import DagsterNames, TableIdentity
-from resources.identity import source_resource_key as source_resource_key
 
 
 def pool_name(table: TableConfig) -> str:

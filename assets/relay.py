@@ -11,27 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 from dagster import AssetExecutionContext, AssetsDefinition, BackfillPolicy, BetaWarning, Failure, asset
 
-from assets.checks import (
-    LAG_CHECK,
-    PARITY_CHECK,
-    build_parity_after_failure_hook,
-    build_table_checks,
-    committed_before_failure,
-    evaluate_parity,
-    lag_result,
-    parity_result,
-    unmeasured_lag,
-)
-from assets.identity import asset_key, channel_for, partitions_for, pool_name, source_resource_key
-from assets.lag import CHECK_KAFKA_TIMEOUT_S, TableLag, measure_lag
-from assets.records import last_recorded_slice, recorded_published
+from assets.checks import build_parity_after_failure_hook
+from assets.identity import asset_key, channel_for, partitions_for, pool_name
+from assets.records import last_recorded_slice
 from assets.shape import SliceShapes, check_schema, table_shape
 from assets.skips import refuse_skips_of_many_rows, skip_advice_for
-from assets.worker import local_worker_pid, run_start_timings, worker_tags
+from assets.worker import run_start_timings, worker_tags
 from resources.config import TableConfig
 from resources.exactly_once import BadRowError, SliceOutOfOrder, TableChannel, read_committed_progress, skip_advice
+from resources.identity import source_resource_key
 from resources.kafka_io_manager import channel_metadata
-from resources.keys import WATERMARK, WORKER_HOST_TAG, WORKER_PID_TAG
+from resources.keys import WATERMARK
 from resources.messages import message_columns
 from resources.slice_reads import SliceFrame, TableSlices
 from resources.slices import SliceRange, watermark_text
@@ -42,14 +32,7 @@ from resources.stops import StopReason, inherited_stop_cleared, stop_reason, sto
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-# The names orchestration, the CLI and tests import from here; each is owned by the module it is imported from.
-__all__ = [
-    "CHECK_KAFKA_TIMEOUT_S", "LAG_CHECK", "PARITY_CHECK", "WORKER_HOST_TAG", "WORKER_PID_TAG", "TableLag", "asset_key",
-    "build_table_asset", "build_table_checks", "build_table_slices", "channel_for", "committed_before_failure",
-    "evaluate_parity", "lag_result", "last_recorded_slice", "local_worker_pid", "measure_lag", "parity_result",
-    "partitions_for", "pool_name", "recorded_published", "slices_to_publish", "source_resource_key", "table_shape",
-    "unmeasured_lag", "worker_tags",
-]
+__all__ = ["build_table_asset", "build_table_slices", "read_signature", "slices_to_publish", "sqlite_misfit_error"]
 
 
 def slices_to_publish(channel: TableChannel, slices: list[SliceRange], committed_hi: int) -> list[SliceRange]:

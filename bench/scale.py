@@ -29,7 +29,7 @@ from typing import Any
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
-from assets.relay import channel_for, partitions_for
+from assets.identity import channel_for, partitions_for
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import ProgressRecord, ensure_topics, read_committed_progress
 from resources.slices import SliceRange

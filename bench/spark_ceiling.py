@@ -40,12 +40,13 @@ from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX  # noqa: E
 
 def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
              publish_table: str | None = None, bootstrap: str | None = None) -> tuple[int, float]:
-    from assets.relay import build_table_slices, channel_for
+    from assets.identity import channel_for
+    from assets.relay import build_table_slices
     from orchestration.backfill import end_of_startup
     from resources.config import TableConfig
     from resources.exactly_once import SlicePublisher, TableChannel
     from resources.kafka_io_manager import KafkaIOManager
-    from resources.messages import ReadAhead
+    from resources.slice_reads import ReadAhead
     from resources.slices import SliceRange
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource

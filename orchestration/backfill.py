@@ -25,7 +25,9 @@ from dagster import (
 )
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from assets.relay import asset_key, build_table_slices, channel_for, last_recorded_slice, partitions_for, pool_name
+from assets.identity import asset_key, channel_for, partitions_for, pool_name
+from assets.records import last_recorded_slice
+from assets.relay import build_table_slices
 from orchestration.compaction import open_keys
 from orchestration.cutting import CutInputs, SensorState, backfill, cached_table_shape, cut, early_read
 from orchestration.factory import build_definitions, job_name
@@ -43,7 +45,7 @@ from resources.exactly_once import (
 )
 from resources.kafka_io_manager import STOPPED_TAG, KafkaIOManager, progress_metadata
 from resources.keys import BACKFILL_TAG, RUN_FAILED_LATER
-from resources.messages import EARLY_READS
+from resources.slice_reads import EARLY_READS
 from resources.slices import SliceRange
 from resources.source_database import SourceDatabaseResource
 from resources.stops import ADVICE

@@ -31,7 +31,7 @@ from dagster._core.storage.event_log.schema import DynamicPartitionsTable as KEY
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 from sqlalchemy import func, select, text
 
-from assets.relay import asset_key, channel_for, partitions_for
+from assets.identity import asset_key, channel_for, partitions_for
 from orchestration.instance import job_name, table_runs_active
 from resources.config import TableConfig
 from resources.exactly_once import (

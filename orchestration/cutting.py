@@ -12,7 +12,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from assets.relay import channel_for, table_shape
+from assets.identity import channel_for
+from assets.shape import table_shape
 from resources.config import TableConfig
 from resources.exactly_once import (
     BASELINE_PREFIX,

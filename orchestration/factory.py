@@ -20,26 +20,17 @@ from dagster import (
     sensor,
 )
 
-from assets.relay import (
-    CHECK_KAFKA_TIMEOUT_S,
-    LAG_CHECK,
-    asset_key,
-    build_table_asset,
-    build_table_checks,
-    channel_for,
-    lag_result,
-    last_recorded_slice,
-    measure_lag,
-    partitions_for,
-    source_resource_key,
-    unmeasured_lag,
-)
+from assets.checks import LAG_CHECK, build_table_checks, lag_result, unmeasured_lag
+from assets.identity import asset_key, channel_for, partitions_for
+from assets.lag import CHECK_KAFKA_TIMEOUT_S, measure_lag
+from assets.records import last_recorded_slice
+from assets.relay import build_table_asset
 from orchestration.compaction import build_history_sensor
 from orchestration.instance import first_run_at, job_name
 from orchestration.sensors import build_group_slice_sensor, build_slice_sensor
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import TableChannel, read_progress_tail
-from resources.identity import DagsterNames
+from resources.identity import DagsterNames, source_resource_key
 from resources.kafka_io_manager import KafkaIOManager
 from resources.source_database import SourceDatabaseResource
 from resources.spark import SparkResource

@@ -11,7 +11,8 @@ from typing import Any
 
 from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 
-from assets.relay import asset_key, local_worker_pid
+from assets.identity import asset_key
+from assets.worker import local_worker_pid
 from orchestration.runs import ACTIVE, run_slices
 from resources.config import TableConfig
 from resources.identity import DagsterNames

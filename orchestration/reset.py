@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from dagster import AssetMaterialization, AssetObservation, DagsterInstance, MetadataValue
 
-from assets.relay import asset_key, channel_for, partitions_for, recorded_published
+from assets.identity import asset_key, channel_for, partitions_for
+from assets.records import recorded_published
 from orchestration.compaction import keys_version, replace_keys
 from orchestration.tables import kafka_conf, reflect_table
 from resources.config import RelayConfig, TableConfig

@@ -22,14 +22,8 @@ from dagster import (
 )
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-from assets.relay import (
-    asset_key,
-    channel_for,
-    last_recorded_slice,
-    partitions_for,
-    pool_name,
-    source_resource_key,
-)
+from assets.identity import asset_key, channel_for, partitions_for, pool_name
+from assets.records import last_recorded_slice
 from orchestration.compaction import open_keys
 from orchestration.cutting import (
     SENSOR,
@@ -57,7 +51,7 @@ from orchestration.instance import (
 from orchestration.runs import batched_requests, runs_verdict
 from resources.config import TableConfig
 from resources.exactly_once import KafkaUnavailable, ProgressRecord, read_progress_tail
-from resources.identity import DagsterNames
+from resources.identity import DagsterNames, source_resource_key
 from resources.kafka_io_manager import KafkaIOManager
 from resources.slices import SliceRange, reconcile
 from resources.source_database import InnodbTrxStale, SourceDatabaseResource

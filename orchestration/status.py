@@ -6,7 +6,9 @@ import os
 
 from dagster import DagsterInstance, RunsFilter
 
-from assets.relay import TableLag, asset_key, channel_for, last_recorded_slice, measure_lag
+from assets.identity import asset_key, channel_for
+from assets.lag import TableLag, measure_lag
+from assets.records import last_recorded_slice
 from orchestration.factory import first_run_at, job_name
 from orchestration.instance import runs_of_table
 from orchestration.runs import ACTIVE

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from assets.relay import table_shape
+from assets.shape import table_shape
 from resources.config import ConfigError, RelayConfig, TableConfig, resolve_env
 from resources.source_database import SourceDatabaseResource
 

@@ -8,7 +8,8 @@ from functools import partial
 
 from dagster import DagsterInstance
 
-from assets.relay import asset_key, channel_for, last_recorded_slice
+from assets.identity import asset_key, channel_for
+from assets.records import last_recorded_slice
 from orchestration.tables import kafka_conf, reflect_table, table_source
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import (

@@ -11,18 +11,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from resources.row_checks import is_json_field, is_json_text, json_checked, utf8_checked
-from resources.slice_reads import EARLY_READS, ReadAhead, SliceFrame, SourceReadError, TableSlices
+from resources.row_checks import is_json_field, json_checked, utf8_checked
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
     from pyspark.sql.types import StructField
 
     from resources.source_database import TableShape
-
-# The names the CLI and tests import from here; each is owned by the module it is imported from.
-__all__ = ["EARLY_READS", "KeyPolicy", "ReadAhead", "SliceFrame", "SourceReadError", "TableSlices", "is_json_text",
-           "message_columns"]
 
 KeyPolicy = list[str] | str  # column names | "hash_row" | "none"
 JSON_OPTIONS = {"ignoreNullFields": "false"}

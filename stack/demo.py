@@ -157,7 +157,7 @@ def init_pools() -> None:
     """
     from dagster import DagsterInstance
 
-    from assets.relay import pool_name
+    from assets.identity import pool_name
     from orchestration.instance import ensure_pool
     from resources.config import load_config
 

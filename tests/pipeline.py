@@ -152,7 +152,7 @@ class Harness:
 
     def cli_command(self, table: TableConfig, key: str) -> list[str]:
         """`dagster asset materialize` of a slice or a range `first...last`: the run in a process of its own."""
-        from assets.relay import asset_key
+        from assets.identity import asset_key
 
         return [sys.executable, "-m", "dagster", "asset", "materialize", "--select", "/".join(asset_key(table).path),
                 "--partition-range" if "..." in key else "--partition", key, "-m", "orchestration.definitions"]
@@ -186,7 +186,7 @@ class Harness:
 
     def expand(self, table: TableConfig, target_key: str) -> list[str]:
         """The slice keys a run target covers, in order."""
-        from assets.relay import partitions_for
+        from assets.identity import partitions_for
         from resources.slices import SliceRange
 
         if "..." not in target_key:
@@ -197,7 +197,7 @@ class Harness:
                       key=lambda k: SliceRange.from_key(k).lo)
 
     def max_watermark(self, table: TableConfig) -> int:
-        from assets.relay import table_shape
+        from assets.shape import table_shape
         from resources.source_database import SourceDatabaseResource
 
         source = SourceDatabaseResource(url=self.config.sources[table.source].url)
@@ -207,7 +207,7 @@ class Harness:
             source.dispose()
 
     def materialization(self, table: TableConfig, key: str) -> dict[str, Any]:
-        from assets.relay import asset_key
+        from assets.identity import asset_key
 
         records = self.instance.fetch_materializations(asset_key(table), limit=1000).records
         for r in records:
@@ -217,7 +217,7 @@ class Harness:
         raise AssertionError(f"no materialization recorded for {key}")
 
     def progress(self, table: TableConfig) -> ProgressRecord | None:
-        from assets.relay import channel_for
+        from assets.identity import channel_for
 
         return read_committed_progress({"bootstrap.servers": self.config.kafka.bootstrap_servers},
                                        channel_for(table, PREFIX))

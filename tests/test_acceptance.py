@@ -9,7 +9,8 @@ import pytest
 from dagster import AssetCheckKey
 from sqlalchemy import text
 
-from assets.relay import PARITY_CHECK, asset_key, channel_for
+from assets.checks import PARITY_CHECK
+from assets.identity import asset_key, channel_for
 from resources.exactly_once import read_progress_history, read_published_messages, slice_checksum
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config

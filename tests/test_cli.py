@@ -131,7 +131,7 @@ def test_verify_compares_from_the_tables_baseline_or_reset(services, pg_database
                                                            spark, name) -> None:
     """`start_after: latest` and `rowrelay reset` leave rows at or below their baseline unsent on purpose: verify
     reported each of them missing. It now compares from the newest baseline or reset in the table's progress."""
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from resources.exactly_once import SlicePublisher
 
     with pg_engine.begin() as conn:
@@ -221,7 +221,7 @@ def test_verify_after_a_reset_taken_while_another_producer_holds_the_topic_open(
     the reset but stored after that message were reported extra. The log end is recorded now."""
     from confluent_kafka import Consumer, Producer, TopicPartition
 
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from resources.exactly_once import SlicePublisher, topic_end_offsets
 
     with pg_engine.begin() as conn:
@@ -325,7 +325,7 @@ def test_backfill_reads_early_only_the_slice_its_run_publishes_first(services, p
     its own, and every row is published exactly once."""
     import yaml
 
-    from resources.messages import EARLY_READS
+    from resources.slice_reads import EARLY_READS
     from resources.slices import SliceRange
     from tests.pipeline import assert_exactly_once, read_topic
 
@@ -511,8 +511,9 @@ def test_a_cli_backfill_waits_for_the_tables_running_run(dagster_instance, name,
     import subprocess
     import uuid
 
-    from assets.relay import WORKER_HOST_TAG, WORKER_PID_TAG, worker_tags
+    from assets.worker import worker_tags
     from orchestration.launcher import WORKER_TAG, WarmRunLauncher, in_process_worker_gone
+    from resources.keys import WORKER_HOST_TAG, WORKER_PID_TAG
 
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -621,7 +622,7 @@ def test_a_reset_forward_settles_every_uncommitted_partition_below_it(
                                  "published up to 75 before rowrelay reset after 90, the rest skipped"),
         SliceRange(85, 90).key: (SliceRange(85, 95).key, 85, "never sent: skipped by rowrelay reset after 90"),
     }
-    from assets.relay import asset_key
+    from assets.identity import asset_key
 
     descriptions = {r.asset_materialization.partition: r.asset_materialization.description
                     for r in dagster_instance.fetch_materializations(asset_key(table), limit=100).records}
@@ -713,7 +714,7 @@ def test_replay_serves_the_part_of_a_slice_below_a_reset_inside_it(
 
     # Loading the partition the reset kept (`load_input`'s lookup) failed "has not been published" (found by
     # review): it is the old slice's messages at or below the reset.
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from resources.exactly_once import pieces_in_range, read_piece_messages
 
     kafka = {"bootstrap.servers": services.kafka_bootstrap}
@@ -727,7 +728,7 @@ def test_replay_serves_the_part_of_a_slice_below_a_reset_inside_it(
     # And through the IO manager, as a downstream asset loads the partition.
     from dagster import DynamicPartitionsDefinition, build_input_context, build_output_context
 
-    from assets.relay import asset_key, partitions_for
+    from assets.identity import asset_key, partitions_for
     from resources.kafka_io_manager import channel_metadata
 
     def load(key: str) -> list[int]:
@@ -776,7 +777,7 @@ def test_schema_accept_with_nothing_changed_records_nothing(services, pg_databas
     """`schema accept` with the table's columns those of its committed progress wrote a record anyway and said
     "columns accepted (no change)". It now says there is nothing to accept and records nothing (exit 0: the
     table's current columns are the accepted ones, which is what the command is for)."""
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from resources.exactly_once import read_progress_history
 
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
@@ -851,7 +852,7 @@ def test_a_backfill_killed_after_a_commit_has_its_committed_slice_recorded_by_th
     progress. The next backfill, which fails the dead run, now records it from its progress record."""
     import subprocess
 
-    from assets.relay import asset_key, channel_for
+    from assets.identity import asset_key, channel_for
     from resources.exactly_once import read_progress_history
     from resources.slices import SliceRange
     from tests.pipeline import ROOT, assert_exactly_once
@@ -934,7 +935,7 @@ def test_a_dry_run_backfill_changes_nothing(services, pg_database, pg_engine, da
         in out, out
     assert h.progress(table) is None and dagster_instance.get_dynamic_partitions(partitions) == []
     assert read_topic(services.kafka_bootstrap, table.topic_name, timeout=2) == []
-    from assets.relay import pool_name
+    from assets.identity import pool_name
 
     assert pool_name(table) not in dagster_instance.event_log_storage.get_concurrency_keys()
 
@@ -1000,7 +1001,7 @@ def test_a_reset_keeps_the_schema_check(services, pg_database, pg_engine, dagste
     from dagster import DagsterRunStatus
     from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
 
-    from assets.relay import asset_key
+    from assets.identity import asset_key
 
     ui_run = create_run_for_test(dagster_instance, job_name="__ASSET_JOB", status=DagsterRunStatus.STARTED,
                                  asset_selection=frozenset({asset_key(table)}))

@@ -48,7 +48,7 @@ def test_status_json_matches_the_real_lag(services, pg_database, pg_engine, dags
     from dagster import DagsterRunStatus
     from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
 
-    from assets.relay import asset_key
+    from assets.identity import asset_key
 
     ui_run = create_run_for_test(dagster_instance, job_name="__ASSET_JOB", status=DagsterRunStatus.STARTED,
                                  asset_selection=frozenset({asset_key(table)}))
@@ -95,7 +95,7 @@ def _create_topic(bootstrap: str, topic: str) -> None:
 def test_replay_republishes_a_committed_range_once_and_refuses_bad_input(
         services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
         monkeypatch) -> None:
-    from assets.relay import asset_key
+    from assets.identity import asset_key
     from resources.slices import SliceRange
 
     with pg_engine.begin() as conn:
@@ -218,7 +218,7 @@ def test_after_a_reset_back_a_range_is_its_new_slices_not_the_old_ones(
     """The runbook's re-created table: 200 old rows as one slice, the table dropped and re-created, `reset --after
     0`, the 200 new rows cut as two slices. The range (0, 200] is now the new slices: replay republished the old
     table's messages, and the lookup a run's parity check and load_input use found the old record."""
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from resources.exactly_once import records_in_range
     from resources.slices import SliceRange
 
@@ -263,7 +263,7 @@ def test_after_a_reset_back_a_range_is_its_new_slices_not_the_old_ones(
 def test_status_of_a_latest_table_before_its_baseline_counts_no_lag(pg_database, pg_engine, name) -> None:
     """`start_after: latest` before its first cut: the rows there are never sent (the first cut records them as the
     baseline), yet status counted them as lag, and their age could trip the lag check."""
-    from assets.relay import measure_lag
+    from assets.lag import measure_lag
     from resources.config import TableConfig
     from resources.source_database import SourceDatabaseResource
 

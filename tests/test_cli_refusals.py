@@ -48,7 +48,7 @@ def _ten_row_slices(services, pg_database, name: str, **spec: Any) -> RelayConfi
 def lose_progress_and_messages(services, table: TableConfig) -> None:
     """The table's progress topic deleted and its data topic's messages deleted (as retention does): Kafka shows
     nothing of the table."""
-    from assets.relay import channel_for
+    from assets.identity import channel_for
 
     channel = channel_for(table, PREFIX)
     admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
@@ -67,7 +67,8 @@ def lag_check_result(h: Harness, table: TableConfig, instance) -> Any:
     """The table's lag asset check, evaluated once on its own."""
     from dagster import build_asset_check_context
 
-    from assets.relay import LAG_CHECK, build_table_checks, source_resource_key
+    from assets.checks import LAG_CHECK, build_table_checks
+    from resources.identity import source_resource_key
 
     lag = next(c for c in build_table_checks(table, PREFIX) if LAG_CHECK in {k.name for k in c.check_keys})
     context = build_asset_check_context(
@@ -97,7 +98,7 @@ def _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_h
 
 def _latest_materializations(instance, table) -> dict[str, Any]:
     """Each partition's latest materialization."""
-    from assets.relay import asset_key
+    from assets.identity import asset_key
 
     latest: dict[str, Any] = {}
     for r in instance.fetch_materializations(asset_key(table), limit=1000).records:  # newest first
@@ -268,7 +269,8 @@ def test_progress_lost_with_committed_slices_recorded_is_refused_by_the_lag_sens
     records the run's refusal, an ERROR with its remedy."""
     from dagster import AssetCheckKey, AssetCheckSeverity, build_sensor_context
 
-    from assets.relay import LAG_CHECK, asset_key
+    from assets.checks import LAG_CHECK
+    from assets.identity import asset_key
     from orchestration.factory import lag_sensor_name
 
     cfg, _, refusal = _progress_lost_over_30_committed(services, pg_database, pg_engine, dagster_home, name,

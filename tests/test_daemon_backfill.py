@@ -30,7 +30,7 @@ def test_cli_backfill_keeps_order_and_respects_the_pool(pipeline: FaultPipeline)
     (pool limit 1) and re-running committed slices publishes nothing."""
     from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from orchestration.factory import job_name
     from resources.exactly_once import read_committed_progress
     from resources.slices import SliceRange

@@ -329,7 +329,7 @@ def test_verify_waits_for_another_tables_open_transaction_in_a_shared_topic(
 
     from sqlalchemy import text
 
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from orchestration.verify import verify_table
     from resources.exactly_once import OutgoingMessage, SlicePublisher
     from resources.verify.topic import TopicHeldOpen, topic_watermarks

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from sqlalchemy import create_engine, event, text
 
-from assets.relay import asset_key, channel_for
+from assets.identity import asset_key, channel_for
 from orchestration.cli import main
 from orchestration.cutting import SensorState, cached_table_shape, latest_baseline
 from resources.exactly_once import ProgressRecord, read_committed_progress, read_progress_history

@@ -101,7 +101,7 @@ def test_slices_a_failed_run_committed_before_its_failure_are_materialized(servi
     """A run of two slices whose second holds a row the broker refuses: the first slice is committed in Kafka for
     good, but the failed run recorded no materialization for it (rows, offsets, checksum), and the next run starts
     at the second. It is now reported as a materialization of its partition, naming the run."""
-    from assets.relay import asset_key
+    from assets.identity import asset_key
 
     h, both = _two_slices_with_an_oversized_row(services, pg_database, pg_engine, dagster_instance, name, at=15)
     table = h.table()
@@ -118,7 +118,7 @@ def test_slices_a_failed_run_committed_before_its_failure_are_materialized(servi
     # Dagster skipped the run's checks (its step failed); the asset's failure hook checked the committed slice.
     from dagster import AssetCheckKey
 
-    from assets.relay import PARITY_CHECK
+    from assets.checks import PARITY_CHECK
 
     assert dagster_instance.get_run_by_id(result.run_id).tags["rowrelay/committed_before_failure"] == \
         f"{result.run_id}/{SliceRange(0, 10).key}...{SliceRange(0, 10).key}"
@@ -138,7 +138,7 @@ def test_a_run_fenced_between_its_slices_still_records_the_slices_it_committed(s
 
     from confluent_kafka import Producer
 
-    from assets.relay import asset_key, channel_for
+    from assets.identity import asset_key, channel_for
     from tests.pipeline import polled
 
     with pg_engine.begin() as conn:

@@ -196,7 +196,7 @@ class FaultPipeline:
             assert w.rows > w.rows_at_resume, f"{scenario}: no row written to {w.table} ({w.errors} write errors)"
         target = self.max_ids()
         deadline = time.monotonic() + timeout
-        from assets.relay import channel_for
+        from assets.identity import channel_for
         from resources.exactly_once import read_committed_progress
 
         conf = {"bootstrap.servers": self.services.kafka_bootstrap}
@@ -531,7 +531,7 @@ def test_daemon_killed_and_restarted(pipeline: FaultPipeline) -> None:
 
 def test_zombie_publisher_resumes_after_takeover(pipeline: FaultPipeline) -> None:
     """A frozen worker (SIGSTOP inside its open transaction) wakes up after a newer publisher took over."""
-    from assets.relay import asset_key
+    from assets.identity import asset_key
     from resources.slices import SliceRange
 
     pipeline.stop_daemon()  # nothing else may publish meanwhile
@@ -540,7 +540,7 @@ def test_zombie_publisher_resumes_after_takeover(pipeline: FaultPipeline) -> Non
     table = pipeline.config.tables[0]
     from dagster import DagsterInstance
 
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from resources.exactly_once import read_committed_progress
 
     with pipeline.engines["pg"].begin() as conn:

@@ -7,7 +7,8 @@ import pytest
 from dagster import AssetCheckKey, AssetCheckSeverity, build_sensor_context
 from sqlalchemy import text
 
-from assets.relay import LAG_CHECK, PARITY_CHECK, asset_key, channel_for, evaluate_parity
+from assets.checks import LAG_CHECK, PARITY_CHECK, evaluate_parity
+from assets.identity import asset_key, channel_for
 from orchestration.factory import lag_sensor_name
 from resources.exactly_once import ProgressRecord, SlicePublisher
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
@@ -188,8 +189,9 @@ def test_lag_goes_red_for_a_table_that_never_committed_and_warns_when_unmeasurab
     assert not unmeasured.passed and unmeasured.severity == AssetCheckSeverity.WARN
     assert "lag could not be evaluated" in unmeasured.description and name in unmeasured.description
     # Not measured after a measured WARN is a change of its own: recorded at once, not 5 minutes later.
-    from assets.relay import channel_for, source_resource_key
+    from assets.identity import channel_for
     from orchestration.factory import lag_tick
+    from resources.identity import source_resource_key
 
     _, note = lag_tick(dagster_instance, table, channel_for(table, PREFIX),
                        h.defs.resources[source_resource_key(table.source)],
@@ -229,10 +231,10 @@ def test_progress_missing_over_published_rows_is_an_error_in_status_and_the_lag_
 
     import yaml
 
-    from assets.relay import source_resource_key
     from orchestration.cli import main
     from orchestration.factory import lag_tick
     from resources.config import parse_config
+    from resources.identity import source_resource_key
 
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     with pg_engine.begin() as conn:

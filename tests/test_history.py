@@ -206,7 +206,7 @@ def watch_tick_reads(monkeypatch, instance) -> dict[str, int]:
 @pytest.mark.faults  # slow (~80 s with the 300k-slice seed): make test-faults
 def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_instance, capsys, monkeypatch
                                                    ) -> None:
-    from assets.relay import asset_key, channel_for, partitions_for
+    from assets.identity import asset_key, channel_for, partitions_for
     from bench.scale import idle_tick_times
     from orchestration.compaction import compact_table
     from orchestration.factory import job_name
@@ -292,7 +292,7 @@ def test_large_history_idle_tick_rollup_and_verify(history, services, dagster_in
 def test_partitions_page_renders_in_headless_chromium(history, dagster_home, dagster_instance, tmp_path) -> None:
     """The table's Partitions page, after the policy ran, loads in Debian's headless Chromium within 5 s of page
     time and lists partitions; a screenshot is kept."""
-    from assets.relay import asset_key, partitions_for
+    from assets.identity import asset_key, partitions_for
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -426,7 +426,7 @@ def test_history_compact_cli_rolls_up_and_verify_passes(services, pg_database, d
 
     import yaml
 
-    from assets.relay import partitions_for
+    from assets.identity import partitions_for
     from bench.scale import seed_history
     from orchestration.cli import main
     from tests.conftest import unique
@@ -462,7 +462,7 @@ def test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using(services, pg_database
     from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
 
     import orchestration.compaction as history
-    from assets.relay import asset_key, partitions_for
+    from assets.identity import asset_key, partitions_for
     from bench.scale import seed_history
     from orchestration.factory import job_name
     from tests.conftest import unique
@@ -506,7 +506,7 @@ def test_compaction_replaces_keys_in_one_transaction_beside_cuts_crashes_and_oth
     import threading
 
     import orchestration.compaction as history
-    from assets.relay import partitions_for
+    from assets.identity import partitions_for
     from bench.scale import seed_history
     from orchestration.factory import job_name
     from tests.conftest import unique
@@ -716,7 +716,7 @@ def _seed(services, pg_database, dagster_instance, slices: int, span_days: float
 
 def _his(instance, table) -> list[int]:
     """The table's partition keys' upper ends, checked to cover (0, last] once, in watermark order."""
-    from assets.relay import partitions_for
+    from assets.identity import partitions_for
 
     keys = [SliceRange.from_key(k) for k in instance.get_dynamic_partitions(partitions_for(table).name)]
     assert keys[0].lo == 0 and all(a.hi == b.lo for a, b in zip(keys, keys[1:], strict=False)), keys
@@ -736,7 +736,7 @@ def test_incremental_compaction_rolls_daily_keys_into_their_month(services, pg_d
     """Daily keys turning `rollup_monthly_after_seconds` old join their month's key on later, incremental passes.
     Before, an incremental pass read only the last ~3 days of progress records, and a key ~90 days old was never
     tiled by what it read: daily keys stayed daily for good (a partition a day, forever)."""
-    from assets.relay import asset_key, channel_for
+    from assets.identity import asset_key, channel_for
     from orchestration.compaction import compact_table
     from resources.exactly_once import records_in_range
 

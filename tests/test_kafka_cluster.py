@@ -27,7 +27,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from sqlalchemy import text
 from sqlalchemy.engine import URL, Engine
 
-from assets.relay import channel_for
+from assets.identity import channel_for
 from orchestration.verify import verify_table
 from resources.config import KafkaConfig, RelayConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX

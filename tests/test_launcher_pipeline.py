@@ -33,7 +33,7 @@ def wait_for(predicate: Any, timeout: float, what: str, log: Path | None) -> Any
 
 
 def committed_hi(p: FaultPipeline) -> int:
-    from assets.relay import channel_for
+    from assets.identity import channel_for
     from resources.exactly_once import read_committed_progress
 
     progress = read_committed_progress({"bootstrap.servers": p.services.kafka_bootstrap},

@@ -10,7 +10,7 @@ import pytest
 from dagster import AssetKey
 from sqlalchemy import text
 
-from assets.relay import asset_key, partitions_for, pool_name
+from assets.identity import asset_key, partitions_for, pool_name
 from orchestration.factory import build_definitions, job_name, lag_sensor_name
 from resources.config import ConfigError, RelayConfig, parse_config
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config

@@ -45,7 +45,7 @@ def test_downstream_asset_loads_a_published_slice_back(services, pg_database, pg
                                                        name) -> None:
     from dagster import AssetIn, InMemoryIOManager, asset, materialize
 
-    from assets.relay import asset_key, partitions_for
+    from assets.identity import asset_key, partitions_for
 
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, label text)"))

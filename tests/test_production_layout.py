@@ -23,7 +23,7 @@ from dagster_graphql import DagsterGraphQLClient
 from sqlalchemy import text
 from sqlalchemy.engine import URL, Engine
 
-from assets.relay import channel_for, partitions_for
+from assets.identity import channel_for, partitions_for
 from orchestration.factory import job_name
 from orchestration.verify import verify_table
 from resources.config import RelayConfig, TableConfig

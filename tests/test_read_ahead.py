@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from resources.exactly_once import TableChannel
-from resources.messages import ReadAhead, SliceFrame
+from resources.slice_reads import ReadAhead, SliceFrame
 from resources.slices import SliceRange
 
 CHANNEL = TableChannel.for_table("src.public.t", "src.public.t")
@@ -125,7 +125,7 @@ def run_read(frames: list[SliceFrame]) -> tuple[list[int], ReadAhead]:
 
 
 def test_a_run_takes_the_early_chunks_read_for_its_first_slice_and_reads_the_rest() -> None:
-    from resources.messages import EARLY_READS
+    from resources.slice_reads import EARLY_READS
 
     early_log: list[SliceRange] = []
     assert EARLY_READS.start([_signed(SliceRange(0, 50), early_log, "sig-a")], chunk_rows=10, depth=3) == 3
@@ -139,7 +139,7 @@ def test_a_run_takes_the_early_chunks_read_for_its_first_slice_and_reads_the_res
 
 
 def test_early_chunks_for_another_slice_or_signature_are_dropped_and_the_run_reads_its_own() -> None:
-    from resources.messages import EARLY_READS
+    from resources.slice_reads import EARLY_READS
 
     # (A signature covers the slice: another slice is another signature.)
     for early_frame in (_signed(SliceRange(0, 30), [], "sig-b"),     # the cut turned out another slice
@@ -155,7 +155,7 @@ def test_early_chunks_for_another_slice_or_signature_are_dropped_and_the_run_rea
 
 
 def test_a_failed_early_chunk_is_read_again_by_the_run() -> None:
-    from resources.messages import EARLY_READS
+    from resources.slice_reads import EARLY_READS
 
     EARLY_READS.start([_signed(SliceRange(0, 20), [], "sig-a", fail=True)], chunk_rows=10, depth=3)
     run_log: list[SliceRange] = []
@@ -165,7 +165,7 @@ def test_a_failed_early_chunk_is_read_again_by_the_run() -> None:
 
 
 def test_a_frame_without_signature_never_shares_chunks() -> None:
-    from resources.messages import EARLY_READS
+    from resources.slice_reads import EARLY_READS
 
     assert EARLY_READS.start([_signed(SliceRange(0, 20), [], "")], chunk_rows=10, depth=3) == 0
     EARLY_READS.start([_signed(SliceRange(0, 20), [], "sig-a")], chunk_rows=10, depth=3)
@@ -173,7 +173,7 @@ def test_a_frame_without_signature_never_shares_chunks() -> None:
 
 
 def test_early_chunks_span_consecutive_slices_smaller_than_a_chunk() -> None:
-    from resources.messages import EARLY_READS
+    from resources.slice_reads import EARLY_READS
 
     early_log: list[SliceRange] = []
     slices = [SliceRange(0, 10), SliceRange(10, 20), SliceRange(20, 30), SliceRange(30, 40)]

@@ -13,7 +13,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from assets.relay import build_table_slices, channel_for
+from assets.identity import channel_for
+from assets.relay import build_table_slices
 from orchestration.cli import main
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange

@@ -26,7 +26,7 @@ def test_rollup_key_loads_every_row_back_and_a_rerun_publishes_nothing(services,
                                                                        dagster_instance, spark, name) -> None:
     from dagster import AssetIn, InMemoryIOManager, asset, materialize
 
-    from assets.relay import asset_key, channel_for, partitions_for
+    from assets.identity import asset_key, channel_for, partitions_for
     from orchestration.compaction import compact_table
     from resources.exactly_once import records_in_range
     from resources.history import summarize

@@ -75,7 +75,7 @@ class SaslHarness(Harness):
     plain_bootstrap: str = ""
 
     def progress(self, table: TableConfig) -> ProgressRecord | None:
-        from assets.relay import channel_for
+        from assets.identity import channel_for
 
         return read_committed_progress({"bootstrap.servers": self.plain_bootstrap}, channel_for(table, PREFIX))
 

@@ -124,7 +124,8 @@ def test_columns_changed_mid_run(request, services, dagster_instance, spark, nam
     stopped). Now: `fail` stops before the first slice of the new shape (nothing of it in Kafka, progress at the
     last slice of the old one); `follow` publishes the new rendering and records it; every message matches the
     columns its slice records."""
-    from assets.relay import channel_for, table_shape
+    from assets.identity import channel_for
+    from assets.shape import table_shape
     from resources.exactly_once import live_records, publisher, read_progress_history
     from resources.kafka_io_manager import STOPPED_TAG
     from resources.source_database import SourceDatabaseResource

@@ -64,7 +64,7 @@ def test_passwords_never_reach_dagster_storage_or_errors(services, pg_database, 
 def _dagster_texts(h: Harness, run_ids: list[str]) -> list[str]:
     """Everything Dagster holds about these runs: run config, tags, event logs (errors, materialization metadata),
     the materializations as the asset catalog lists them, and the resources' config."""
-    from assets.relay import asset_key
+    from assets.identity import asset_key
 
     texts = []
     for run_id in run_ids:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from assets.relay import partitions_for
+from assets.identity import partitions_for
 from tests.pipeline import ROOT, relay_config
 from tests.test_cli import _config_file, _serial_table
 
@@ -157,7 +157,7 @@ def test_a_run_on_an_unreachable_spark_connect_url_fails_within_seconds_naming_i
         services, pg_database, pg_engine, dagster_instance, name, tmp_path) -> None:
     """The daemon's path: a sensor tick cuts (no Spark there), and the run it requests fails its table check within
     seconds, naming the URL, instead of PySpark's client retrying the server for ten minutes."""
-    from assets.relay import asset_key
+    from assets.identity import asset_key
     from tests.pipeline import Harness
 
     with _closed_port() as port:

@@ -187,10 +187,10 @@ def test_a_re_execution_of_a_stopped_run_is_not_taken_for_stopped(services, dags
     from dagster import RunsFilter
     from dagster._core.storage.tags import PARENT_RUN_ID_TAG, ROOT_RUN_ID_TAG
 
-    from assets.relay import WORKER_PID_TAG
     from orchestration.factory import job_name
     from orchestration.runs import last_stop_reason
     from resources.kafka_io_manager import RETRY_ON_FAILURE_TAG, STOPPED_TAG
+    from resources.keys import WORKER_PID_TAG
 
     path, engine = _sqlite_table(tmp_path, name, "v INTEGER", "(1, 1), (2, 2.5), (3, 3)")
     h, table, stopped = _run_first_slice(services, dagster_instance, path, name)

@@ -91,8 +91,8 @@ def test_source_url_tls_settings_reach_the_spark_read(services, pg_database, pg_
 
 def test_wrong_ca_fails_clearly_and_publishes_nothing(services, pg_database, pg_engine, dagster_instance, spark,
                                                      name, stack_tls, tmp_path) -> None:
-    from assets.relay import channel_for
-    from resources.messages import SliceFrame, SourceReadError
+    from assets.identity import channel_for
+    from resources.slice_reads import SliceFrame, SourceReadError
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
     from tests.pipeline import source_url
@@ -161,8 +161,8 @@ def test_url_parameter_spark_cannot_honour_fails_the_run_clearly(services, pg_da
 def test_mariadb_tls_request_reaches_the_spark_read(services, mariadb_database, mariadb_engine, spark,
                                                      name) -> None:
     """pymysql's ssl_* parameters reach Connector/J: asked for TLS, Spark's read never falls back to plaintext."""
-    from assets.relay import channel_for
-    from resources.messages import SliceFrame, SourceReadError
+    from assets.identity import channel_for
+    from resources.slice_reads import SliceFrame, SourceReadError
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
     from tests.pipeline import source_url

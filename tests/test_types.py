@@ -494,7 +494,7 @@ def test_a_type_sqlalchemy_does_not_know_is_refused_by_its_database_name(pg_data
 def test_a_key_column_the_table_no_longer_has_is_refused_at_the_table_check(pg_database, pg_engine, name) -> None:
     """A `key:` column dropped from the table (on_schema_change: follow) failed every run with a bare KeyError,
     retried forever; the table check names it and the remedy."""
-    from assets.relay import table_shape
+    from assets.shape import table_shape
     from resources.config import TableConfig
     from resources.source_database import SourceDatabaseResource, SourceError
 
@@ -681,7 +681,7 @@ def test_json_check_tells_json_from_any_other_text(spark) -> None:
     """`is_json_text` against a strict parser: what MariaDB's json_valid() takes but is not JSON, and what Spark's
     own JSON functions would take (text after the value, single quotes, raw control characters) are refused; JSON
     with duplicate keys, lone surrogate escapes, long strings, names and numbers, deep nesting is not."""
-    from resources.messages import is_json_text
+    from resources.row_checks import is_json_text
 
     def strict(s: str) -> bool:
         def refuse(constant: str) -> None:

@@ -85,7 +85,8 @@ def _png_size(path: Path) -> tuple[int, int]:
 @pytest.mark.integration
 def test_checks_tab_shows_a_passed_parity_and_a_failed_lag_check_in_headless_chromium(
         services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path) -> None:
-    from assets.relay import LAG_CHECK, PARITY_CHECK, asset_key
+    from assets.checks import LAG_CHECK, PARITY_CHECK
+    from assets.identity import asset_key
     from orchestration.factory import lag_sensor_name
 
     if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:

@@ -62,7 +62,8 @@ def test_verify_expects_each_slice_by_the_filter_it_was_published_with(services,
     cfg, table = drain(where="status <> 'draft'")  # 31-60 without the drafts; the skip removed again
     sent = [m.value["id"] for m in read_topic(services.kafka_bootstrap, table.topic_name)]
     assert sent == [i for i in range(1, 61) if i != 5 and (i <= 30 or i % 3)]
-    from assets.relay import channel_for, parity_result
+    from assets.checks import parity_result
+    from assets.identity import channel_for
     from resources.exactly_once import live_records, read_progress_history
     from resources.source_database import SourceDatabaseResource
 
@@ -175,7 +176,8 @@ def test_a_changed_watermark_column_or_type_stops_the_table_until_a_reset(servic
     refused before anything is cut or sent, until the table is put back or `rowrelay reset` says where it stands."""
     import yaml
 
-    from assets.relay import measure_lag, partitions_for
+    from assets.identity import partitions_for
+    from assets.lag import measure_lag
     from orchestration.cli import main
     from orchestration.verify import verify_table
     from resources.exactly_once import WatermarkChanged

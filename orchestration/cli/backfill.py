@@ -12,7 +12,7 @@ from typing import Any
 
 from dagster import DagsterInstance, Definitions
 
-from assets.relay import channel_for
+from assets.identity import channel_for
 from orchestration.backfill import (
     EARLY_READ_WAIT_S,
     apply_cut,
@@ -33,7 +33,7 @@ from orchestration.tables import select_tables
 from resources.config import RelayConfig, TableConfig
 from resources.exactly_once import RelayError, read_committed_progress
 from resources.kafka_io_manager import KafkaIOManager
-from resources.messages import EARLY_READS
+from resources.slice_reads import EARLY_READS
 from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError
 
 

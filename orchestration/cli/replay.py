@@ -10,7 +10,7 @@ from typing import Any
 
 from dagster import AssetObservation, DagsterInstance
 
-from assets.relay import asset_key, channel_for
+from assets.identity import asset_key, channel_for
 from orchestration.cli.arguments import watermark_kind_error
 from orchestration.cli.errors import dagster_home_set
 from orchestration.tables import kafka_conf, select_tables

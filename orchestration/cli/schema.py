@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from assets.relay import channel_for
+from assets.identity import channel_for
 from orchestration.tables import kafka_conf, reflect_table, select_tables
 from resources.config import RelayConfig
 from resources.exactly_once import RelayError, SlicePublisher, read_committed_progress

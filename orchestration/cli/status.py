@@ -11,7 +11,7 @@ from dagster import DagsterInstance
 from rich.console import Console
 from rich.table import Table
 
-from assets.relay import pool_name
+from assets.identity import pool_name
 from orchestration.cli.errors import each_table
 from orchestration.instance import ensure_pool
 from orchestration.status import active_runs, table_status

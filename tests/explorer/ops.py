@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from sqlalchemy import text
 
-from assets.relay import channel_for
+from assets.identity import channel_for
 from resources.config import RelayConfig, TableConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import micros_text

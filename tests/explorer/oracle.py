@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from assets.relay import channel_for
+from assets.identity import channel_for
 from orchestration.tables import kafka_conf
 from orchestration.verify import verify_table
 from resources.config import RelayConfig, TableConfig

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from sqlalchemy import create_engine, text
 
-from assets.relay import channel_for
+from assets.identity import channel_for
 from resources.config import RelayConfig, TableConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.conftest import Services, unique

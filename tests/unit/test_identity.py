@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from assets.identity import asset_key, channel_for, partitions_for, pool_name, source_resource_key
+from assets.identity import asset_key, channel_for, partitions_for, pool_name
 from orchestration.factory import job_name, lag_sensor_name
 from resources.config import RelayConfig, parse_config
-from resources.identity import DagsterNames, TableIdentity
+from resources.identity import DagsterNames, TableIdentity, source_resource_key
 
 
 def config(table: str, **settings: object) -> RelayConfig:
