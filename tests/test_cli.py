@@ -966,7 +966,7 @@ def test_a_dry_run_refuses_where_the_backfill_would(services, pg_database, pg_en
                                                    monkeypatch) -> None:
     """A table whose messages are already in its topic under a new transactional_id_prefix (here `start_after:
     latest` too): the backfill refuses to send them again or to record a baseline over them (ProgressMissing). Its
-    dry run said what it would cut and exited 0 (found by review); it refuses the same way, and changes nothing."""
+    dry run said what it would cut and exited 0; it refuses the same way, and changes nothing."""
     from resources.config import parse_config
 
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
@@ -987,7 +987,7 @@ def test_a_reset_keeps_the_schema_check(services, pg_database, pg_engine, dagste
                                         name, tmp_path, capsys, monkeypatch) -> None:
     """`on_schema_change: fail` compares a slice's columns with the last progress record's. A reset's record had
     none, so the first slice after any reset (the runbook's re-created table, most of all) published new columns
-    unchecked (found by review). The reset now carries the columns last published; `schema accept` works over it.
+    unchecked. The reset now carries the columns last published; `schema accept` works over it.
     And a reset waits for a run of the table launched from the UI, as for the table's own job's."""
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     _serial_table(pg_engine, name, 20)
@@ -997,7 +997,7 @@ def test_a_reset_keeps_the_schema_check(services, pg_database, pg_engine, dagste
     table = cfg.tables[0]
     assert main(["--config", config_file, "backfill", "--table", table.table_id]) == 0
     # A Materialize from the UI runs `__ASSET_JOB`: the reset counted only the table's own job's runs, went ahead
-    # and fenced it (found by review). It is counted now.
+    # and fenced it. It is counted now.
     from dagster import DagsterRunStatus
     from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
 

@@ -292,7 +292,7 @@ def test_a_replay_that_outlives_the_transaction_timeout_says_what_to_do(
         services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
         monkeypatch) -> None:
     """A replay is one transaction. It ran under librdkafka's 60 s default (not the publisher's timeout), and when
-    the broker aborted it the user got a KafkaException traceback (found by review). Now it takes the publisher's
+    the broker aborted it the user got a KafkaException traceback. Now it takes the publisher's
     timeout and fails with what happened and what to do; nothing of it is visible."""
     import resources.exactly_once as protocol
     from resources.exactly_once import replay

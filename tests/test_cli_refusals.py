@@ -1,5 +1,5 @@
 """The CLI refuses (and reports) where the publisher would, and a reset over empty progress tells the truth about
-the partitions Dagster recorded as committed (found by review, /tmp/review-ops)."""
+the partitions Dagster recorded as committed."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def test_postgres_rows_committed_asynchronously_are_final_once_their_wal_is_flus
 def test_postgres_unlogged_watermark_sequence_is_refused(name) -> None:
     """Since PostgreSQL 15 a sequence can be UNLOGGED (`ALTER SEQUENCE ... SET UNLOGGED`) behind a logged table: a
     crash resets it to its start, so new rows take ids at or below those already sent and are never sent. Only an
-    UNLOGGED table was refused (found by review); its sequence is now, wherever it feeds rows a read takes."""
+    UNLOGGED table was refused; its sequence is now, wherever it feeds rows a read takes."""
     with postgres_servers() as make:
         server = make()
         url = server.url()

@@ -30,7 +30,7 @@ def test_a_latest_tables_progress_lost_after_its_messages_expired_is_refused_not
         monkeypatch) -> None:
     """A `start_after: latest` table relayed up to 5, then its progress topic deleted once the data topic's messages
     had aged out, and rows 6-7 written: the next tick (and `rowrelay backfill`) recorded a new baseline at 7, so
-    rows 6-7 were never sent and nothing said so (found by review). Dagster's record of the committed slices
+    rows 6-7 were never sent and nothing said so. Dagster's record of the committed slices
     refuses it now, as for any table, with the same remedy; a fresh sensor cursor no longer deletes the committed
     slices' partitions as orphans either."""
 
@@ -99,7 +99,7 @@ def test_a_backfill_cuts_final_rows_of_a_trickle_batched_table_at_once(
         monkeypatch) -> None:
     """`min_slice_rows: 1000` with 200 final rows: the sensor holds them back (trickle batching), and so did the
     backfill, which shares its cut: it waited out --settle-timeout, warned that the rows were not final ("a
-    transaction ... is open", false) and exited 0 having published nothing (found by review). A backfill is an
+    transaction ... is open", false) and exited 0 having published nothing. A backfill is an
     explicit "publish now": it cuts every final row at once, and warns only of rows that are not final."""
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     serial_table(pg_engine, name, 200)
@@ -182,7 +182,7 @@ def test_a_replay_whose_commit_times_out_calls_it_again_and_succeeds(
         services, pg_database, pg_engine, dagster_home, dagster_instance, spark, name, tmp_path, capsys,
         monkeypatch) -> None:
     """commit_transaction timed out (retriable: the commit goes on in the background); the replay tried to abort,
-    which librdkafka refuses then, and said "nothing was replayed, run the replay again" (found by review): run
+    which librdkafka refuses then, and said "nothing was replayed, run the replay again": run
     again, the range went out twice. The commit is now called again on a retriable error, as the publisher does."""
     table, config_file = _relayed_200(services, pg_database, pg_engine, dagster_instance, dagster_home, name,
                                       tmp_path, monkeypatch)
@@ -233,7 +233,7 @@ def test_a_replay_after_the_data_topic_was_recreated_refuses_the_messages_now_at
         monkeypatch) -> None:
     """Ids 1-200 relayed, the data topic deleted, the next runs re-create it and relay 201-400 at offsets 0-199
     again: `rowrelay replay --from 0 --to 100` read slice (0, 100]'s recorded offsets, found the count it expected
-    and replayed ids 201-300 as that range, exit 0 (found by review). A message outside the slice's range at its
+    and replayed ids 201-300 as that range, exit 0. A message outside the slice's range at its
     offsets now stops the replay, nothing produced; `load_input` and `slice_parity` read through the same check."""
     from confluent_kafka.admin import AdminClient
 
@@ -294,7 +294,7 @@ def test_a_backfill_beside_a_running_run_deletes_the_slices_cut_before_start_aft
     """Slices cut from 0, then `start_after: latest`, and a backfill while a run of the table is running: the
     backfill recorded the baseline but, beside an active run, deleted nothing, and no later tick did (they lie
     below the baseline, where only committed slices are looked for): a run of one then materialized "already
-    committed" for rows never sent (found by review). They go with the baseline now: no run can publish them."""
+    committed" for rows never sent. They go with the baseline now: no run can publish them."""
     from dagster import DagsterRunStatus
     from dagster._core.test_utils import create_run_for_test  # Dagster's own test helper: a run in a given state
 
@@ -323,7 +323,7 @@ def test_verify_waits_for_another_tables_open_transaction_in_a_shared_topic(
         services, pg_database, pg_engine, dagster_instance, name) -> None:
     """Tables A and B share a topic; B's slice has its transaction open while A commits one. read_committed, no
     consumer sees A's slice until B's transaction ends: `verify` of A read the topic only that far and reported A's
-    committed rows missing, exit 1 (found by review). It now waits for the topic to show every committed slice of
+    committed rows missing, exit 1. It now waits for the topic to show every committed slice of
     the table, and says what holds it if that does not come in time."""
     import threading
 

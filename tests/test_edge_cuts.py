@@ -60,7 +60,7 @@ def test_start_after_latest_set_before_first_commit_sends_no_history(services, p
                                                                     dagster_instance, spark, name) -> None:
     """Slices cut from 0, then `start_after: latest` before anything committed (the first load failed, or was
     still queued): the old slices still made a chain from 0, the sensor resumed it, its runs published it, and the
-    whole history `latest` skips was sent (found by review). A run of such a slice is refused now, sending nothing,
+    whole history `latest` skips was sent. A run of such a slice is refused now, sending nothing,
     and the sensor records the baseline and deletes those slices."""
     from tests.test_errors import failure_text
 
@@ -125,7 +125,7 @@ def test_a_recreated_table_past_the_old_pending_max_is_not_cut_on_it(services, p
                                                                       dagster_instance, spark, name) -> None:
     """As above, but the new table's ids pass the old pending max (10) before the next tick, while its id 4 is still
     uncommitted: the old candidate was kept (only one above the new max went), its waits had ended, so it turned
-    final at once and (0, 10] was cut without id 4, never to be sent (found by review). A candidate now belongs to
+    final at once and (0, 10] was cut without id 4, never to be sent. A candidate now belongs to
     the incarnation of the table it was seen in (PostgreSQL: oid and relfilenode)."""
     h, table = _recreated_with_the_old_max_pending(services, pg_database, pg_engine, dagster_instance, name)
     with pg_engine.connect() as writer:
@@ -199,7 +199,7 @@ def test_latest_baseline_waits_for_open_transactions(services, pg_database, pg_e
 def test_a_tick_holding_rows_for_an_open_transaction_says_which(services, pg_database, pg_engine, dagster_instance,
                                                                 name) -> None:
     """A session left idle in transaction holds new rows back (correctly), but the tick said only "Sensor function
-    returned an empty result" in the UI: nothing about rows waiting, or on what (found by review). Its skip message
+    returned an empty result" in the UI: nothing about rows waiting, or on what. Its skip message
     now names the rows held, the transaction (its backend's pid) and the runbook entry."""
     _pg_table(pg_engine, name, 3)
     h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
@@ -227,7 +227,7 @@ def test_a_prepared_transaction_holds_the_rows_it_may_still_commit_below_the_max
     """PostgreSQL releases a transaction's virtual xid lock at PREPARE TRANSACTION. A transaction that drew id 4 (no
     xid yet) while id 5 committed was waited for by its vxid; it then inserted 4 (its xid, taken after the max was
     seen, is above the marker, so the xmin part passes) and prepared: the check saw its vxid gone and cut up to 5,
-    and COMMIT PREPARED made row 4 visible below the cut, never sent (found by review). A prepared transaction of
+    and COMMIT PREPARED made row 4 visible below the cut, never sent. A prepared transaction of
     the table's database whose xid is at or above the marker now holds the cut, and the tick names its gid."""
     _pg_table(pg_engine, name, 3)
     h = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance)
@@ -325,7 +325,7 @@ def test_rows_at_or_below_zero_are_refused_unless_start_after_says(services, pg_
     below = Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name, start_after=-4)]), dagster_instance)
     assert below.cut(below.table()) != []  # cut, never run
     # `start_after` unset again before anything committed: those slices were deleted as orphans and the table was cut
-    # from 0, skipping -3 and 0 without a word (found by review). Refused as before any cut.
+    # from 0, skipping -3 and 0 without a word. Refused as before any cut.
     with pytest.raises(Exception, match=r"rows with watermark <= 0 exist \(the lowest is -3\)"):
         Harness(relay_config(services, {"src": pg_database}, [_table_cfg(name)]), dagster_instance).tick(h.table())
     h = below
@@ -490,7 +490,7 @@ def test_transaction_timeout_bounds_slice_size() -> None:
     assert slice_rows_limit(100_000, [rec(10_000, 1000.0)], 60_000) == 1_000  # never below 1000 rows
     assert slice_rows_limit(100_000, [rec(10, 100.0)], 60_000) == 100_000  # too few rows to judge
     # A configured size under 1000 holds whatever the history (it was raised to 1000 once slices of 1000 rows had
-    # committed: a lowered slice_max_rows, e.g. for wide rows, was ignored; found by review).
+    # committed: a lowered slice_max_rows, e.g. for wide rows, was ignored).
     assert slice_rows_limit(100, [rec(5_000, 2.0)], 600_000) == 100
     assert slice_rows_limit(100, [rec(10_000, 1000.0)], 60_000) == 100
 
@@ -620,7 +620,7 @@ def test_a_retry_whose_slices_were_deleted_does_not_hold_the_table(services, pg_
     """An admin deleted a queued run's partitions in the UI; the sensor cut the range again (its last slice, short
     before, now longer), and Dagster's retry of a run on the old slices was created but could never be queued
     ("Nonexistent partition keys"): five retries in a row, each failed by run monitoring after 120 s, while the
-    sensor counted them as queued and held the table ~10 minutes (found by review). Now such a run is canceled
+    sensor counted them as queued and held the table ~10 minutes. Now such a run is canceled
     (a canceled run is not retried) and the table's slices go on."""
     from dagster import DagsterRunStatus
     from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG

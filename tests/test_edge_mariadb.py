@@ -80,7 +80,7 @@ def test_mariadb_prepared_xa_transaction_whose_client_disconnected_still_holds_t
     """XA START; INSERT id 2; XA END; XA PREPARE, then the client disconnects (a transaction manager's connection
     lost or recycled): MariaDB keeps the prepared transaction, detached (innodb_trx: thread id 0, same trx_id and
     start), until XA COMMIT or ROLLBACK. It was taken as ended and the cut passed id 2, which a transaction
-    manager's recovery then committed below progress: never sent (found by review)."""
+    manager's recovery then committed below progress: never sent."""
     source = SourceDatabaseResource(url=source_url(mariadb_database))
     with prepared_xa_holding_id_2(mariadb_database, mariadb_engine, name) as (xid, xa, admin):
         try:
@@ -104,7 +104,7 @@ def test_mariadb_prepared_xa_transaction_whose_client_disconnected_still_holds_t
 def test_mariadb_sensor_tick_names_the_transaction_that_holds_its_rows(services, mariadb_database, mariadb_engine,
                                                                      dagster_instance, name) -> None:
     """While a transaction held new rows back, the tick said only "Sensor function returned an empty result" in the
-    UI, even for a prepared XA transaction whose client disconnected, which never ends by itself (found by review).
+    UI, even for a prepared XA transaction whose client disconnected, which never ends by itself.
     The skip message now names the rows held, what holds them (the connection; for a detached XA transaction: that
     it needs XA COMMIT or XA ROLLBACK), and the runbook entry."""
     with prepared_xa_holding_id_2(mariadb_database, mariadb_engine, name) as (xid, xa, admin):
@@ -138,7 +138,7 @@ def test_mariadb_running_insert_holds_a_datetime_cut_in_the_servers_time_zone(
     """A DATETIME(6) DEFAULT CURRENT_TIMESTAMP(6) row takes its statement's start in the writer's zone, the server's
     default. The cut's cap below a still-running INSERT was computed in UTC and compared with those wall-clock
     values: at -05:00 the row of an `INSERT ... SLEEP` was cut past (lost), at +05:30 the cut was held 5.5 hours
-    behind (found by review). Here the writers and rowrelay are in the server's default zone, on a server of the
+    behind. Here the writers and rowrelay are in the server's default zone, on a server of the
     test's own: a zone set on a shared one reaches every other test's connections."""
     from resources.slices import datetime_to_micros
     from tests.private_servers import private_mariadb_database
@@ -187,7 +187,7 @@ def test_mariadb_running_insert_holds_a_datetime_cut_in_the_servers_time_zone(
 
 def test_mariadb_watermark_set_on_update_is_refused(mariadb_database, mariadb_engine, name) -> None:
     """`DATETIME(6) ... ON UPDATE CURRENT_TIMESTAMP(6)` as the watermark: an UPDATE lifted a row already sent above
-    progress and it was sent again (found by review). Refused at the table check, naming the fix."""
+    progress and it was sent again. Refused at the table check, naming the fix."""
     with mariadb_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (n INT PRIMARY KEY, created_at DATETIME(6) NOT NULL DEFAULT "
                           "CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6), INDEX (created_at))"))
@@ -213,7 +213,7 @@ def test_mariadb_watermark_set_on_update_is_refused(mariadb_database, mariadb_en
 def test_mariadb_zero_datetime_watermark_is_a_clear_error(services, mariadb_database, mariadb_engine,
                                                           dagster_instance, name, zero: str) -> None:
     """A DATETIME watermark holding a zero date, or a zero day (the default sql_mode accepts both; pymysql returns
-    them as text), failed every sensor tick with a bare "invalid literal for int()" (found by review). Now the
+    them as text), failed every sensor tick with a bare "invalid literal for int()". Now the
     tick fails naming the table, the column, the value and the remedy, before anything is cut; the `where:` it
     names lets the table relay."""
     from tests.pipeline import Harness, relay_config
@@ -295,7 +295,7 @@ def test_postgres_bc_timestamp_keeps_its_era(services, pg_database, pg_engine, s
                                     "__ROWRELAY_TIE_ORDER"])
 def test_postgres_column_named_like_rowrelays_own_is_refused(pg_database, pg_engine, name, column: str) -> None:
     """A column named like one rowrelay adds to a slice's read passed the table check, and every run then failed
-    with Spark's bare COLUMN_ALREADY_EXISTS (found by review): refused at the table check, naming the fix."""
+    with Spark's bare COLUMN_ALREADY_EXISTS: refused at the table check, naming the fix."""
     with pg_engine.begin() as conn:
         conn.execute(text(f'CREATE TABLE {name} (id bigserial PRIMARY KEY, ts timestamp, "{column}" text)'))
     source = SourceDatabaseResource(url=source_url(pg_database))

@@ -365,7 +365,7 @@ def test_run_with_empty_progress_and_published_topic_stops_without_publishing(se
 def test_progress_topic_lost_after_the_data_topics_messages_expired_is_refused(services, pg_database, pg_engine,
                                                                                dagster_instance, spark, name) -> None:
     """The progress topic deleted by an admin once the data topic's old messages had aged out: nothing in Kafka
-    showed the table's history, and the next backfill sent it all again, exit 0 (found by review). Dagster's
+    showed the table's history, and the next backfill sent it all again, exit 0. Dagster's
     storage still records the committed slices: the run refuses, naming the watermark to reset to."""
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
@@ -491,7 +491,7 @@ def test_a_compacted_data_topic_needs_a_key(services, name) -> None:
 
 def test_a_compacted_topic_two_tables_share_is_refused(services, name) -> None:
     """Two keyed tables sharing a compacted topic: a message's key holds the row's key columns only, so compaction
-    kept one table's `{"id":1}` and erased the other's, rows lost for good (found by review). Refused before any
+    kept one table's `{"id":1}` and erased the other's, rows lost for good. Refused before any
     message; the same topic serves one table alone."""
     conf = _conf(services)
     _create_topic(services, name, **{"cleanup.policy": "compact"})
@@ -523,7 +523,7 @@ def test_batches_fit_a_data_topic_with_a_small_max_message_bytes(services, name)
 
 def test_progress_that_moves_to_another_topic_and_back_is_refused(services, name) -> None:
     """Staging and production on one cluster, one transactional_id_prefix, topics of their own: each continued
-    from the other's progress and skipped the rows the other had sent, every backfill exiting 0 (found by review).
+    from the other's progress and skipped the rows the other had sent, every backfill exiting 0.
     A single `topic:` change still moves the table; the move back is refused until a reset says it is meant."""
     conf = _conf(services)
     table = f"edge.public.{name}"

@@ -272,7 +272,7 @@ def test_postgres_watermark_from_two_sequences_is_refused(services, pg_database,
 
 def test_postgres_unlogged_table_is_refused(services, pg_database, pg_engine, name) -> None:
     """An UNLOGGED table is not in the WAL: a crash empties it and restarts its sequence, so sent rows vanish and new
-    rows take their ids, never sent; no flush makes it durable (found by review)."""
+    rows take their ids, never sent; no flush makes it durable."""
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE UNLOGGED TABLE {name} (id bigserial PRIMARY KEY, v int)"))
         conn.execute(text(f"INSERT INTO {name} (v) VALUES (1)"))
@@ -730,7 +730,7 @@ def test_mariadb_sequence_default_under_a_before_insert_trigger_is_refused(servi
     """`id DEFAULT NEXTVAL(seq)`: MariaDB draws the id as the row's defaults are filled, before BEFORE INSERT
     triggers run, while InnoDB lists the transaction only once it writes the row. A trigger taking 4 s held id 2
     that no check could see: id 3, committed meanwhile, was final after the settle delay and cut, and id 2 committed
-    below it (found by review, probed on this stack). Refused at the table check where a trigger is seen; the same
+    below it (probed on this stack). Refused at the table check where a trigger is seen; the same
     table without the trigger relays (the window is then AUTO_INCREMENT's microseconds)."""
     with mariadb_engine.begin() as conn:
         conn.execute(text(f"CREATE SEQUENCE {name}_ids"))
@@ -789,7 +789,7 @@ def test_mariadb_myisam_table_relays_exactly_once_beside_a_long_insert(services,
 def test_postgres_rule_that_writes_elsewhere_is_not_a_relation_the_read_takes_rows_from(services, pg_database,
                                                                                          pg_engine, name) -> None:
     """Only a view's SELECT rule says what a read of it takes rows from. An INSERT rule of a logged table that also
-    writes into an UNLOGGED audit table was followed too, and the table refused (found by review)."""
+    writes into an UNLOGGED audit table was followed too, and the table refused."""
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v int)"))
         conn.execute(text(f"CREATE UNLOGGED TABLE {name}_audit (id bigint, v int)"))

@@ -303,7 +303,7 @@ def test_a_fork_server_dying_between_fork_and_go_executes_the_run_once(
     named the exited worker, and run monitoring would fail the run the code server executes. After the go, the
     worker runs: the fallback launched the run a second time (here Dagster ignored that worker, the run having
     finished; beside a longer run it executes it again). Now: a worker that got its go is the run's worker,
-    and one that did not names none (found by review). Launched in this process (no queue), so the launcher's
+    and one that did not names none. Launched in this process (no queue), so the launcher's
     request to the fork server can be cut here."""
     from orchestration.launcher import ForkServer, ForkServerUnavailable, WarmWorker, close_fork_servers
 

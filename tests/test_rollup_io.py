@@ -73,7 +73,7 @@ def test_a_rerun_of_the_part_a_reset_kept_inside_a_rollup_reports_its_rows(servi
                                                                            dagster_home, dagster_instance,
                                                                            monkeypatch, name) -> None:
     """A reset back inside a roll-up key keeps its part below as the partition (lo, W]. A run of that partition
-    (the UI's Materialize) recorded "rows 0, checksum ''": no slice record tiles it (found by review). It now
+    (the UI's Materialize) recorded "rows 0, checksum ''": no slice record tiles it. It now
     counts the messages the reset kept, from the slices' own records."""
     from orchestration.cli import main
     from orchestration.compaction import compact_table

@@ -382,7 +382,7 @@ def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_
     """A row's CURRENT_TIMESTAMP(6) is its statement's start, but InnoDB lists the statement's transaction only
     once it first touches a row: an INSERT whose expression takes seconds (a slow function, a subquery on a
     non-InnoDB table, a lock wait) wrote a time below a row committed meanwhile, which was cut once settled: the
-    slow row committed below progress and was never sent (found by review). Here it runs inside a transaction that
+    slow row committed below progress and was never sent. Here it runs inside a transaction that
     stays open after it. A long report query, which writes nothing, does not hold the cut."""
     import threading
     import time
@@ -442,7 +442,7 @@ def test_mariadb_statement_whose_time_predates_its_innodb_transaction_holds_the_
 def test_mariadb_event_scheduler_statement_holds_the_cut(services, dagster_instance, spark, name) -> None:
     """The same slow INSERT run by the event scheduler: its thread's COMMAND is 'Connect', not 'Query', so the
     running-statement guard did not see it; the row committed meanwhile was cut once settled, and the event's row
-    (its time the statement's start, 4 s earlier) committed below progress and was never sent (found by review).
+    (its time the statement's start, 4 s earlier) committed below progress and was never sent.
     The scheduler is server-wide: it runs on a server of the test's own, started with it on."""
     from tests.private_servers import private_mariadb_database
 
@@ -518,7 +518,7 @@ def test_mariadb_driver_batch_insert_holds_the_cut(services, mariadb_database, d
             running = polled(lambda: conn.execute(text(
                 "SELECT COMMAND FROM information_schema.PROCESSLIST WHERE INFO LIKE '%SLEEP(IF%' "
                 "AND ID <> CONNECTION_ID()")).scalar(), lambda command: command == "Bulk_execute", 30.0)
-            # What the case is about (the statement shows as 'Prepare' a moment first: CI caught that poll).
+            # What the case is about (the statement shows as 'Prepare' a moment first).
             assert running == "Bulk_execute", (running, batch.poll())
             conn.execute(text(f"INSERT INTO {name} (n) VALUES (3)"))
         while batch.poll() is None:  # the daemon's ticks meanwhile: whatever they cut is published at once
@@ -753,7 +753,7 @@ def _observed(source: SourceDatabaseResource, shape) -> WatermarkCandidate:
 def test_a_time_as_start_after_of_an_integer_watermark_is_refused(services, pg_database, pg_engine,
                                                                   dagster_instance, name) -> None:
     """`start_after: 2026-01-01T00:00:00Z` on an id watermark became 1.767e15 microseconds: every id below it was
-    skipped silently and the table looked caught up (found by a review of the README against the code). Refused
+    skipped silently and the table looked caught up. Refused
     before the first cut, nothing cut or sent; an id works."""
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v int)"))

@@ -298,7 +298,7 @@ def test_mariadb_invisible_column_is_sent_like_the_others(services, mariadb_data
                                                           dagster_instance, spark, name) -> None:
     """An INVISIBLE column is in the table's reflected columns, but `SELECT *` leaves it out: a table whose read
     needed no select list of its own (no date, time, float or UTF-8 text column) failed every run with Spark's
-    "cannot be resolved", while one with such a column sent it (found by review). Its value is sent, always."""
+    "cannot be resolved", while one with such a column sent it. Its value is sent, always."""
     with mariadb_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id BIGINT AUTO_INCREMENT PRIMARY KEY, a INT, b INT INVISIBLE, "
                           "g INT AS (a + 1) VIRTUAL)"))

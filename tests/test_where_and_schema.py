@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def test_where_filter_publishes_exactly_the_matching_rows(services, pg_database, pg_engine, dagster_instance, spark,
                                                           name, mark) -> None:
     """`colon_in_a_string`: `where: status <> ':draft'` failed every count with SQLAlchemy's "a value is required
-    for bind parameter 'draft'" (the predicate went through sa.text), as a traceback (found by review)."""
+    for bind parameter 'draft'" (the predicate went through sa.text), as a traceback."""
     with pg_engine.begin() as conn:
         conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, status text, v int)"))
         conn.execute(text(f"INSERT INTO {name} (status, v) SELECT CASE WHEN g % 3 = 0 THEN :draft ELSE :final END, g "

@@ -89,7 +89,7 @@ def test_env_interpolation(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_url_variables_stay_in_their_part_of_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A password spliced raw into a URL moved into the host at its '@' (a review found 'a@b' made the host
+    """A password spliced raw into a URL moved into the host at its '@' ('a@b' made the host
     'b@host', named in every error) or failed as a port ('a@b:c'). Each value is now taken literally in its part."""
     from sqlalchemy.engine import make_url
 
@@ -106,7 +106,7 @@ def test_url_variables_stay_in_their_part_of_the_url(monkeypatch: pytest.MonkeyP
     assert make_url(resolve_url_env("postgresql://u:${NOPE_X:-p@ss}@h/db")).password == "p@ss"
     assert resolve_url_env("sqlite:///data/${HOST}.db") == "sqlite:///data/db.example.db"
     assert make_url(resolve_url_env("postgresql://u:lit%40eral@h/db")).password == "lit@eral"  # the URL's own escapes
-    # A ${VAR} holding user:password, whole parameters, or a parameter's name (found by review).
+    # A ${VAR} holding user:password, whole parameters, or a parameter's name.
     monkeypatch.setenv("CREDS", "app:s3:cr@t")
     monkeypatch.setenv("PARAMS", "sslmode=require&connect_timeout=5")
     monkeypatch.setenv("NAME", "sslmode")

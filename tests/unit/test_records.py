@@ -7,7 +7,7 @@ from resources.slices import SliceRange
 
 def test_the_recorded_slice_is_the_highest_not_the_latest_materialization() -> None:
     """A roll-up is recorded as a new materialization after the slices above it: the latest event named (0, 4]
-    while (4, 6] had committed, and the refusal's reset point would have sent (4, 6] again (found by review)."""
+    while (4, 6] had committed, and the refusal's reset point would have sent (4, 6] again."""
     from dagster import AssetKey, AssetMaterialization, DagsterInstance
 
     from assets.records import last_recorded_slice
