@@ -712,8 +712,8 @@ def test_replay_serves_the_part_of_a_slice_below_a_reset_inside_it(
         return [m for m in read_topic(services.kafka_bootstrap, table.topic_name)
                 if m.headers.get("rowrelay.replay") == replay_id.encode()]
 
-    # Loading the partition the reset kept (`load_input`'s lookup) failed "has not been published" (found by
-    # review): it is the old slice's messages at or below the reset.
+    # Loading the partition the reset kept (`load_input`'s lookup) failed "has not been published": it is the old
+    # slice's messages at or below the reset.
     from assets.identity import channel_for
     from resources.exactly_once import pieces_in_range, read_piece_messages
 
@@ -904,7 +904,7 @@ def test_replay_pieces_follow_each_reset_inside_a_slice() -> None:
 def test_a_dry_run_backfill_changes_nothing(services, pg_database, pg_engine, dagster_home, dagster_instance, name,
                                             tmp_path, capsys, monkeypatch) -> None:
     """`--dry-run` added the partitions, and on a `start_after: latest` table with no progress recorded its
-    baseline in Kafka, for good (found by a review of the README against the code). It now only says what a
+    baseline in Kafka, for good. It now only says what a
     backfill would do: no partition, no baseline, no pool."""
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     _serial_table(pg_engine, name, 30)
@@ -944,8 +944,8 @@ def test_a_dry_run_names_an_empty_latest_tables_baseline(services, pg_database, 
                                                           dagster_instance, name, tmp_path, capsys,
                                                           monkeypatch) -> None:
     """An empty `start_after: latest` table: the backfill records its baseline at 0 at once (every row to come is
-    new), but its dry run said "the safe watermark (not final yet)", as if it waited for something (found by
-    review). It now names what the backfill records."""
+    new), but its dry run said "the safe watermark (not final yet)", as if it waited for something. It now names what
+    the backfill records."""
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     _serial_table(pg_engine, name, 0)
     cfg = relay_config(services, {"src": pg_database}, [{"source": "src", "table": f"public.{name}", "watermark": "id",

@@ -1,4 +1,4 @@
-"""Edges of the CLI found by review: a `start_after: latest` table whose progress topic was lost, a backfill of a
+"""Edges of the CLI: a `start_after: latest` table whose progress topic was lost, a backfill of a
 trickle-batched table, a replay whose commit timed out, a replay after the data topic was re-created, and
 slices cut before `start_after: latest`."""
 

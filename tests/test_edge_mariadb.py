@@ -1,4 +1,4 @@
-"""MariaDB edges of the safe high watermark and of table checks found by review (XA transactions whose client went
+"""MariaDB edges of the safe high watermark and of table checks (XA transactions whose client went
 away, running statements in another time zone, ON UPDATE and zero-date watermarks, a table re-created past the old
 table's pending max), and two PostgreSQL type and name edges. Real MariaDB, PostgreSQL (and Kafka and Spark where a
 run is needed)."""
@@ -258,8 +258,8 @@ def test_mariadb_zero_datetime_watermark_is_a_clear_error(services, mariadb_data
 
 
 def test_postgres_bc_timestamp_keeps_its_era(services, pg_database, pg_engine, spark, name) -> None:
-    """A BC `timestamp` (without time zone) arrived as "0044-03-15T12:00:00.000000", the text of 44 AD (found by
-    review). It comes as an astronomical year now, like a BC timestamptz or date: 44 BC is -0043, 1 BC is 0000."""
+    """A BC `timestamp` (without time zone) arrived as "0044-03-15T12:00:00.000000", the text of 44 AD. It comes as an
+    astronomical year now, like a BC timestamptz or date: 44 BC is -0043, 1 BC is 0000."""
     import json
 
     from resources.messages import message_columns

@@ -298,7 +298,7 @@ def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, n
 def test_empty_progress_of_a_timestamp_table_names_a_time_to_reset_to(services, name) -> None:
     """The refusal's remedy printed the topic's last watermark as microseconds, which `rowrelay reset --after`
     refuses for a timestamp table ("is an integer, but the table's watermark is a timestamp"): a fix that could not
-    be followed (found by a review of the README against the code). It names the time now, as reset reads it."""
+    be followed. It names the time now, as reset reads it."""
     conf = _conf(services)
     table = f"edge.public.{name}"
     base = 1_795_000_000_000_000
@@ -438,7 +438,7 @@ def test_a_progress_topic_with_several_partitions_keeps_every_record_in_the_one_
                                                                                      monkeypatch) -> None:
     """An admin created the progress topic with the cluster's usual partition count. Records spread by key hash
     over its partitions, while progress is read at partition 0: each backfill sent everything after the first slice
-    again (found by review: 900 messages for 400 rows after three backfills)."""
+    again."""
     conf = _conf(services)
     channel = TableChannel.for_table(f"edge.public.{name}", name)
     _create_topic(services, channel.progress_topic, 3, **{"cleanup.policy": "compact"})
@@ -545,7 +545,7 @@ def test_progress_that_moves_to_another_topic_and_back_is_refused(services, name
 
 def test_slices_read_back_in_one_pass_are_each_as_read_alone(services, name) -> None:
     """A roll-up key's parity check read back each of its slices with a read of its own, ~25 ms each (a 1000-slice
-    key held the table's pool 27 s, found by review): slices whose offsets follow each other in a partition are now
+    key held the table's pool 27 s): slices whose offsets follow each other in a partition are now
     read in one pass and split by their records' offsets. Each comes out as read alone, another table's slice
     between them in the shared partition left out; a message outside its slice's range still stops the read."""
     conf = _conf(services)

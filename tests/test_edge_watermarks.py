@@ -240,7 +240,7 @@ def test_postgres_watermark_from_two_sequences_is_refused(services, pg_database,
                                                           first_in, other, other_rel) -> None:
     """The watermark takes ids from two sequences (the table's, and a child's or a partition's own): each counts on
     its own, so a row inserted through one takes an id at or below those the other already handed out, and rowrelay
-    sent: that row was never sent, silently (noticed by a review, left alone, now refused). Refused naming both
+    sent: that row was never sent, silently (now refused). Refused naming both
     sequences and where each feeds; the fix the message names (one source of ids) is enough."""
     t = name
     with pg_engine.begin() as conn:

@@ -498,8 +498,8 @@ def test_compaction_leaves_keys_a_cut_or_a_ui_run_is_using(services, pg_database
 @pytest.mark.integration
 def test_compaction_replaces_keys_in_one_transaction_beside_cuts_crashes_and_other_compactions(
         services, pg_database, dagster_instance, monkeypatch) -> None:
-    """A compaction deleted its keys and re-added them through the public calls, one transaction each (found by
-    review): killed between the two, committed ranges were left without a key for good; a cut landing after its
+    """A compaction deleted its keys and re-added them through the public calls, one transaction each: killed between
+    the two, committed ranges were left without a key for good; a cut landing after its
     last check went before the re-added keys, where `open_keys` (the newest end only) missed it and the sensor cut
     over it; two compactions at once left ranges covered twice. The keys are now replaced in one transaction, only
     if nothing added or deleted keys since they were read, with the table locked against a cut meanwhile."""
@@ -677,7 +677,7 @@ def test_trickle_is_cut_once_enough_rows_or_the_delay(services, pg_database, pg_
         conn.execute(sa.text(f"INSERT INTO {few} (v) VALUES ('late')"))
     # Always seen by a tick within the delay (5 s leaves room for ticks that wait on the other pytest worker's
     # transactions): its candidate for the late row is the one the delay-over cut takes. A skipped tick (the delay
-    # was 2 s, seen in review) left the last cut to observe it afresh and, with a transaction held elsewhere, to cut
+    # was 2 s) left the last cut to observe it afresh and, with a transaction held elsewhere, to cut
     # only the two.
     assert h.tick(h.table(0)) == []
     # The late row must be final before the delay-over cut, or that cut takes only the two (seen in CI): finality

@@ -169,8 +169,8 @@ def test_mariadb_replica_is_refused_primary_is_not(mariadb_pair, name) -> None:
             replica.observe(replica.table_shape(name, "t", "id"))
         seen = primary.observe(primary.table_shape(name, "t", "id"))
         assert seen is not None and seen.watermark == 2
-        # A table written on the replica itself, not by replication: relayed once the source says so (found by
-        # review: every table of a server replicating others was refused, and the remedy named could not work).
+        # A table written on the replica itself, not by replication: relayed once the source says so (every table of a
+        # server replicating others was refused, and the remedy named could not work).
         replica_server.root(f"CREATE DATABASE {name}_local",
                             f"CREATE TABLE {name}_local.orders (id bigint AUTO_INCREMENT PRIMARY KEY, v int)",
                             f"INSERT INTO {name}_local.orders (v) VALUES (1), (2)")

@@ -139,7 +139,7 @@ def test_a_password_with_url_characters_connects_and_is_never_shown(services, pg
                                                                      dagster_instance, spark, name,
                                                                      monkeypatch) -> None:
     """A password holding '@', ':', '/', '#', '%41' and '+' reached SQLAlchemy raw: its '@' moved part of it into the
-    host, which every connection error then named (found by a review of where secrets show). Taken literally now,
+    host, which every connection error then named. Taken literally now,
     it connects, and neither it nor an `sslpassword` parameter shows in an error or in Dagster's storage."""
     password, key_password = "rv@secret:7/x#%41+y", "rv-key-secret-5521"
     with pg_engine.begin() as conn:

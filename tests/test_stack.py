@@ -192,8 +192,8 @@ def test_second_stack_up_twice_then_down(tmp_path: Path) -> None:
 
 
 def test_spark_connect_client_sets_its_spark_conf_or_names_what_it_cannot(services: Services) -> None:
-    """`spark.conf` was ignored with `spark.remote`: the session was built from the remote URL alone (found by a
-    review of the README against the code). A Connect client's own session now takes it; a setting a client cannot
+    """`spark.conf` was ignored with `spark.remote`: the session was built from the remote URL alone. A Connect client's
+    own session now takes it; a setting a client cannot
     change fails, naming the key. Each in a process of its own: a process keeps one session per server."""
     if not services.spark_remote:
         pytest.skip("no Spark Connect server in this test environment")

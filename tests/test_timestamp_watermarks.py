@@ -499,8 +499,8 @@ def test_mariadb_driver_batch_insert_holds_the_cut(services, mariadb_database, d
                                                   tmp_path) -> None:
     """A JDBC batch insert (Connector/J's `executeBatch`) runs as COMMAND 'Bulk_execute', which the
     running-statement guard did not look at: a row committed meanwhile was cut once settled, and the batch's rows
-    (their time the statement's start, 4 s earlier) committed below progress and were never sent (found by
-    review). Real Connector/J, as a Java application writing the table would use it."""
+    (their time the statement's start, 4 s earlier) committed below progress and were never sent. Real Connector/J, as a
+    Java application writing the table would use it."""
     import subprocess
     import time
 

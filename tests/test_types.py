@@ -110,7 +110,7 @@ def test_postgres_dates_and_timestamps_rendered_by_the_source_at_the_edges(servi
                                                                           dagster_instance, spark, name) -> None:
     """PostgreSQL renders dates and timestamps (to_char, TableShape.rendered_select) as Spark renders them, a year
     10000 or later (also one reached only in UTC) with its sign, up to PostgreSQL's last values, beyond Spark's
-    range (the read failed there, found by review); NULL stays null: no value is lost or changed at the edges."""
+    range (the read failed there); NULL stays null: no value is lost or changed at the edges."""
     from resources.slices import SliceRange
     from resources.source_database import SourceDatabaseResource
     from resources.spark import SparkResource
