@@ -87,7 +87,8 @@ def test_three_tables_fifty_thousand_rows_each_exactly_once(services, pg_databas
         for m in msgs[:50]:  # per row only what is per row
             assert set(m.headers) == {"rowrelay.table", "rowrelay.watermark"}
         # A consumer checks each slice from its messages alone: the progress record's offsets bound them, and its
-        # checksum is over their values in watermark order (slice_checksum; its formula is pinned in test_units).
+        # checksum is over their values in watermark order (slice_checksum; its formula is pinned in
+        # tests/unit/test_exactly_once_batches.py).
         conf = {"bootstrap.servers": services.kafka_bootstrap}
         records = [r for r in read_progress_history(conf, channel_for(table, PREFIX)) if r.rows]
         assert sum(r.rows for r in records) == ROWS
