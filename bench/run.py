@@ -458,9 +458,10 @@ class CommittedWatch:
 
     def __init__(self, stack: Stack, table_id: str, hi: int) -> None:
         from resources.exactly_once import ProgressTail, TableChannel
+        from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX
 
         self.tail = ProgressTail({"bootstrap.servers": stack.bootstrap}, TableChannel.for_table(
-            table_id, table_id).progress_topic)
+            table_id, table_id, prefix=DEFAULT_TRANSACTIONAL_ID_PREFIX).progress_topic)
         self.stack, self.table_id = stack, table_id
         self.hi, self.at, self.committed_hi = hi, None, None
         # CPU per process from launch until visible: snapshots now and when the rows become visible.

@@ -54,7 +54,7 @@ def read_all(url: str, table: str, rows: int, remote: str | None, master: str,
     starting: tuple[SlicePublisher, Future[None]] | None = None  # the publisher and its topics and fencing
     if publish_table:
         # As a backfill's early read does: topics and fencing while Spark connects, not after the read starts.
-        publisher = SlicePublisher(TableChannel.for_table(publish_table, publish_table),
+        publisher = SlicePublisher(TableChannel.for_table(publish_table, publish_table, prefix=PREFIX),
                                    {"bootstrap.servers": bootstrap})
         pool = ThreadPoolExecutor(max_workers=1)
         starting = publisher, pool.submit(publisher.init)

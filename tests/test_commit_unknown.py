@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from resources.exactly_once import OutgoingMessage, SlicePublisher, TableChannel, clients, read_progress_history
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from tests.pipeline import read_topic, visible_progress
 from tests.private_kafka import PrivateKafka, private_kafka
@@ -47,7 +48,7 @@ def test_a_commit_that_times_out_while_the_broker_is_paused_publishes_the_slice_
     monkeypatch.setattr(clients, "RETRIABLE_CALL_S", 0.0)  # a commit is never called again on the same producer
     conf = {"bootstrap.servers": broker.bootstrap}
     table = f"paused_{uuid.uuid4().hex[:8]}"
-    channel = TableChannel.for_table(f"paused.public.{table}", table)
+    channel = TableChannel.for_table(f"paused.public.{table}", table, prefix=PREFIX)
     timers: list[threading.Timer] = []
 
     def pause_before_commit(stage: str) -> None:

@@ -28,6 +28,7 @@ from resources.exactly_once import (
     topics,
 )
 from resources.kafka_io_manager import STOPPED_TAG
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange, micros_text, parse_watermark
 from tests.conftest import partition_ends
 from tests.pipeline import Harness, assert_exactly_once, read_topic, relay_config, visible_progress
@@ -82,7 +83,7 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
                          ids=["runtime_error", "keyboard_interrupt"])
 def test_error_inside_transaction_aborts_it(services, name, error: BaseException) -> None:
     conf = _conf(services)
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
     publisher = SlicePublisher(channel, conf)
 
     def failing() -> Iterator[list[OutgoingMessage]]:
@@ -113,7 +114,7 @@ def test_a_read_short_of_the_source_count_is_aborted_not_committed(services, nam
     """The rows read for a slice are checked against the source's count before its progress record: a read that
     lost a row would otherwise commit "sent up to hi" over it, a gap no retry repairs."""
     conf = _conf(services)
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
     publisher = SlicePublisher(channel, conf)
     try:
         with pytest.raises(eo.SliceRowsMismatch, match="the read gave 39 rows but the source counts 40"):
@@ -134,7 +135,7 @@ def test_a_row_count_mismatch_late_in_a_long_transaction_is_not_reported_as_a_ti
     """A mismatch found after 90 % of transaction.timeout.ms was turned into "transaction timed out", and the
     sensor re-cut the slice smaller instead of stopping with the count's diagnosis."""
     conf = _conf(services, **{"transaction.timeout.ms": "6000"})
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
     publisher = SlicePublisher(channel, conf)
 
     def slow() -> Iterator[list[OutgoingMessage]]:
@@ -156,7 +157,7 @@ def test_a_row_count_mismatch_late_in_a_long_transaction_is_not_reported_as_a_ti
 
 def test_transaction_outliving_its_timeout_is_reported_as_timed_out(services, name) -> None:
     conf = _conf(services, **{"transaction.timeout.ms": "3000"})  # librdkafka's minimum is 1000
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
     publisher = SlicePublisher(channel, conf)
 
     def slow() -> Iterator[list[OutgoingMessage]]:
@@ -199,7 +200,7 @@ def test_transaction_timeout_setting_wins_and_is_checked(services, name) -> None
     broker = ConfigResource(ConfigResource.Type.BROKER, str(min(admin.list_topics(timeout=10).brokers)))
     broker_max = int(admin.describe_configs([broker])[broker].result(timeout=10)["transaction.max.timeout.ms"].value)
     too_long = broker_max + 1000
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
     publisher = SlicePublisher(channel, _conf(services, **{"transaction.timeout.ms": str(too_long)}))
     try:
         with pytest.raises(RelayError) as caught:
@@ -224,8 +225,8 @@ def test_a_slice_read_back_is_its_own_messages_in_a_shared_partition(services, n
     first slice's recorded offsets then span the second's messages. Reading that slice back (`load_input`,
     `rowrelay replay`) gave both tables' rows; now only its own."""
     conf = _conf(services)
-    first = TableChannel.for_table(f"edge.public.{name}", name)
-    second = TableChannel.for_table(f"edge.public.{name}_other", name)
+    first = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
+    second = TableChannel.for_table(f"edge.public.{name}_other", name, prefix=PREFIX)
 
     def interleaved() -> Iterator[list[OutgoingMessage]]:
         yield _messages(0, 3)
@@ -247,7 +248,7 @@ def test_progress_is_found_behind_a_tail_of_aborted_transactions(services, name)
     empty: re-assigned at once, librdkafka still reported the end of the last read as the consumer's position.
     The table's progress then read as empty (and the table's highest watermark as None, likewise)."""
     conf = _conf(services)
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
     record = eo.publish_slice(channel, conf, SliceRange(0, 3), _rows(0, 3)).progress
     aborting = Producer({"bootstrap.servers": services.kafka_bootstrap, "transactional.id": f"abort-{name}"})
     aborting.init_transactions(30)
@@ -263,9 +264,9 @@ def test_progress_is_found_behind_a_tail_of_aborted_transactions(services, name)
 def test_empty_progress_with_the_tables_messages_in_topic_is_refused(services, name) -> None:
     conf = _conf(services)
     table = f"edge.public.{name}"
-    eo.publish_slice(TableChannel.for_table(table, name), conf, SliceRange(0, 3), _rows(0, 3))
+    eo.publish_slice(TableChannel.for_table(table, name, prefix=PREFIX), conf, SliceRange(0, 3), _rows(0, 3))
     # Another table sharing the topic, with empty progress of its own, still publishes.
-    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}_other", name), conf, SliceRange(0, 2),
+    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}_other", name, prefix=PREFIX), conf, SliceRange(0, 2),
                      _rows(0, 2, id_offset=100))
 
     # A new transactional_id_prefix: same table and topic, new (empty) progress topic.
@@ -302,7 +303,7 @@ def test_empty_progress_of_a_timestamp_table_names_a_time_to_reset_to(services, 
     conf = _conf(services)
     table = f"edge.public.{name}"
     base = 1_795_000_000_000_000
-    eo.publish_slice(TableChannel.for_table(table, name, start_after=base), conf,
+    eo.publish_slice(TableChannel.for_table(table, name, start_after=base, prefix=PREFIX), conf,
                      SliceRange(base, base + 3, timestamps=True), _rows(base, base + 3))
     renamed = TableChannel.for_table(table, name, prefix="other", start_after=base)
     publisher = SlicePublisher(renamed, conf)
@@ -319,7 +320,7 @@ def test_empty_progress_of_a_timestamp_table_names_a_time_to_reset_to(services, 
 def test_reset_sets_a_deliberate_baseline_and_fences(services, name) -> None:
     conf = _conf(services)
     table = f"edge.public.{name}"
-    eo.publish_slice(TableChannel.for_table(table, name), conf, SliceRange(0, 3), _rows(0, 3))
+    eo.publish_slice(TableChannel.for_table(table, name, prefix=PREFIX), conf, SliceRange(0, 3), _rows(0, 3))
     renamed = TableChannel.for_table(table, name, prefix="other")
     running = SlicePublisher(renamed, conf)
     running.init()  # a publisher of the table already holding the current epoch
@@ -377,7 +378,7 @@ def test_progress_topic_lost_after_the_data_topics_messages_expired_is_refused(s
     dagster_instance.add_dynamic_partitions(partitions, [SliceRange(0, 3).key])
     h.run(table, SliceRange(0, 3).key)
     admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
-    channel = eo.TableChannel.for_table(table.table_id, table.topic_name)
+    channel = eo.TableChannel.for_table(table.table_id, table.topic_name, prefix=PREFIX)
     admin.delete_topics([channel.progress_topic])[channel.progress_topic].result(timeout=30)
     end = partition_ends(services.kafka_bootstrap, table.topic_name)[1]
     for fut in admin.delete_records([TopicPartition(table.topic_name, 0, end)]).values():  # as retention does
@@ -400,7 +401,7 @@ def test_topics_are_made_from_their_own_metadata_not_the_whole_clusters(services
     client and broker CPU in proportion to the cluster (2,500 topics on the test broker). An existing data topic
     keeps its partitions; the missing progress topic is created compacted."""
     conf = _conf(services)
-    channel = TableChannel.for_table(name, f"{name}.data", topic_partitions=3)
+    channel = TableChannel.for_table(name, f"{name}.data", topic_partitions=3, prefix=PREFIX)
     admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
     admin.create_topics([NewTopic(channel.topic, 2, 1)])[channel.topic].result(timeout=30)
     asked: list[str | None] = []
@@ -440,7 +441,7 @@ def test_a_progress_topic_with_several_partitions_keeps_every_record_in_the_one_
     over its partitions, while progress is read at partition 0: each backfill sent everything after the first slice
     again."""
     conf = _conf(services)
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
     _create_topic(services, channel.progress_topic, 3, **{"cleanup.policy": "compact"})
     for lo in range(0, 400, 100):
         eo.publish_slice(channel, conf, SliceRange(lo, lo + 100), _rows(lo, lo + 100))
@@ -464,7 +465,7 @@ def test_a_progress_topic_with_several_partitions_keeps_every_record_in_the_one_
 @pytest.mark.parametrize("policy", ["delete", "compact,delete"])
 def test_a_progress_topic_whose_records_expire_is_refused(services, name, policy) -> None:
     conf = _conf(services)
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
     _create_topic(services, channel.progress_topic, **{"cleanup.policy": policy})
     with pytest.raises(eo.TopicSettingsError, match=rf"has cleanup.policy={policy}: its records expire.*"
                                                     rf"--entity-name {channel.progress_topic} --add-config "
@@ -480,12 +481,13 @@ def test_a_compacted_data_topic_needs_a_key(services, name) -> None:
     large, with advice to skip rows."""
     conf = _conf(services)
     _create_topic(services, name, **{"cleanup.policy": "compact"})
-    unkeyed = TableChannel.for_table(f"edge.public.{name}", name, keyed=False)
+    unkeyed = TableChannel.for_table(f"edge.public.{name}", name, keyed=False, prefix=PREFIX)
     with pytest.raises(eo.TopicSettingsError, match=rf"topic {name} is compacted \(cleanup.policy=compact\).*"
                                                     r"`key: none`.*nothing was sent"):
         eo.publish_slice(unkeyed, conf, SliceRange(0, 3), _rows(0, 3))
     # Keyed (as _rows' messages are), the same topic takes them.
-    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}", name), conf, SliceRange(0, 3), _rows(0, 3))
+    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX), conf, SliceRange(0, 3),
+                     _rows(0, 3))
     assert_exactly_once(read_topic(services.kafka_bootstrap, name), [1, 2, 3])
 
 
@@ -496,13 +498,14 @@ def test_a_compacted_topic_two_tables_share_is_refused(services, name) -> None:
     conf = _conf(services)
     _create_topic(services, name, **{"cleanup.policy": "compact"})
     other = f"edge.public.{name}_b"
-    shared = TableChannel.for_table(f"edge.public.{name}_a", name, shared_with=(other,))
+    shared = TableChannel.for_table(f"edge.public.{name}_a", name, shared_with=(other,), prefix=PREFIX)
     with pytest.raises(eo.TopicSettingsError, match=rf"topic {name} is compacted \(cleanup.policy=compact\), and "
                                                     rf"table\(s\) {other} write to it too: .*erase another's .*"
                                                     r"a topic of its own \(`topic:`\).*nothing was sent$"):
         eo.publish_slice(shared, conf, SliceRange(0, 3), _rows(0, 3))
     assert read_topic(services.kafka_bootstrap, name) == []
-    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}_a", name), conf, SliceRange(0, 3), _rows(0, 3))
+    eo.publish_slice(TableChannel.for_table(f"edge.public.{name}_a", name, prefix=PREFIX), conf, SliceRange(0, 3),
+                     _rows(0, 3))
     assert_exactly_once(read_topic(services.kafka_bootstrap, name), [1, 2, 3])
 
 
@@ -511,7 +514,7 @@ def test_batches_fit_a_data_topic_with_a_small_max_message_bytes(services, name)
     slice failed blaming its largest row (145 bytes); librdkafka does not split a refused batch as Java's does."""
     conf = _conf(services)
     _create_topic(services, name, **{"max.message.bytes": "4000"})
-    channel = TableChannel.for_table(f"edge.public.{name}", name)
+    channel = TableChannel.for_table(f"edge.public.{name}", name, prefix=PREFIX)
 
     def rows() -> Iterator[list[OutgoingMessage]]:
         yield [OutgoingMessage(str(i).encode(), f'{{"id":{i},"note":"{"x" * 120}"}}'.encode(), i)
@@ -527,7 +530,8 @@ def test_progress_that_moves_to_another_topic_and_back_is_refused(services, name
     A single `topic:` change still moves the table; the move back is refused until a reset says it is meant."""
     conf = _conf(services)
     table = f"edge.public.{name}"
-    prod, staging = TableChannel.for_table(table, f"{name}.prod"), TableChannel.for_table(table, f"{name}.stg")
+    prod = TableChannel.for_table(table, f"{name}.prod", prefix=PREFIX)
+    staging = TableChannel.for_table(table, f"{name}.stg", prefix=PREFIX)
     eo.publish_slice(prod, conf, SliceRange(0, 3), _rows(0, 3))
     eo.publish_slice(staging, conf, SliceRange(3, 5), _rows(3, 5))  # a topic change, as far as anyone can tell
     with pytest.raises(eo.ProgressShared, match=rf"last written for topic {name}.stg .*after earlier slices of this "
@@ -549,8 +553,8 @@ def test_slices_read_back_in_one_pass_are_each_as_read_alone(services, name) -> 
     read in one pass and split by their records' offsets. Each comes out as read alone, another table's slice
     between them in the shared partition left out; a message outside its slice's range still stops the read."""
     conf = _conf(services)
-    a = TableChannel.for_table(f"edge.public.{name}_a", name)
-    b = TableChannel.for_table(f"edge.public.{name}_b", name)
+    a = TableChannel.for_table(f"edge.public.{name}_a", name, prefix=PREFIX)
+    b = TableChannel.for_table(f"edge.public.{name}_b", name, prefix=PREFIX)
     eo.publish_slice(a, conf, SliceRange(0, 3), _rows(0, 3))
     eo.publish_slice(b, conf, SliceRange(0, 2), _rows(0, 2))  # between a's slices, in the same partition
     eo.publish_slice(a, conf, SliceRange(3, 7), _rows(3, 7))

@@ -21,6 +21,7 @@ from resources.exactly_once import (
     TableChannel,
     publish_slice,
 )
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from tests.pipeline import Harness, assert_exactly_once, polled, read_topic, relay_config, visible_progress
 
@@ -64,7 +65,7 @@ def _overtaken_at(stage: str, bootstrap: str, channel: TableChannel, rows: int) 
 
 def test_racing_publishers_one_is_fenced_no_duplicate(services, name) -> None:
     # B takes over the table while A holds an open transaction with all 500 rows produced.
-    channel = TableChannel.for_table(f"race.public.{name}", name)
+    channel = TableChannel.for_table(f"race.public.{name}", name, prefix=PREFIX)
     a, b = _overtaken_at("rows_produced", services.kafka_bootstrap, channel, 500)
     assert not b.already_committed and b.progress.rows == 500
     assert isinstance(a, PublisherFenced), a
@@ -77,7 +78,7 @@ def test_a_publisher_overtaken_after_reading_empty_progress_stops_as_fenced(serv
     """A table's first publisher reads empty progress, then stalls (a frozen worker, a long GC pause) while a newer
     one publishes the first slice. Resumed, it must stop as fenced, never report the progress topic as lost: that
     refusal is not retried and tells the operator to `rowrelay reset` a table whose progress is fine."""
-    channel = TableChannel.for_table(f"overtaken.public.{name}", name)
+    channel = TableChannel.for_table(f"overtaken.public.{name}", name, prefix=PREFIX)
     a, b = _overtaken_at("progress_read", services.kafka_bootstrap, channel, 50)
     assert not b.already_committed and b.progress.rows == 50
     assert isinstance(a, PublisherFenced), repr(a)
@@ -91,7 +92,7 @@ def test_a_publisher_fenced_while_it_produces_stops_as_fenced_and_closes_quietly
     from confluent_kafka import Producer
 
     conf = {"bootstrap.servers": services.kafka_bootstrap}
-    channel = TableChannel.for_table(f"fenced.public.{name}", name)
+    channel = TableChannel.for_table(f"fenced.public.{name}", name, prefix=PREFIX)
     publisher = SlicePublisher(channel, conf)
     publisher.publish(SliceRange(0, 10), _rows(0, 10))
     newer = Producer({**conf, "transactional.id": channel.transactional_id})
@@ -104,7 +105,7 @@ def test_a_publisher_fenced_while_it_produces_stops_as_fenced_and_closes_quietly
 
 def test_slices_commit_in_order_and_repeat_is_a_no_op(services, name) -> None:
     conf = {"bootstrap.servers": services.kafka_bootstrap}
-    channel = TableChannel.for_table(f"order.public.{name}", name)
+    channel = TableChannel.for_table(f"order.public.{name}", name, prefix=PREFIX)
     with pytest.raises(RelayError, match=r"\(0, 100\] must commit first"):
         publish_slice(channel, conf, SliceRange(100, 200), _rows(100, 200))
     publish_slice(channel, conf, SliceRange(0, 100), _rows(0, 100))
@@ -121,7 +122,7 @@ def test_an_idle_progress_tail_fetches_nothing_and_still_sees_the_next_commit(se
     of the test's: with a logger set, librdkafka writes nothing to stderr, where an earlier version of this test
     looked and could never find one)."""
     conf = {"bootstrap.servers": services.kafka_bootstrap}
-    channel = TableChannel.for_table(f"tail.public.{name}", name)
+    channel = TableChannel.for_table(f"tail.public.{name}", name, prefix=PREFIX)
     publish_slice(channel, conf, SliceRange(0, 100), _rows(0, 100))
     lines: list[str] = []
 

@@ -8,10 +8,11 @@ import pyarrow as pa
 import pytest
 
 from resources.exactly_once import TableChannel
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slice_reads import ReadAhead, SliceFrame
 from resources.slices import SliceRange
 
-CHANNEL = TableChannel.for_table("src.public.t", "src.public.t")
+CHANNEL = TableChannel.for_table("src.public.t", "src.public.t", prefix=PREFIX)
 
 
 class FakeChunk:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from resources.exactly_once.errors import WatermarkChanged
-from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX, progress_topic_name
+from resources.names import progress_topic_name
 from resources.slices import RowSkip, SliceRange, is_timestamp_key, watermark_text
 
 
@@ -30,9 +30,11 @@ class TableChannel:
     shared_with: tuple[str, ...] = ()  # the other tables of the deployment that write to `topic`
 
     @classmethod
-    def for_table(cls, table: str, topic: str, *, start_after: int = 0, topic_partitions: int = 1,
-                  replication_factor: int = -1, prefix: str = DEFAULT_TRANSACTIONAL_ID_PREFIX, keyed: bool = True,
-                  baseline_required: bool = False, shared_with: tuple[str, ...] = ()) -> TableChannel:
+    def for_table(cls, table: str, topic: str, *, prefix: str, start_after: int = 0, topic_partitions: int = 1,
+                  replication_factor: int = -1, keyed: bool = True, baseline_required: bool = False,
+                  shared_with: tuple[str, ...] = ()) -> TableChannel:
+        """`prefix`: the deployment's transactional_id_prefix, always given: a default would let a caller that
+        forgets it read and write another deployment's progress."""
         return cls(table=table, topic=topic, progress_topic=progress_topic_name(prefix, table),
                    transactional_id=f"{prefix}.{table}", start_after=start_after,
                    topic_partitions=topic_partitions, replication_factor=replication_factor, keyed=keyed,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from resources.exactly_once import ProgressRecord
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 
 
 class _CommitFailsProducer:
@@ -44,7 +45,7 @@ def test_a_progress_record_whose_commit_fails_is_a_relay_error_not_the_private_r
 
     from resources.exactly_once import PublisherFenced, RelayError, SlicePublisher, TableChannel
 
-    channel = TableChannel.for_table("src.public.t", "t")
+    channel = TableChannel.for_table("src.public.t", "t", prefix=PREFIX)
     publisher = SlicePublisher(channel, {"bootstrap.servers": "127.0.0.1:1"})  # never connects: the producer is faked
     real = publisher.producer
     fake = _CommitFailsProducer(KafkaError(KafkaError._FENCED, "fenced by a newer instance", fatal=True)
