@@ -1,6 +1,5 @@
 """How far a table's committed progress is behind its source: for the lag check, its sensor and `rowrelay status`."""
 
-import time
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -8,6 +7,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from assets.shape import table_shape
+from resources.cache import KeptAnswers
 from resources.config import TableConfig
 from resources.exactly_once import (
     ProgressRecord,
@@ -96,20 +96,20 @@ def _oldest_unpublished_age(source: SourceDatabaseResource, table: TableConfig, 
 
 # Tables found not missing their progress, and when (monotonic): the lag sensor asks every minute, and each answer
 # reads the data topic's tail (a shared topic: back until the table's newest message) and lists every topic.
-_PROGRESS_NOT_MISSING: dict[tuple[str, str, str], float] = {}
 PROGRESS_NOT_MISSING_TTL_S = 600.0
+_PROGRESS_NOT_MISSING: KeptAnswers[tuple[str, str, str], bool] = KeptAnswers(ttl_s=PROGRESS_NOT_MISSING_TTL_S)
 
 
 def raise_if_progress_missing(kafka_conf: dict[str, Any], channel: TableChannel, timestamps: bool) -> None:
     """`progress_missing`'s refusal, raised; a "not missing" answer is trusted for PROGRESS_NOT_MISSING_TTL_S per
     process (a change of prefix or a deleted progress topic comes with a new code location, or is seen then)."""
     key = (str(kafka_conf.get("bootstrap.servers")), channel.progress_topic, channel.topic)
-    if time.monotonic() - _PROGRESS_NOT_MISSING.get(key, -PROGRESS_NOT_MISSING_TTL_S) < PROGRESS_NOT_MISSING_TTL_S:
+    if _PROGRESS_NOT_MISSING.get(key):
         return
     if (missing := progress_missing(kafka_conf, channel, timestamps, timeout=CHECK_KAFKA_TIMEOUT_S)) is not None:
-        _PROGRESS_NOT_MISSING.pop(key, None)
+        _PROGRESS_NOT_MISSING.forget(key)
         raise missing
-    _PROGRESS_NOT_MISSING[key] = time.monotonic()
+    _PROGRESS_NOT_MISSING.keep(key, True)
 
 
 def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: ProgressRecord | None,

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from assets.identity import channel_for
 from assets.shape import table_shape
+from resources.cache import KeptAnswers
 from resources.config import TableConfig
 from resources.exactly_once import (
     BASELINE_PREFIX,
@@ -96,26 +97,20 @@ def known_chain(chain: list[SliceRange] | None, committed_hi: int) -> list[Slice
     return rest
 
 
-_SHAPES: dict[tuple[str, str], tuple[float, TableShape]] = {}
 SHAPE_TTL_S = 60.0
+_SHAPES: KeptAnswers[tuple[str, str], TableShape] = KeptAnswers(ttl_s=SHAPE_TTL_S)
 FINALITY_WAIT_S = 1.0
 
 
 def cached_table_shape(source: SourceDatabaseResource, table: TableConfig) -> TableShape:
     """The table's reflected shape, re-read at most once a minute per code-server process: reflection is the
     largest part of an idle tick. Runs always reflect afresh, so a changed table still fails its run clearly."""
-    key = (source.url, table.model_dump_json())
-    now = time.monotonic()
-    hit = _SHAPES.get(key)
-    if hit is None or now - hit[0] > SHAPE_TTL_S:
-        hit = (now, table_shape(source, table))
-        _SHAPES[key] = hit
-    return hit[1]
+    return _SHAPES.answer((source.url, table.model_dump_json()), lambda: table_shape(source, table))
 
 
 def forget_table_shape(source: SourceDatabaseResource, table: TableConfig) -> None:
     """Drop the table's cached shape, so the next `cached_table_shape` reflects afresh."""
-    _SHAPES.pop((source.url, table.model_dump_json()), None)
+    _SHAPES.forget((source.url, table.model_dump_json()))
 
 
 @dataclass
@@ -169,7 +164,7 @@ def settled_watermark(source: SourceDatabaseResource, shape: TableShape, table: 
     return safe_hi, SensorState(pending, table=incarnation, held=held.get(lowest) if lowest is not None else None)
 
 
-_NULLS_OK: dict[tuple[str, str], float] = {}
+_NULLS_OK: KeptAnswers[tuple[str, str], bool] = KeptAnswers(ttl_s=SHAPE_TTL_S)
 
 
 def check_null_watermarks(source: SourceDatabaseResource, shape: TableShape, table: TableConfig, cut_after: int
@@ -177,12 +172,12 @@ def check_null_watermarks(source: SourceDatabaseResource, shape: TableShape, tab
     """Refuse a table with NULL watermarks. A clean result is trusted for SHAPE_TTL_S per process (like the
     shape): one query less per idle tick, which counts with many tables per sensor; runs check afresh."""
     key = (source.url, table.table_id)
-    if time.monotonic() - _NULLS_OK.get(key, -SHAPE_TTL_S) < SHAPE_TTL_S:
+    if _NULLS_OK.get(key):
         return
     if source.has_null_watermarks(shape):
-        _NULLS_OK.pop(key, None)
+        _NULLS_OK.forget(key)
         raise null_watermark_error(table.table_id, table.watermark, shape.watermark_text(cut_after))
-    _NULLS_OK[key] = time.monotonic()
+    _NULLS_OK.keep(key, True)
 
 
 def plan_tick(source: SourceDatabaseResource, table: TableConfig, cut_after: int, state: SensorState,

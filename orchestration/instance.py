@@ -14,6 +14,7 @@ from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 from assets.identity import asset_key
 from assets.worker import local_worker_pid
 from orchestration.runs import ACTIVE, run_slices
+from resources.cache import KeptAnswers
 from resources.config import TableConfig
 from resources.identity import DagsterNames
 from resources.slices import SliceRange, watermark_text
@@ -125,8 +126,8 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-_POOLS_SEEN: dict[tuple[str, str], float] = {}
 POOL_CHECK_S = 600.0
+_POOLS_SEEN: KeptAnswers[tuple[str, str], bool] = KeptAnswers(ttl_s=POOL_CHECK_S)
 
 
 def ensure_pool(instance: DagsterInstance, pool: str, *, cached: bool = False) -> None:
@@ -139,11 +140,11 @@ def ensure_pool(instance: DagsterInstance, pool: str, *, cached: bool = False) -
     """
     storage = instance.event_log_storage
     key = (repr(instance.get_ref().event_storage_data), pool)
-    if cached and time.monotonic() - _POOLS_SEEN.get(key, -POOL_CHECK_S) < POOL_CHECK_S:
+    if cached and _POOLS_SEEN.get(key):
         return
     if pool not in storage.get_concurrency_keys():
         storage.set_concurrency_slots(pool, 1)
-    _POOLS_SEEN[key] = time.monotonic()
+    _POOLS_SEEN.keep(key, True)
 
 
 def table_active_runs(instance: DagsterInstance, table: TableConfig, job_name: str) -> int:

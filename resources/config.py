@@ -17,6 +17,7 @@ from urllib.parse import quote
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from resources.errors import RowrelayError
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX, portable_name, progress_topic_name
 from resources.slices import RowSkip, datetime_to_micros
 
@@ -28,7 +29,7 @@ _DAGSTER_REFUSED = re.compile(r"[^A-Za-z0-9_]")
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
-class ConfigError(ValueError):
+class ConfigError(RowrelayError, ValueError):
     """rowrelay.yaml is invalid; the message names the key and what to change."""
 
 

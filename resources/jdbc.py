@@ -14,6 +14,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from resources.errors import RowrelayError
+
 # libpq/pgjdbc sslmode values (pgjdbc knows all six).
 PG_SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 # libpq parameter -> pgjdbc property of the same meaning.
@@ -41,7 +43,7 @@ MYSQL_UNSUPPORTED = {
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-class UrlParameterError(ValueError):
+class UrlParameterError(RowrelayError, ValueError):
     """A source URL parameter the JDBC driver cannot honour; the message names it and says what to do."""
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from math import ceil
 from typing import TYPE_CHECKING
 
+from resources.errors import RowrelayError
 from resources.exactly_once import BadRowError, MessageBatch, TableChannel
 from resources.row_checks import bad_json_error, bad_utf8_error
 from resources.slices import RowSkip, SliceRange
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 ChunkReader = Callable[[SliceRange, int], "DataFrame"]
 
 
-class SourceReadError(RuntimeError):
+class SourceReadError(RowrelayError, RuntimeError):
     """Spark could not read a slice from the source; the message carries the JDBC driver's own reason."""
 
 

@@ -16,6 +16,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from resources.config import ConfigError, resolve_env
+from resources.errors import RowrelayError
 from resources.slices import RowSkip, SliceRange, micros_sql_text
 from resources.source_database import MAX_MICROS, MAX_WATERMARK, read_as_text, sqlite_affinity
 
@@ -34,7 +35,7 @@ _answering: set[str] = set()
 CONNECT_CHECK_S = 5.0
 
 
-class SparkUnreachable(RuntimeError):
+class SparkUnreachable(RowrelayError, RuntimeError):
     """The Spark Connect server does not answer; the message names the URL and the setting to check."""
 
 

@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
+from resources.cache import KeptAnswers
 from resources.exactly_once.errors import KafkaAuthenticationError, KafkaUnavailable, ProducerSettingsError, RelayError
 
 _log = logging.getLogger("resources.exactly_once")  # one logger, filtered once, for the whole package
@@ -32,20 +32,12 @@ class _RepeatsDropped(logging.Filter):
     def __init__(self, window_s: float = 30.0) -> None:
         super().__init__()
         self.window_s = window_s
-        self.seen: dict[str, float] = {}
-        self.lock = threading.Lock()
+        # Many distinct lines: the old ones are forgotten first.
+        self.seen: KeptAnswers[str, bool] = KeptAnswers(limit=1000, ttl_s=window_s)
 
     def filter(self, record: logging.LogRecord) -> bool:
         # Numbers that change from one attempt to the next only (a table or host name keeps its digits).
-        key = _ATTEMPT_NUMBERS.sub("#", f"{record.name} {record.getMessage()}")
-        now = time.monotonic()
-        with self.lock:
-            if now - self.seen.get(key, float("-inf")) < self.window_s:
-                return False
-            if len(self.seen) > 1000:  # many distinct lines: forget the old ones
-                self.seen = {k: t for k, t in self.seen.items() if now - t < self.window_s}
-            self.seen[key] = now
-            return True
+        return self.seen.keep_new(_ATTEMPT_NUMBERS.sub("#", f"{record.name} {record.getMessage()}"), True)
 
 
 _log.addFilter(_RepeatsDropped())

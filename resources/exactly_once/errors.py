@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+from resources.errors import RowrelayError
 from resources.slices import SliceRange, watermark_text
 
 
-class RelayError(Exception):
+class RelayError(RowrelayError):
     """Base class: a slice could not be published. The message says what to do."""
 
 

@@ -15,6 +15,7 @@ import confluent_kafka
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
+from resources.errors import RowrelayError
 from resources.exactly_once.batches import REPLAY_HEADER, message_watermark
 from resources.exactly_once.clients import base_conf, call_retrying, outcome_unknown, transaction_timeout_ms
 from resources.exactly_once.progress_log import read_committed_progress, read_progress_history
@@ -29,7 +30,7 @@ KindError = Callable[[bool, str, int], str | None]
 REPLAY_COMMIT_TIMEOUT_S = 60  # one commit_transaction call of a replay; retried (call_retrying) while retriable
 
 
-class ReplayError(ValueError):
+class ReplayError(RowrelayError, ValueError):
     """A replay request that cannot be served as asked; the message says what to fix. Nothing was produced."""
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
+from resources.cache import KeptAnswers
 from resources.exactly_once.clients import _consumer, _log, _topic_metadata, base_conf
 from resources.exactly_once.errors import KafkaUnavailable, RelayError, TopicSettingsError
 from resources.exactly_once.progress_log import partition_watermarks
@@ -25,8 +26,9 @@ class TopicsReady:
 
 # Existing topics found fit (and the data topic's max.message.bytes), per process: an early read and the run it
 # feeds, seconds apart, check them once.
-_TOPICS_FIT: dict[tuple[str, str, str, bool], tuple[float, int | None]] = {}
 TOPICS_FIT_TTL_S = 60.0
+_TOPICS_FIT: KeptAnswers[tuple[str, str, str, bool, tuple[str, ...]], tuple[int | None]] = KeptAnswers(
+    ttl_s=TOPICS_FIT_TTL_S)
 
 
 def _topic_configs(admin: AdminClient, topics: list[str], timeout: float) -> dict[str, dict[str, str]]:
@@ -155,13 +157,13 @@ def ensure_topics(kafka_conf: dict[str, Any], channel: TableChannel, timeout: fl
     memo = (str(kafka_conf.get("bootstrap.servers")), channel.topic, channel.progress_topic, channel.keyed,
             channel.shared_with)
     hit = _TOPICS_FIT.get(memo)
-    if hit is not None and time.monotonic() - hit[0] < TOPICS_FIT_TTL_S and len(existing) == 2:
-        ready = TopicsReady(partitions, hit[1])
+    if hit is not None and len(existing) == 2:
+        ready = TopicsReady(partitions, hit[0])
     else:
         ready = TopicsReady(partitions, _check_existing_topics(
             admin, channel, existing, timeout, str(kafka_conf.get("bootstrap.servers", "<broker:port>"))))
         if len(existing) == 2:
-            _TOPICS_FIT[memo] = (time.monotonic(), ready.max_message_bytes)
+            _TOPICS_FIT.keep(memo, (ready.max_message_bytes,))
     wanted = []
     if channel.topic not in existing:
         wanted.append(NewTopic(channel.topic, channel.topic_partitions, channel.replication_factor))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from resources.errors import RowrelayError
 
-class SourceError(ValueError):
+
+class SourceError(RowrelayError, ValueError):
     """A configured table cannot be read as configured; the message says what to change."""
 
 
@@ -11,7 +13,7 @@ class SchemaChanged(SourceError):
     """Columns changed since the last committed slice and the table's on_schema_change is `fail`."""
 
 
-class SchemaRaced(RuntimeError):
+class SchemaRaced(RowrelayError, RuntimeError):
     """The table's columns changed while a slice was read: which columns its rows were read with is not known, so
     nothing of it is published; read again, it is read (and recorded) with the columns the table has then."""
 
@@ -25,7 +27,7 @@ def null_watermark_error(table_id: str, watermark: str, committed: str | None) -
                        f"column NOT NULL and {fill}")
 
 
-class InnodbTrxStale(RuntimeError):
+class InnodbTrxStale(RowrelayError, RuntimeError):
     """MariaDB's innodb_trx cache stayed stale past observe's wait, so which transactions are open is unknown
     right now: observe refuses rather than answers wrong, and asking again later (the next tick) is the remedy."""
 
