@@ -31,10 +31,11 @@ from orchestration.exits import INTERRUPTED, NOT_FINAL, OK
 from orchestration.factory import job_name
 from orchestration.tables import select_tables
 from resources.config import RelayConfig, TableConfig
-from resources.exactly_once import RelayError, read_committed_progress
+from resources.errors import RowrelayError
+from resources.exactly_once import read_committed_progress
 from resources.kafka_io_manager import KafkaIOManager
 from resources.slice_reads import EARLY_READS
-from resources.source_database import InnodbTrxStale, SourceDatabaseResource, SourceError
+from resources.source_database import SourceDatabaseResource
 
 
 def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
@@ -51,7 +52,7 @@ def cmd_backfill(config: RelayConfig, args: argparse.Namespace) -> int:
         keep_storage_connections(instance)
         try:
             cut = cut_backlog(instance, table, io_manager, source, args.dry_run, args.settle_timeout)
-        except (SourceError, RelayError, InnodbTrxStale) as exc:  # any other error keeps its traceback
+        except RowrelayError as exc:  # any other error keeps its traceback
             print(f"rowrelay: {exc}", file=sys.stderr)
             return 1
         finally:

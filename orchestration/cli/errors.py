@@ -99,11 +99,9 @@ def user_error(exc: BaseException, config: RelayConfig | None = None) -> str | N
     from dagster import DagsterInvalidInvocationError
     from dagster._core.errors import DagsterHomeNotSetError  # not exported publicly; what DagsterInstance.get raises
 
-    from resources.exactly_once import RelayError
-    from resources.source_database import InnodbTrxStale, SourceError
-    from resources.spark import SparkUnreachable
+    from resources.errors import RowrelayError
 
-    if isinstance(exc, SourceError | RelayError | InnodbTrxStale | SparkUnreachable):
+    if isinstance(exc, RowrelayError):  # every refusal and user-fixable failure rowrelay raises itself
         return str(exc)
     if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError):
         return source_error_text(exc, config)

@@ -15,7 +15,8 @@ from orchestration.cli.arguments import watermark_kind_error
 from orchestration.cli.errors import dagster_home_set
 from orchestration.tables import kafka_conf, select_tables
 from resources.config import RelayConfig, TableConfig
-from resources.exactly_once import RelayError, ReplayError, republish_range
+from resources.errors import RowrelayError
+from resources.exactly_once import republish_range
 from resources.keys import REPLAY_ID
 from resources.slices import is_timestamp_key, watermark_text
 
@@ -37,7 +38,7 @@ def cmd_replay(config: RelayConfig, args: argparse.Namespace) -> int:
     with DagsterInstance.get() as instance:
         try:
             done = replay_range(config, table, args.from_, args.to, args.topic)
-        except (ReplayError, RelayError) as exc:
+        except RowrelayError as exc:
             print(f"rowrelay: {exc}", file=sys.stderr)
             return 1
         timestamps = any(map(is_timestamp_key, done["slices"]))
