@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -157,22 +158,29 @@ def restart_broker(broker: Any, kill: bool, down_s: float) -> None:
 def broker_mid_run(h: Harness, table: TableConfig, key: str, broker: Any, after_s: float, kill: bool,
                    down_s: float) -> tuple[FaultRecord, list[str]]:
     """The run started; `after_s` later the broker is stopped (SIGKILL or SIGTERM), `down_s` after that started
-    again. The run may fail or ride it out; either way nothing may be lost or doubled (the oracle's check). The
-    record says whether the run was still publishing when the broker went."""
-    log = h.instance.root_directory + f"/broker-{time.monotonic_ns()}.log"
+    again."""
+    return service_mid_run(h, table, key, "broker_kill" if kill else "broker_restart", after_s, down_s,
+                           lambda: restart_broker(broker, kill, down_s))
+
+
+def service_mid_run(h: Harness, table: TableConfig, key: str, fault: str, after_s: float, down_s: float,
+                    disrupt: Callable[[], None]) -> tuple[FaultRecord, list[str]]:
+    """The run started; `after_s` later `disrupt` stops a service it uses and starts it again. The run may fail or
+    ride it out; either way nothing may be lost or doubled (the oracle's check). The record says whether the run
+    was still before its commit when the service went."""
+    log = h.instance.root_directory + f"/{fault}-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(h.cli_command(table, key), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env=h.cli_env())
-    fault = "broker_kill" if kill else "broker_restart"
     try:
         proc.wait(timeout=after_s)
-        return FaultRecord(table.table_id, key, fault, "ended before the broker stopped", f"exit {proc.returncode}",
+        return FaultRecord(table.table_id, key, fault, "ended before the service stopped", f"exit {proc.returncode}",
                            False), []
     except subprocess.TimeoutExpired:
         pass
     committed_before = committed_hi(h, table) >= slice_hi(key)
-    restart_broker(broker, kill, down_s)
-    problems = [] if ended_within(proc, 300) else [f"run of {key} did not end within 300 s of the broker's restart"]
+    disrupt()
+    problems = [] if ended_within(proc, 300) else [f"run of {key} did not end within 300 s of the {fault}"]
     stage = "after its commit" if committed_before else "mid-run, before its commit"
-    return FaultRecord(table.table_id, key, fault, stage, f"broker down {down_s} s; the run's exit {proc.returncode}",
+    return FaultRecord(table.table_id, key, fault, stage, f"down {down_s} s; the run's exit {proc.returncode}",
                        not committed_before), problems
