@@ -99,3 +99,12 @@ def test_short_randomized_schedule(services: Services) -> None:
         print(json.dumps({"seed": seed, **result, "faults": [r.as_dict() for r in w.records]}))
         assert not w.problems, f"seed {seed}:\n" + "\n".join(w.problems)
         assert result["rounds"] >= 1
+
+
+def test_a_drawn_fault_is_recorded_under_one_name_injected_or_not() -> None:
+    from tests.explorer.faults import record_name
+
+    assert record_name({"fault": SPARK_FAULT}) == "spark_kill"
+    assert record_name({"fault": DAEMON_FAULT}) == "daemon_kill"
+    assert record_name({"fault": BROKER_FAULT, "kill": False}) == "broker_restart"
+    assert record_name({"fault": "kill", "stage": "begun"}) == "kill"

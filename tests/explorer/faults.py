@@ -39,6 +39,14 @@ class FaultRecord:
 MUST_STOP_FENCED = ("progress_read", "begun", "rows_produced", "flushed", "before_commit")
 
 
+def record_name(args: dict[str, Any]) -> str:
+    """What the record of a drawn fault calls it, injected or not."""
+    fault = args["fault"]
+    if fault == "broker":
+        return "broker_kill" if args["kill"] else "broker_restart"
+    return {"spark": "spark_kill", "daemon": "daemon_kill"}.get(fault, fault)
+
+
 def committed_hi(h: Harness, table: TableConfig) -> int:
     progress = h.progress(table)
     return progress.hi if progress else 0

@@ -186,7 +186,7 @@ def relay(w: World, step: Step) -> None:
     if not keys:
         w.say("  nothing cut")
         if "fault" in step.args:  # a drawn fault with no run to hit is reported, as one without effect
-            w.records.append(faults.FaultRecord(table.table_id, "-", step.args["fault"],
+            w.records.append(faults.FaultRecord(table.table_id, "-", faults.record_name(step.args),
                                                 step.args.get("stage", "-"), "not injected: the tick cut nothing",
                                                 False))
 
