@@ -52,7 +52,9 @@ def test_service_faults_are_drawn_only_under_their_flags() -> None:
 def test_service_faults_carry_their_drawn_moments() -> None:
     for args in drawn_faults(11, spark_faults=True, daemon_faults=True):
         if args["fault"] in (SPARK_FAULT, DAEMON_FAULT):
-            assert set(args) == {"fault", "after_s", "down_s"}, args
+            assert {"fault", "after_s", "down_s"} <= set(args) <= {"fault", "after_s", "down_s", "stage"}, args
+            assert args.get("stage", "begun") in ("begun", "committed") and args["fault"] == SPARK_FAULT \
+                or "stage" not in args, args
             assert 0.0 <= args["after_s"] <= 8.0 and 0.0 <= args["down_s"] <= 5.0, args
 
 

@@ -171,7 +171,7 @@ def relay(w: World, step: Step) -> None:
             w.problems.extend(problems)
         elif fault == "spark":
             rec, problems = service_faults.spark_mid_run(w.harness, table, key, w.spark, step.args["after_s"],
-                                                         step.args["down_s"])
+                                                         step.args["down_s"], step.args.get("stage"))
             w.problems.extend(problems)
         else:
             rec = None

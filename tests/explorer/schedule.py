@@ -43,6 +43,9 @@ BROKER_FAULT = "broker"
 # run, then started again. With `daemon_faults` (a world with a daemon of its own): the relay step is the daemon's,
 # and the daemon is SIGKILLed with its run workers a drawn moment into its run of the table, then started again.
 SPARK_FAULT = "spark"
+# Where a Spark fault may freeze its run instead: its rows are read next (from the session the fault takes), or its
+# commit has landed.
+SPARK_STAGES = ("begun", "committed")
 DAEMON_FAULT = "daemon"
 
 
@@ -139,8 +142,10 @@ class Schedule:
             elif fault == BROKER_FAULT:
                 args.update(after_s=round(self.rng.uniform(1.0, 8.0), 1), kill=self.rng.random() < 0.5,
                             down_s=round(self.rng.uniform(0.0, 5.0), 1))
-            elif fault == SPARK_FAULT:  # the read takes a few seconds on Connect: early moments hit it mid-read
+            elif fault == SPARK_FAULT:  # a drawn moment, or the run frozen at a stage: mid-read, or committed
                 args.update(after_s=round(self.rng.uniform(0.5, 8.0), 1), down_s=round(self.rng.uniform(0.0, 5.0), 1))
+                if self.rng.random() < 0.5:
+                    args["stage"] = self.rng.choice(SPARK_STAGES)
             elif fault == DAEMON_FAULT:  # counted from its run's start: a run takes seconds
                 args.update(after_s=round(self.rng.uniform(0.0, 3.0), 1), down_s=round(self.rng.uniform(0.0, 5.0), 1))
             else:
