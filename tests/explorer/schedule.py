@@ -43,8 +43,8 @@ BROKER_FAULT = "broker"
 # run, then started again. With `daemon_faults` (a world with a daemon of its own): the relay step is the daemon's,
 # and the daemon is SIGKILLed with its run workers a drawn moment into its run of the table, then started again.
 SPARK_FAULT = "spark"
-# Where a Spark fault may freeze its run instead: its rows are read next (from the session the fault takes), or its
-# commit has landed.
+# Where a Spark fault may freeze its run instead: at `begun` the slice's rows are read next, from the session the
+# fault takes (a small slice's one chunk may have been read ahead already); at `committed` its commit has landed.
 SPARK_STAGES = ("begun", "committed")
 DAEMON_FAULT = "daemon"
 

@@ -67,9 +67,9 @@ def private_spark() -> Iterator[PrivateSpark]:
 
 def spark_mid_run(h: Harness, table: TableConfig, key: str, spark: PrivateSpark, after_s: float, down_s: float,
                   stage: str | None = None) -> tuple[FaultRecord, list[str]]:
-    """The run started; `after_s` later (or while it is frozen at publisher `stage`: at `begun` its rows are read
-    next, from the session the kill takes) the private Spark Connect server is SIGKILLed, and `down_s` after that
-    started again on the same port. The run may fail (the explorer's retry runs it again) or ride it out."""
+    """The run started; `after_s` later (or while it is frozen at publisher `stage`, see schedule.SPARK_STAGES) the
+    private Spark Connect server is SIGKILLed, and `down_s` after that started again on the same port. The run may
+    fail (the explorer's retry runs it again) or ride it out."""
     def restart() -> None:
         spark.kill()
         time.sleep(down_s)
