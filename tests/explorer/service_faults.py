@@ -137,7 +137,7 @@ def daemon_mid_run(h: Harness, table: TableConfig, top: int, after_s: float, dow
         key = _run_key(run)
         time.sleep(after_s)
         committed_before = key != "-" and committed_hi(h, table) >= slice_hi(key)
-        ended = h.instance.get_run_by_id(run.run_id).status.value  # type: ignore[union-attr]
+        status = h.instance.get_run_by_id(run.run_id).status.value  # type: ignore[union-attr]
         daemon.kill_daemon()
         time.sleep(down_s)
         daemon.start_daemon()
@@ -145,10 +145,10 @@ def daemon_mid_run(h: Harness, table: TableConfig, top: int, after_s: float, dow
         while committed_hi(h, table) < top and time.monotonic() - started < catch_up_s:
             time.sleep(1)
         caught = committed_hi(h, table) >= top
-        stage = ("after its commit" if committed_before else "mid-run, before its commit") + f" (run {ended})"
+        stage = ("after its commit" if committed_before else "mid-run, before its commit") + f" (run {status})"
         outcome = (f"daemon down {down_s} s; {'caught the table up' if caught else 'had not caught the table up'} "
                    f"in {round(time.monotonic() - started)} s after its restart")
         return FaultRecord(table.table_id, key, "daemon_kill", stage, outcome,
-                           not committed_before and ended == "STARTED"), []
+                           not committed_before and status == "STARTED"), []
     finally:
         daemon.stop_daemon()
