@@ -67,12 +67,16 @@ test-cluster: stack
 	$(WITH_ENV) $(PY) -m pytest -q -s tests -m cluster
 
 # The randomized schedule explorer (tests/explorer): SEED= replays a schedule (default: a fresh seed, printed
-# first), MINUTES= how long it explores, BROKER_FAULTS=1 also stops its broker mid-run (a private broker of its own).
+# first), MINUTES= how long it explores, BROKER_FAULTS=1 also stops its broker mid-run (a private broker of its own),
+# SPARK_FAULTS=1 its Spark Connect server (a private one), DAEMON_FAULTS=1 its Dagster daemon (the world's own).
 SEED ?=
 MINUTES ?= 10
 BROKER_FAULTS ?=
+SPARK_FAULTS ?=
+DAEMON_FAULTS ?=
 explore: stack
-	$(WITH_ENV) $(PY) -m tests.explorer --minutes $(MINUTES) $(if $(SEED),--seed $(SEED)) $(if $(BROKER_FAULTS),--broker-faults)
+	$(WITH_ENV) $(PY) -m tests.explorer --minutes $(MINUTES) $(if $(SEED),--seed $(SEED)) $(if $(BROKER_FAULTS),--broker-faults) \
+		$(if $(SPARK_FAULTS),--spark-faults) $(if $(DAEMON_FAULTS),--daemon-faults)
 
 # The benchmark peers' own tests (Debezium's JVM runs, ~1 min): not part of `make test`.
 test-bench: stack

@@ -11,7 +11,7 @@ import random
 import sys
 
 from tests.conftest import _local_stack
-from tests.explorer.runner import explore, private_broker_world, run_matrix, world
+from tests.explorer.runner import explore, private_world, run_matrix
 from tests.explorer.schedule import KNOWN_OPEN, TABLES, Schedule, matrix
 
 
@@ -25,6 +25,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--include-open", action="store_true", help=f"draw writer kinds of open defects too: {KNOWN_OPEN}")
     ap.add_argument("--broker-faults", action="store_true", help="also stop and restart the broker mid-run: the world "
                     "then runs on a private broker of its own (tests/private_kafka.py), never the stack's")
+    ap.add_argument("--spark-faults", action="store_true", help="also SIGKILL the Spark Connect server mid-run and "
+                    "start it again: the world then runs on a private Spark Connect server of its own")
+    ap.add_argument("--daemon-faults", action="store_true", help="also relay steps by a Dagster daemon of the world's "
+                    "own, SIGKILLed (with its run workers) mid-run and started again")
     ap.add_argument("--tables", default=",".join(f"{d}/{w}" for d, w in TABLES),
                     help="which of the tables to use, e.g. pg/int,maria/ts")
     return ap.parse_args(argv)
@@ -36,12 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"explorer seed {seed}", flush=True)
     chosen = tuple(i for i, t in enumerate(TABLES) if "/".join(t) in args.tables.split(","))
     results = {}
-    make_world = private_broker_world if args.broker_faults else world
-    with make_world(_local_stack(), chosen) as w:
+    with private_world(_local_stack(), chosen, broker=args.broker_faults, spark=args.spark_faults,
+                       daemon=args.daemon_faults) as w:
         if args.matrix:
             results["matrix"] = run_matrix(w, [s for s in matrix() if s.table in chosen])
         if args.minutes > 0 and not w.problems:
-            schedule = Schedule(seed, include_open=args.include_open, tables=chosen, broker_faults=args.broker_faults)
+            schedule = Schedule(seed, include_open=args.include_open, tables=chosen, broker_faults=args.broker_faults,
+                                spark_faults=args.spark_faults, daemon_faults=args.daemon_faults)
             results["explore"] = explore(w, schedule, args.minutes, max_steps=args.steps)
         results["fault_records"] = [r.as_dict() for r in w.records]
         ok = not w.problems

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,14 @@ class FaultRecord:
 MUST_STOP_FENCED = ("progress_read", "begun", "rows_produced", "flushed", "before_commit")
 
 
+def record_name(args: dict[str, Any]) -> str:
+    """What the record of a drawn fault calls it, injected or not."""
+    fault = args["fault"]
+    if fault == "broker":
+        return "broker_kill" if args["kill"] else "broker_restart"
+    return {"spark": "spark_kill", "daemon": "daemon_kill"}.get(fault, fault)
+
+
 def committed_hi(h: Harness, table: TableConfig) -> int:
     progress = h.progress(table)
     return progress.hi if progress else 0
@@ -60,6 +69,19 @@ def ended_within(proc: subprocess.Popen, timeout: float) -> bool:
         return False
 
 
+def frozen(proc: subprocess.Popen, timeout: float = 300) -> bool | None:
+    """Waits until `proc` stops itself (SIGSTOP, at a `stop:` failpoint): True, or False if it ended first; None
+    (it is SIGKILLed) if neither happened within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while (state := process_start_ticks(proc.pid)) and state[1] != "T" and proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return None
+        time.sleep(0.1)
+    return proc.poll() is None
+
+
 def kill_at_stage(h: Harness, table: TableConfig, key: str, stage: str) -> FaultRecord:
     """The run SIGKILLs itself at `stage`."""
     result = h.run_cli(table, key, env={"ROWRELAY_FAILPOINT": stage})
@@ -79,14 +101,9 @@ def freeze_then_takeover(h: Harness, table: TableConfig, key: str, stage: str) -
     with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the zombie early
         zombie = subprocess.Popen(h.cli_command(table, key), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                   env=h.cli_env({"ROWRELAY_FAILPOINT": f"stop:{stage}"}))
-    deadline = time.monotonic() + 300
-    while (state := process_start_ticks(zombie.pid)) and state[1] != "T" and zombie.poll() is None:
-        if time.monotonic() > deadline:
-            zombie.kill()
-            zombie.wait()
-            return FaultRecord(table.table_id, key, "freeze_takeover", stage, "never froze in 300 s", True), [
-                f"run {key} neither froze at {stage} nor ended in 300 s"]
-        time.sleep(0.1)
+    if frozen(zombie) is None:
+        return FaultRecord(table.table_id, key, "freeze_takeover", stage, "never froze in 300 s", True), [
+            f"run {key} neither froze at {stage} nor ended in 300 s"]
     if zombie.poll() is not None:
         return FaultRecord(table.table_id, key, "freeze_takeover", stage,
                            f"stage not reached (exit {zombie.returncode})", False), []
@@ -157,22 +174,37 @@ def restart_broker(broker: Any, kill: bool, down_s: float) -> None:
 def broker_mid_run(h: Harness, table: TableConfig, key: str, broker: Any, after_s: float, kill: bool,
                    down_s: float) -> tuple[FaultRecord, list[str]]:
     """The run started; `after_s` later the broker is stopped (SIGKILL or SIGTERM), `down_s` after that started
-    again. The run may fail or ride it out; either way nothing may be lost or doubled (the oracle's check). The
-    record says whether the run was still publishing when the broker went."""
-    log = h.instance.root_directory + f"/broker-{time.monotonic_ns()}.log"
+    again."""
+    return service_mid_run(h, table, key, "broker_kill" if kill else "broker_restart", after_s, down_s,
+                           lambda: restart_broker(broker, kill, down_s))
+
+
+def service_mid_run(h: Harness, table: TableConfig, key: str, fault: str, after_s: float, down_s: float,
+                    disrupt: Callable[[], None], stage: str | None = None) -> tuple[FaultRecord, list[str]]:
+    """The run started; `after_s` later (or, given a publisher `stage`, once the run froze itself there) `disrupt`
+    stops a service it uses and starts it again (then a frozen run resumes). The run may fail or ride it out;
+    either way nothing may be lost or doubled (the oracle's check). The record says whether the run was still
+    before its commit when the service went."""
+    log = h.instance.root_directory + f"/{fault}-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(h.cli_command(table, key), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env=h.cli_env())
-    fault = "broker_kill" if kill else "broker_restart"
-    try:
-        proc.wait(timeout=after_s)
-        return FaultRecord(table.table_id, key, fault, "ended before the broker stopped", f"exit {proc.returncode}",
+                                env=h.cli_env({"ROWRELAY_FAILPOINT": f"stop:{stage}"} if stage else None))
+    if stage is not None and not frozen(proc):
+        return FaultRecord(table.table_id, key, fault, f"at {stage}", f"stage not reached (exit {proc.returncode})",
                            False), []
-    except subprocess.TimeoutExpired:
-        pass
+    if stage is None:
+        try:
+            proc.wait(timeout=after_s)
+            return FaultRecord(table.table_id, key, fault, "ended before the service stopped",
+                               f"exit {proc.returncode}", False), []
+        except subprocess.TimeoutExpired:
+            pass
     committed_before = committed_hi(h, table) >= slice_hi(key)
-    restart_broker(broker, kill, down_s)
-    problems = [] if ended_within(proc, 300) else [f"run of {key} did not end within 300 s of the broker's restart"]
-    stage = "after its commit" if committed_before else "mid-run, before its commit"
-    return FaultRecord(table.table_id, key, fault, stage, f"broker down {down_s} s; the run's exit {proc.returncode}",
-                       not committed_before), problems
+    disrupt()
+    if stage is not None:
+        os.kill(proc.pid, signal.SIGCONT)
+    problems = [] if ended_within(proc, 300) else [f"run of {key} did not end within 300 s of the {fault}"]
+    where = f"frozen at {stage}" if stage else f"{after_s} s in"
+    when = "after its commit" if committed_before else "mid-run, before its commit"
+    return FaultRecord(table.table_id, key, fault, f"{when} ({where})", f"down {down_s} s; the run's exit "
+                       f"{proc.returncode}", not committed_before), problems

@@ -19,7 +19,7 @@ from assets.identity import channel_for
 from resources.config import RelayConfig, TableConfig
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from tests.conftest import Services, unique
-from tests.explorer import faults, ops, oracle
+from tests.explorer import faults, ops, oracle, service_faults
 from tests.explorer.schedule import TABLES, Schedule, Step
 from tests.explorer.writers import MESSAGE_MAX_BYTES, Writers, table_name
 from tests.pipeline import Harness, relay_config
@@ -34,6 +34,7 @@ class World:
     tables: dict[int, TableConfig]  # schedule table index -> its config
     records: list[faults.FaultRecord] = field(default_factory=list)
     broker: Any = None  # the world's private broker (tests/private_kafka.py), when its schedule stops brokers
+    spark: Any = None  # its private Spark Connect server (service_faults.py), when its schedule kills Spark
     problems: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
 
@@ -49,9 +50,11 @@ class World:
 
 
 @contextlib.contextmanager
-def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = True) -> Iterator[World]:
+def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = True,
+          daemon: bool = False) -> Iterator[World]:
     """Fresh PostgreSQL and MariaDB databases with the schedule's tables, a PostgreSQL-backed Dagster instance, a
-    config on the stack's Spark Connect server; all dropped afterwards (kept, and named, if a check failed)."""
+    config on the stack's Spark Connect server; all dropped afterwards (kept, and named, if a check failed).
+    `daemon`: the instance set up for a daemon of the world's own (service_faults.py), a workspace beside it."""
     from dagster import DagsterInstance
 
     names = {k: unique(k) for k in ("dagster", "xpg", "xmaria")}
@@ -78,10 +81,13 @@ def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = T
     config = relay_config(services, {sources[k]: u for k, u in urls.items()}, settings,
                           producer={"message.max.bytes": MESSAGE_MAX_BYTES}, spark_remote=True)
     home = Path(tempfile.mkdtemp(prefix="explore-"))
-    (home / "dagster.yaml").write_text(yaml.safe_dump({
-        "storage": services.dagster_storage(names["dagster"]), "telemetry": {"enabled": False},
-        # As the product's dagster.yaml: a table's pool limits its queued runs, never a run's own step.
-        "concurrency": {"pools": {"granularity": "run", "default_limit": 1}}}))
+    (home / "dagster.yaml").write_text(service_faults.daemon_instance_settings(services.dagster_storage(
+        names["dagster"])) if daemon else yaml.safe_dump({
+            "storage": services.dagster_storage(names["dagster"]), "telemetry": {"enabled": False},
+            # As the product's dagster.yaml: a table's pool limits its queued runs, never a run's own step.
+            "concurrency": {"pools": {"granularity": "run", "default_limit": 1}}}))
+    if daemon:
+        service_faults.write_workspace(home)
     instance = DagsterInstance.from_config(str(home))
     w = World(services, config, Harness(config, instance), writers, dict(zip(tables, config.tables, strict=True)))
     failed = True
@@ -107,15 +113,23 @@ def world(services: Services, tables: tuple[int, ...], keep_on_failure: bool = T
 
 
 @contextlib.contextmanager
-def private_broker_world(services: Services, tables: tuple[int, ...]) -> Iterator[World]:
-    """A world whose topics live on a broker of its own (tests/private_kafka.py), so that broker faults stop no
-    broker other people's tests use; its databases and Spark Connect server are still the stack's."""
+def private_world(services: Services, tables: tuple[int, ...], broker: bool = False, spark: bool = False,
+                  daemon: bool = False) -> Iterator[World]:
+    """A world whose broker (`broker`) or Spark Connect server (`spark`) is one of its own, so that faults on it stop
+    nothing other people's tests use; `daemon`: its instance ready for a daemon of its own. The rest is the stack's."""
     from dataclasses import replace
 
     from tests.private_kafka import private_kafka
 
-    with private_kafka() as broker, world(replace(services, kafka_bootstrap=broker.bootstrap), tables) as w:
-        w.broker = broker
+    with contextlib.ExitStack() as stack:
+        own_broker = stack.enter_context(private_kafka()) if broker else None
+        own_spark = stack.enter_context(service_faults.private_spark()) if spark else None
+        if own_broker is not None:
+            services = replace(services, kafka_bootstrap=own_broker.bootstrap)
+        if own_spark is not None:
+            services = replace(services, spark_remote=own_spark.remote)
+        w = stack.enter_context(world(services, tables, daemon=daemon))
+        w.broker, w.spark = own_broker, own_spark
         yield w
 
 
@@ -134,6 +148,13 @@ def relay(w: World, step: Step) -> None:
     """One tick of the table; each requested run carried out, the first with the step's fault, then (as a run
     retry would) run again normally."""
     table = w.tables[step.table]
+    if step.args.get("fault") == "daemon":
+        rec, problems = service_faults.daemon_mid_run(w.harness, table, ops.matching_max(w, step.table),
+                                                      step.args["after_s"], step.args["down_s"])
+        w.problems.extend(problems)
+        w.records.append(rec)
+        w.say(f"  fault {json.dumps(rec.as_dict())}")
+        return
     keys = w.harness.cut(table, timeout=step.args.get("wait_s", 5))
     for n, key in enumerate(keys):
         fault = step.args.get("fault") if n == 0 else None
@@ -148,6 +169,10 @@ def relay(w: World, step: Step) -> None:
             rec, problems = faults.broker_mid_run(w.harness, table, key, w.broker, step.args["after_s"],
                                                   step.args["kill"], step.args["down_s"])
             w.problems.extend(problems)
+        elif fault == "spark":
+            rec, problems = service_faults.spark_mid_run(w.harness, table, key, w.spark, step.args["after_s"],
+                                                         step.args["down_s"], step.args.get("stage"))
+            w.problems.extend(problems)
         else:
             rec = None
         if rec is not None:
@@ -161,7 +186,7 @@ def relay(w: World, step: Step) -> None:
     if not keys:
         w.say("  nothing cut")
         if "fault" in step.args:  # a drawn fault with no run to hit is reported, as one without effect
-            w.records.append(faults.FaultRecord(table.table_id, "-", step.args["fault"],
+            w.records.append(faults.FaultRecord(table.table_id, "-", faults.record_name(step.args),
                                                 step.args.get("stage", "-"), "not injected: the tick cut nothing",
                                                 False))
 
@@ -228,6 +253,8 @@ def summary(w: World, steps: int, rounds: int, seconds: float) -> dict[str, Any]
     ops = [r for r in w.records if r.fault in OP_RECORDS]
     return {"steps": steps, "rounds": rounds, "seconds": round(seconds), "ok": not w.problems,
             "faults": len(faulted), "faults_without_effect": sum(not r.disrupted for r in faulted),
+            "by_fault": {k: [sum(r.fault == k for r in faulted), sum(r.fault == k and r.disrupted for r in faulted)]
+                         for k in sorted({r.fault for r in faulted})},  # kind: [drawn, disrupted]
             "ops": len(ops), "ops_without_effect": sum(not r.disrupted for r in ops),
             "problems": w.problems[:20]}
 

@@ -39,6 +39,14 @@ FAULT_KINDS = ("kill", "freeze_takeover", "kill_early")
 # With `broker_faults` (a world on a private broker only): the broker SIGKILLed or shut down a drawn moment into the
 # run, then started again.
 BROKER_FAULT = "broker"
+# With `spark_faults` (a world on a private Spark Connect server only): that server SIGKILLed a drawn moment into the
+# run, then started again. With `daemon_faults` (a world with a daemon of its own): the relay step is the daemon's,
+# and the daemon is SIGKILLed with its run workers a drawn moment into its run of the table, then started again.
+SPARK_FAULT = "spark"
+# Where a Spark fault may freeze its run instead: at `begun` the slice's rows are read next, from the session the
+# fault takes (a small slice's one chunk may have been read ahead already); at `committed` its commit has landed.
+SPARK_STAGES = ("begun", "committed")
+DAEMON_FAULT = "daemon"
 
 
 @dataclass(frozen=True)
@@ -57,11 +65,13 @@ class Schedule:
     """Draws steps one by one from `seed`; `fault_rate` is the chance a relay step's run gets a fault."""
 
     def __init__(self, seed: int, include_open: bool = False, fault_rate: float = 0.5,
-                 tables: tuple[int, ...] = tuple(range(len(TABLES))), broker_faults: bool = False) -> None:
+                 tables: tuple[int, ...] = tuple(range(len(TABLES))), broker_faults: bool = False,
+                 spark_faults: bool = False, daemon_faults: bool = False) -> None:
         self.seed, self.rng = seed, random.Random(seed)
         self.kinds = [k for k in WRITER_KINDS if include_open or k not in KNOWN_OPEN]
         self.fault_rate, self.tables = fault_rate, tables
-        self.faults = (*FAULT_KINDS, BROKER_FAULT) if broker_faults else FAULT_KINDS
+        self.faults = (*FAULT_KINDS, *((BROKER_FAULT,) if broker_faults else ()),
+                       *((SPARK_FAULT,) if spark_faults else ()), *((DAEMON_FAULT,) if daemon_faults else ()))
         self.open: list[tuple[int, int, int]] = []  # (step it ends at, table, step it began) of each held one
         self.index = 0
 
@@ -132,6 +142,12 @@ class Schedule:
             elif fault == BROKER_FAULT:
                 args.update(after_s=round(self.rng.uniform(1.0, 8.0), 1), kill=self.rng.random() < 0.5,
                             down_s=round(self.rng.uniform(0.0, 5.0), 1))
+            elif fault == SPARK_FAULT:  # a drawn moment, or the run frozen at a stage: mid-read, or committed
+                args.update(after_s=round(self.rng.uniform(0.5, 8.0), 1), down_s=round(self.rng.uniform(0.0, 5.0), 1))
+                if self.rng.random() < 0.5:
+                    args["stage"] = self.rng.choice(SPARK_STAGES)
+            elif fault == DAEMON_FAULT:  # counted from its run's start: a run takes seconds
+                args.update(after_s=round(self.rng.uniform(0.0, 3.0), 1), down_s=round(self.rng.uniform(0.0, 5.0), 1))
             else:
                 args["stage"] = self.rng.choice(STAGES)
         return Step("relay", table, args)
