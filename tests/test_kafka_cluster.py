@@ -9,7 +9,7 @@ partition's last stable offset at its end, the table's transactional id neither 
 coordinators (Kafka's Admin API, tests/kafka_cluster_admin.py). Besides: a rolling restart under a `rowrelay
 backfill`, and a commit left unanswered by a frozen coordinator (the fresh producer that fences the old one).
 
-`make test-cluster` runs it (three broker JVMs on two cores, about five minutes, run alone): not part of the CI
+`make test-cluster` runs it (three broker JVMs on two cores, about fifteen minutes, run alone): not part of the CI
 run, whose `make test` and `make test-faults` already take most of its time budget.
 """
 
