@@ -154,6 +154,24 @@ class KafkaCluster:
                 raise TimeoutError(f"brokers {sorted(wanted)} not up in {timeout:.0f} s\n{tails}")
             time.sleep(0.5)
 
+    def out_of_isr(self, node_id: int, timeout: float = 10.0) -> list[str]:
+        """The partitions (every topic's, the internal ones too) whose in-sync replicas lack `node_id` now."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        topics = admin.list_topics(timeout=timeout).topics
+        return [f"{name}[{p}]" for name, meta in topics.items() for p, part in meta.partitions.items()
+                if node_id in part.replicas and node_id not in part.isrs]
+
+    def wait_in_isr(self, node_id: int, timeout: float = 180.0) -> None:
+        """Until `node_id` is a broker again and back in the in-sync replicas of every partition it holds."""
+        deadline = time.monotonic() + timeout
+        self.wait_for({node_id}, timeout)
+        while lagging := self.out_of_isr(node_id):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node_id} not back in the ISR of {lagging} in {timeout:.0f} s")
+            time.sleep(0.5)
+
     def kill_all(self) -> None:
         for node in self.nodes:
             node.kill()
