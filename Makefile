@@ -61,8 +61,9 @@ test-unit: install
 test-faults: stack
 	$(WITH_ENV) $(PY) -m pytest -q -s tests -m faults
 
-# A replicated Kafka cluster (three KRaft nodes, production settings) with its nodes SIGKILLed, frozen and two of
-# three down while slices publish (tests/test_kafka_cluster.py, about five minutes; not in the CI run's budget).
+# A replicated Kafka cluster (three KRaft nodes, production settings) with its nodes SIGKILLed, frozen, two of three
+# down, restarted one by one during a backfill, and its coordinator frozen mid-commit while slices publish
+# (tests/test_kafka_cluster.py, about fifteen minutes; not in the CI run's budget).
 test-cluster: stack
 	$(WITH_ENV) $(PY) -m pytest -q -s tests -m cluster
 
