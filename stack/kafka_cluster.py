@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stack.local import KAFKA_LOG4J, kafka_classpath, log
+from stack.local import KAFKA_LOG4J, kafka_classpath, kafka_ready, log, pid_alive, read_pid, stop_pidfile
 
 # Small heaps: a test's topics, three JVMs on a small machine.
 JVM_OPTIONS = ("-Xms256m", "-Xmx512m", "-XX:+UseG1GC", "-Djava.awt.headless=true")
@@ -83,14 +83,21 @@ class Node:
         return ["java", *JVM_OPTIONS, f"-Dlog4j2.configurationFile={self.base / 'log4j2.properties'}", "-cp",
                 kafka_classpath(), "kafka.Kafka", str(self.base / "server.properties")]
 
+    @property
+    def pidfile(self) -> Path:
+        return self.base / "kafka.pid"
+
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pidfile.write_text(str(self.process.pid))
 
     @property
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        if self.process is not None:
+            return self.process.poll() is None
+        return pid_alive(read_pid(self.pidfile))  # a node an earlier `make stack` started
 
     def kill(self) -> None:
         """SIGKILL: the node's socket buffers, page cache writes not yet on disk and open requests die with it."""
@@ -196,3 +203,45 @@ def start_cluster(base: Path, ports: list[int], controllers: list[int], settings
         node.start()
     cluster.wait_for({n.node_id for n in cluster.nodes})
     return cluster
+
+
+# -- the stack's own cluster (`ROWRELAY_KAFKA_BROKERS=3 make stack`) -------------------------------------------
+
+
+def brokers_wanted() -> int:
+    """How many brokers the stack runs its data on: 1 (the default) is the single broker of stack/local.py."""
+    return max(1, int(os.environ.get("ROWRELAY_KAFKA_BROKERS", "1") or 1))
+
+
+def stack_ports(brokers: int) -> tuple[list[int], list[int]]:
+    """The stack cluster's client and controller ports: node i on base + 2i and base + 2i + 1, away from the single
+    broker's (ROWRELAY_KAFKA_CLUSTER_PORT, default 19192)."""
+    base = int(os.environ.get("ROWRELAY_KAFKA_CLUSTER_PORT", 19192))
+    return [base + 2 * i for i in range(brokers)], [base + 2 * i + 1 for i in range(brokers)]
+
+
+def stack_cluster_up(base: Path, brokers: int) -> str:
+    """The stack's cluster of `brokers` nodes under `base`, started (formatted the first time) or reused if all its
+    nodes run and answer; returns its bootstrap servers. A node found dead is started again on its data."""
+    ports, controllers = stack_ports(brokers)
+    bootstrap = ",".join(f"127.0.0.1:{p}" for p in ports)
+    nodes = [Node(i + 1, ports[i], base / f"node-{i + 1}") for i in range(brokers)]
+    if not all((n.base / "data" / "meta.properties").exists() for n in nodes):
+        stack_cluster_down(base)
+        start_cluster(base, ports, controllers)
+        return bootstrap
+    for node in nodes:
+        if pid_alive(read_pid(node.pidfile)):
+            continue
+        log(f"kafka cluster: starting node {node.node_id} again on 127.0.0.1:{node.port}")
+        node.start()
+    KafkaCluster(nodes).wait_for({n.node_id for n in nodes})
+    if not all(kafka_ready(p) for p in ports):
+        raise TimeoutError(f"the stack's Kafka cluster on {bootstrap} does not answer")
+    log(f"kafka cluster: {brokers} nodes up on {bootstrap}")
+    return bootstrap
+
+
+def stack_cluster_down(base: Path) -> None:
+    for pidfile in sorted(base.glob("node-*/kafka.pid")):
+        stop_pidfile(f"kafka cluster {pidfile.parent.name}", pidfile, timeout=60)

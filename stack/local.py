@@ -1001,6 +1001,8 @@ def preflight(ports: Ports) -> None:
 
 
 def up() -> dict[str, str]:
+    from stack import kafka_cluster  # it builds on this module's helpers: imported where used, not at the top
+
     home().mkdir(parents=True, exist_ok=True)
     ports = Ports.from_env()
     preflight(ports)
@@ -1011,16 +1013,20 @@ def up() -> dict[str, str]:
     kafka_up(ports)
     spark_connect_up(ports)
     values = settings(ports)
+    if (brokers := kafka_cluster.brokers_wanted()) > 1:
+        # The data on a replicated cluster; the single broker stays up for its SASL_SSL listener.
+        values["ROWRELAY_KAFKA_BOOTSTRAP"] = kafka_cluster.stack_cluster_up(home() / "kafka-cluster", brokers)
     path = write_env_file(values)
     log(f"stack is up; settings in {path}")
     return values
 
 
 def down() -> None:
-    from stack import spark_cluster  # it builds on this module's helpers: imported where used, not at the top
+    from stack import kafka_cluster, spark_cluster  # they build on this module's helpers: imported where used
 
     stop_pidfile("spark connect", home() / "spark-connect" / "spark-connect.pid")
     spark_cluster.cluster_down(home() / "spark-cluster")
+    kafka_cluster.stack_cluster_down(home() / "kafka-cluster")
     stop_pidfile("kafka", home() / "kafka" / "kafka.pid")
     stop_pidfile("mariadb", home() / "mariadb" / "mariadb.pid")
     postgres_down()
@@ -1039,6 +1045,11 @@ def status() -> int:
         ("spark", read_pid(home() / "spark-connect" / "spark-connect.pid"), ports.spark_connect,
          spark_connect_ready, home() / "spark-connect" / "spark-connect.log"),
     ]
+    from stack import kafka_cluster  # it builds on this module's helpers: imported where used, not at the top
+
+    nodes = sorted((home() / "kafka-cluster").glob("node-*"))
+    for node, port in zip(nodes, kafka_cluster.stack_ports(len(nodes))[0], strict=True):
+        rows.append((f"kafka {node.name}", read_pid(node / "kafka.pid"), port, kafka_ready, node / "kafka.log"))
     all_up = True
     for name, pid, port, ready, logfile in rows:
         alive = pid_alive(pid)
