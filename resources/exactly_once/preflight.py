@@ -58,7 +58,8 @@ _CHECKS = {
     Purpose.CUT: Checks(published=True, overtaken=False, shared=True, baseline=False),
     Purpose.PUBLISH: Checks(published=True, overtaken=True, shared=True, baseline=True),
     Purpose.CHECK: Checks(published=True, overtaken=False, shared=False, baseline=False),
-    # The lag (CHECK) counts no rows before a `latest` baseline, so it never asks there: status asks first.
+    # Before the lag (CHECK) asks Kafka: a table awaiting its `latest` baseline over Dagster's slices is refused as
+    # the cut refuses its baseline, whatever the data topic holds.
     Purpose.STATUS: Checks(published=False, overtaken=False, shared=False, baseline=False,
                            recorded_before_baseline_only=True),
     Purpose.VERIFY: Checks(published=True, overtaken=False, shared=False, baseline=False),
