@@ -2,6 +2,7 @@
 
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import sqlalchemy as sa
@@ -10,11 +11,13 @@ from assets.shape import table_shape
 from resources.cache import KeptAnswers
 from resources.config import TableConfig
 from resources.exactly_once import (
+    KafkaReads,
+    ProgressMissing,
     ProgressRecord,
+    Purpose,
     TableChannel,
+    preflight,
     progress_missing,
-    progress_recorded_refusal,
-    refuse_watermark_change,
 )
 from resources.slices import SliceRange, watermark_text
 from resources.source_database import SourceDatabaseResource, SourceError, TableShape
@@ -100,16 +103,18 @@ PROGRESS_NOT_MISSING_TTL_S = 600.0
 _PROGRESS_NOT_MISSING: KeptAnswers[tuple[str, str, str], bool] = KeptAnswers(ttl_s=PROGRESS_NOT_MISSING_TTL_S)
 
 
-def raise_if_progress_missing(kafka_conf: dict[str, Any], channel: TableChannel, timestamps: bool) -> None:
-    """`progress_missing`'s refusal, raised; a "not missing" answer is trusted for PROGRESS_NOT_MISSING_TTL_S per
-    process (a change of prefix or a deleted progress topic comes with a new code location, or is seen then)."""
+def progress_missing_cached(kafka_conf: dict[str, Any], channel: TableChannel, timestamps: bool
+                            ) -> ProgressMissing | None:
+    """`progress_missing`'s refusal; a "not missing" answer is trusted for PROGRESS_NOT_MISSING_TTL_S per process
+    (a change of prefix or a deleted progress topic comes with a new code location, or is seen then)."""
     key = (str(kafka_conf.get("bootstrap.servers")), channel.progress_topic, channel.topic)
     if _PROGRESS_NOT_MISSING.get(key):
-        return
+        return None
     if (missing := progress_missing(kafka_conf, channel, timestamps, timeout=CHECK_KAFKA_TIMEOUT_S)) is not None:
         _PROGRESS_NOT_MISSING.forget(key)
-        raise missing
+        return missing
     _PROGRESS_NOT_MISSING.keep(key, True)
+    return None
 
 
 def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: ProgressRecord | None,
@@ -130,7 +135,9 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     the instance where progress is empty): over rows to send it is the run's own refusal (the progress topic lost
     after the data topic's messages expired), raised here too."""
     shape = table_shape(source, table)
-    refuse_watermark_change(progress, shape.watermark_id)  # a lag in another column's sense would be wrong
+    # A lag in another column's sense would be wrong: the committed progress alone is checked before any count.
+    if (refused := preflight(Purpose.CHECK, progress, watermark=shape.watermark_id)) is not None:
+        raise refused
     hi = progress.hi if progress else start_after
     top = source.max_watermark(shape)
     # `start_after: latest` before its baseline: the rows there now are never sent, so none of them is lag.
@@ -138,11 +145,14 @@ def measure_lag(source: SourceDatabaseResource, table: TableConfig, progress: Pr
     rows = (source.count_rows(shape, hi, top, table.skip_rows)
             if top is not None and top > hi and not awaiting_baseline else 0)
     if progress is None and published is not None and (rows or awaiting_baseline):
-        raise_if_progress_missing(published[0], published[1], shape.timestamps)
         # As the run: asked where it has slices to publish, and before a `latest` table's baseline, which is refused
         # over Dagster's record as well (`cut`): the check said "awaiting_baseline" over the gap.
-        if (missing := progress_recorded_refusal(published[1], recorded)) is not None:
-            raise missing
+        kafka_conf, channel = published
+        reads = replace(KafkaReads.of(kafka_conf, CHECK_KAFKA_TIMEOUT_S),
+                        published=partial(progress_missing_cached, kafka_conf))
+        if (refused := preflight(Purpose.CHECK, None, channel, timestamps=shape.timestamps, recorded=recorded,
+                                 kafka=reads)) is not None:
+            raise refused
     last = progress.committed_at if progress and progress.committed_at else None
     seconds: float | None
     if awaiting_baseline:

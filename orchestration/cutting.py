@@ -18,13 +18,12 @@ from resources.cache import KeptAnswers
 from resources.config import TableConfig
 from resources.exactly_once import (
     BASELINE_PREFIX,
+    KafkaReads,
     ProgressRecord,
+    Purpose,
     SlicePublisher,
     TableChannel,
-    progress_missing,
-    progress_recorded_refusal,
-    progress_shared,
-    refuse_watermark_change,
+    preflight,
     transaction_timeout_ms,
 )
 from resources.kafka_io_manager import KafkaIOManager
@@ -419,10 +418,6 @@ def cut(given: CutInputs, mode: CutMode) -> CutPlan:
     if isinstance(start, CutPlan):
         return start
     progress, state = start.progress, start.state
-    refuse_watermark_change(progress, shape.watermark_id)  # before any cut: "nothing new" would skip rows too
-    # `topic:` moved back to a topic it had left: the publisher refuses (two deployments sharing the progress).
-    if refuse and progress is not None and (shared := progress_shared(conf, channel, progress)) is not None:
-        raise shared
     if progress is None:
         refuse_start_after_kind(shape, table)
     committed_hi = progress.hi if progress else channel.start_after
@@ -453,15 +448,17 @@ def _start(given: CutInputs, mode: CutMode, shape: TableShape, channel: TableCha
     that waits for the baseline."""
     table, source, progress, state = given.table, given.source, given.progress, given.state
     slices = [SliceRange.from_key(k) for k in given.keys]
-    if refuse and progress is None and (missing := progress_missing(conf, channel, shape.timestamps)) is not None:
-        raise missing
-    # Slices Dagster recorded as committed over empty progress (its topic lost after the data topic's messages
-    # expired): the run refuses them (`recorded`), and so does a `latest` table's baseline, before any partition is
-    # touched. A baseline recorded over them (at the newest row) would skip every row written since the last commit;
-    # and with a fresh sensor cursor, the committed slices' partitions (from the old baseline up) would not continue
-    # a chain from 0 and be deleted as orphans.
-    if progress is None and (missing := progress_recorded_refusal(channel, given.recorded)) is not None:
-        raise missing
+    # As the publisher refuses, before any cut: a changed watermark ("nothing new" would skip rows too), `topic:`
+    # moved back to a topic it had left (two deployments sharing the progress), empty progress over published rows;
+    # Kafka asked only where the cut refuses. Slices Dagster recorded as committed over empty progress (its topic
+    # lost after the data topic's messages expired) are refused always: the run refuses them (`recorded`), and so
+    # does a `latest` table's baseline, before any partition is touched. A baseline recorded over them (at the newest
+    # row) would skip every row written since the last commit; and with a fresh sensor cursor, the committed slices'
+    # partitions (from the old baseline up) would not continue a chain from 0 and be deleted as orphans.
+    kafka = KafkaReads.of(conf) if refuse else None
+    if (refused := preflight(Purpose.CUT, progress, channel, watermark=shape.watermark_id,
+                             timestamps=shape.timestamps, recorded=given.recorded, kafka=kafka)):
+        raise refused
     # Slices over empty progress were cut under another `start_after` (a baseline is progress): orphans, once the
     # baseline is recorded. Left as a chain from 0, they would send the history `latest` skips.
     if progress is None and table.start_after == "latest":
@@ -472,6 +469,9 @@ def _start(given: CutInputs, mode: CutMode, shape: TableShape, channel: TableCha
             return CutPlan(channel.start_after, slices if mode.heal else [], [], [], state,
                            timestamps=shape.timestamps,
                            waiting="start_after: latest waits for open transactions before recording its baseline")
+        # The baseline, or the progress another cutter committed meanwhile (this read stale), as given progress is.
+        if (refused := preflight(Purpose.CUT, progress, channel, watermark=shape.watermark_id, kafka=kafka)):
+            raise refused
         # Below the baseline they would pass for committed slices (never published): deleted all the same. Only
         # below a baseline: progress another cutter committed meanwhile (this read stale) keeps its slices.
         below = progress.slice.startswith(BASELINE_PREFIX)

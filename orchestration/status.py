@@ -14,7 +14,7 @@ from orchestration.instance import runs_of_table
 from orchestration.runs import ACTIVE
 from orchestration.tables import kafka_conf
 from resources.config import RelayConfig, TableConfig
-from resources.exactly_once import progress_recorded_refusal, read_committed_progress
+from resources.exactly_once import Purpose, preflight, read_committed_progress
 from resources.source_database import SourceDatabaseResource
 
 
@@ -37,8 +37,8 @@ def table_status(config: RelayConfig, table: TableConfig) -> TableLag:
             first_run = first_run_at(instance, table)
             # Slices Dagster recorded as committed over empty progress: the run refuses, so status says why.
             recorded = last_recorded_slice(instance, asset_key(table))
-        if table.start_after == "latest" and (refused := progress_recorded_refusal(channel, recorded)) is not None:
-            # measure_lag counts no lag before a `latest` baseline; over those slices the cut refuses it (`cut`).
+        # measure_lag counts no lag before a `latest` baseline; over those slices the cut refuses it (`cut`).
+        if (refused := preflight(Purpose.STATUS, progress, channel, recorded=recorded)) is not None:
             raise refused
     source = SourceDatabaseResource.for_source(config.sources[table.source])
     try:

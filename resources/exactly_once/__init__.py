@@ -78,6 +78,9 @@ from resources.exactly_once.errors import (
     skip_advice,
 )
 from resources.exactly_once.preflight import (
+    KafkaReads,
+    Purpose,
+    preflight,
     progress_missing,
     progress_recorded_refusal,
     progress_shared,
@@ -161,6 +164,7 @@ __all__ = [
     "KIND_TEXTS",
     "KafkaAuthenticationError",
     "KafkaUnavailable",
+    "KafkaReads",
     "KindError",
     "LivePiece",
     "MessageBatch",
@@ -174,6 +178,7 @@ __all__ = [
     "PublishResult",
     "PublishedSlice",
     "PublisherFenced",
+    "Purpose",
     "READ_BACK_GAP",
     "READ_BATCH",
     "REPLAY_COMMIT_TIMEOUT_S",
@@ -217,6 +222,7 @@ __all__ = [
     "outcome_unknown",
     "partition_watermarks",
     "pieces_in_range",
+    "preflight",
     "progress_missing",
     "progress_recorded_refusal",
     "progress_shared",

@@ -24,10 +24,10 @@ from resources.exactly_once.clients import (
 )
 from resources.exactly_once.errors import (
     BadRowError,
-    BaselineMissing,
     KafkaAuthenticationError,
     KafkaUnavailable,
     ProducerSettingsError,
+    ProgressMissing,
     PublisherFenced,
     RelayError,
     SliceOutOfOrder,
@@ -36,7 +36,7 @@ from resources.exactly_once.errors import (
     _AbortAndRedo,
     _CommitUnknown,
 )
-from resources.exactly_once.preflight import progress_missing, progress_recorded_refusal, progress_shared
+from resources.exactly_once.preflight import KafkaReads, Purpose, preflight
 from resources.exactly_once.progress_log import find_slice_progress, read_committed_progress
 from resources.exactly_once.records import (
     BASELINE_PREFIX,
@@ -45,7 +45,6 @@ from resources.exactly_once.records import (
     PublishResult,
     ResetOutcome,
     TableChannel,
-    refuse_watermark_change,
     watermark_fields,
 )
 from resources.exactly_once.slice_rows import SliceRows
@@ -63,7 +62,7 @@ class SlicePublisher(Transaction):
                  recorded: SliceRange | None = None, commit_timeout_s: float = 120.0) -> None:
         self.channel = channel
         # The newest slice the orchestrator recorded as committed, where Kafka's progress looked empty to it (None:
-        # nothing recorded, or progress was there): see `_refuse_if_progress_missing`.
+        # nothing recorded, or progress was there): see `_refuse_unpublishable`.
         self.recorded = recorded
         self.flush_timeout_s = flush_timeout_s
         self.kafka_conf = kafka_conf
@@ -181,7 +180,7 @@ class SlicePublisher(Transaction):
         started = time.monotonic()
         committed = self._progress_after_fence()
         self.on_stage("progress_read")
-        self._refuse_unpublishable(slice_range, committed, watermark)
+        self._refuse_unpublishable(committed, slice_range.timestamps, slice_range, watermark)
         committed_hi = committed.hi if committed else self.channel.start_after
         if committed_hi >= slice_range.hi:
             return PublishResult(self._committed_record(slice_range, committed), already_committed=True,
@@ -239,22 +238,21 @@ class SlicePublisher(Transaction):
                 self._abort_quietly()
                 raise
 
-    def _refuse_unpublishable(self, slice_range: SliceRange, committed: ProgressRecord | None,
-                              watermark: tuple[str, str] | None) -> None:
-        """The refusals a publish starts with, on the progress read once this publisher fenced every other."""
+    def _refuse_unpublishable(self, committed: ProgressRecord | None, timestamps: bool,
+                              slice_range: SliceRange | None = None, watermark: tuple[str, str] | None = None) -> None:
+        """The refusals a publish (of `slice_range`; None: a progress record alone) starts with (`preflight`), on the
+        progress read once this publisher fenced every other. Kafka is asked once per publisher: whether an empty
+        progress's rows were published all the same, and whether a topic change took the progress back."""
+        checked = self._topic_checked if committed is None else self._topic_checked_back
+        refusal = preflight(Purpose.PUBLISH, committed, self.channel, watermark=watermark, timestamps=timestamps,
+                            recorded=self.recorded, kafka=None if checked else KafkaReads.of(self.kafka_conf),
+                            publishing=slice_range)
         if committed is None:
-            self._refuse_if_progress_missing(slice_range.timestamps)
-            if self.channel.baseline_required:
-                # Cut before `start_after` became `latest`: the whole history would be sent.
-                raise BaselineMissing(
-                    f"{self.channel.table}: start_after is latest, and no baseline is recorded yet: slice "
-                    f"{slice_range} was cut before (under another start_after) and would send rows `latest` skips. "
-                    "Nothing was sent; the table's sensor (or `rowrelay backfill`) records the baseline at the "
-                    "newest final row and deletes such slices")
-        else:
-            if watermark is not None:
-                refuse_watermark_change(committed, watermark)
-            self._refuse_topic_taken_back(committed)
+            self._topic_checked = checked or not isinstance(refusal, ProgressMissing | PublisherFenced)
+        elif refusal is None and committed.topic and committed.topic != self.channel.topic:
+            self._topic_checked_back = True
+        if refusal is not None:
+            raise refusal
 
     def _committed_record(self, slice_range: SliceRange, committed: ProgressRecord | None) -> ProgressRecord:
         """The progress record of a slice that progress already covers."""
@@ -287,7 +285,7 @@ class SlicePublisher(Transaction):
         if not reset:
             standing = self._progress_after_fence()
             if standing is None:
-                self._refuse_if_progress_missing(record.watermark_kind in ("timestamp", "timestamptz"))
+                self._refuse_unpublishable(None, record.watermark_kind in ("timestamp", "timestamptz"))
             elif only_if_empty:
                 return standing
         try:
@@ -356,45 +354,6 @@ class SlicePublisher(Transaction):
             self.producer.flush(5)
 
     # -- internals ----------------------------------------------------------------------------------
-
-    def _refuse_topic_taken_back(self, committed: ProgressRecord) -> None:
-        """Refuse when the table's progress moved to another topic and back (`topic_taken_back`): two deployments
-        sharing one transactional_id prefix. Reads the history only when the topics differ, once per publisher."""
-        if self._topic_checked_back:
-            return
-        if (shared := progress_shared(self.kafka_conf, self.channel, committed)) is not None:
-            raise shared
-        if committed.topic and committed.topic != self.channel.topic:
-            self._topic_checked_back = True
-
-    def _refuse_if_overtaken(self) -> None:
-        """The empty progress this publisher read is stale when a newer publisher fenced it and committed since
-        (this one stalled in between): the messages in the topic are that one's, and this one stops as fenced. Read a
-        few times: the commit marker on the progress partition may follow the data partitions' by a moment."""
-        for attempt in range(3):
-            if (now := self.committed_progress()) is not None:
-                break
-            if attempt < 2:
-                time.sleep(1.0)
-        else:
-            return
-        raise PublisherFenced(
-            f"{self.channel.table}: another publisher took over transactional id {self.channel.transactional_id} "
-            f"and committed progress up to {now.hi_text} since this one read it; this one stops without publishing")
-
-    def _refuse_if_progress_missing(self, timestamps: bool) -> None:
-        """Empty progress but the table's messages already in its data topic (e.g. a new transactional_id_prefix
-        gave it a new, empty progress topic), or slices of it recorded committed by the orchestrator (`recorded`:
-        the progress topic deleted after the data topic's messages expired): publishing would send them all again.
-        Checked once per publisher."""
-        if self._topic_checked:
-            return
-        if (missing := progress_missing(self.kafka_conf, self.channel, timestamps)) is not None:
-            self._refuse_if_overtaken()
-            raise missing
-        if (missing := progress_recorded_refusal(self.channel, self.recorded)) is not None:
-            raise missing
-        self._topic_checked = True
 
     def _raise_if_timed_out(self, slice_range: SliceRange, exc: BaseException) -> None:
         """A fenced/epoch/abort error of a transaction open about as long as transaction.timeout.ms is the
