@@ -18,13 +18,14 @@ from resources.exactly_once import (
     WatermarkChanged,
     preflight,
 )
+from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 
 TABLE = "src.public.t"
 
 
 def _channel(*, latest: bool = False, topic: str = "t") -> TableChannel:
-    return TableChannel.for_table(TABLE, topic, start_after=5, baseline_required=latest)
+    return TableChannel.for_table(TABLE, topic, prefix=PREFIX, start_after=5, baseline_required=latest)
 
 
 def _record(lo: int, hi: int, topic: str = "t", watermark: tuple[str, str] = ("id", "integer")) -> ProgressRecord:
