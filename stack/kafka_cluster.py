@@ -235,9 +235,13 @@ def stack_cluster_up(base: Path, brokers: int) -> str:
             continue
         log(f"kafka cluster: starting node {node.node_id} again on 127.0.0.1:{node.port}")
         node.start()
+    # Each node's own port first: the metadata lists a node killed a moment ago until its session times out.
+    deadline = time.monotonic() + 180
+    while not all(kafka_ready(p) for p in ports):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the stack's Kafka cluster on {bootstrap} does not answer; logs under {base}")
+        time.sleep(0.5)
     KafkaCluster(nodes).wait_for({n.node_id for n in nodes})
-    if not all(kafka_ready(p) for p in ports):
-        raise TimeoutError(f"the stack's Kafka cluster on {bootstrap} does not answer")
     log(f"kafka cluster: {brokers} nodes up on {bootstrap}")
     return bootstrap
 
