@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,13 +18,14 @@ import yaml
 from confluent_kafka import Consumer, TopicPartition
 from dagster import DagsterInstance, Definitions, DeleteDynamicPartitionsRequest, RunRequest, build_sensor_context
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
-from sqlalchemy.engine import URL
+from sqlalchemy import text
+from sqlalchemy.engine import URL, Engine
 
 from orchestration.factory import build_definitions, job_name
 from resources.config import RelayConfig, TableConfig, parse_config
 from resources.exactly_once import FAST_READS, ProgressRecord, TableChannel, read_committed_progress
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
-from tests.conftest import Services, partition_ends
+from tests.conftest import Services, partition_ends, unique
 
 T = TypeVar("T")
 
@@ -49,6 +51,31 @@ def relay_config(services: Services, sources: dict[str, URL], tables: list[dict[
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def id_table_config(services: Services, pg_database: URL, pg_engine: Engine, label: str) -> RelayConfig:
+    """A fresh `(id bigserial, v text)` table in `pg_database`, and a config relaying it to a topic of its own in
+    1,000-row slices on the stack's Spark Connect server, its sensor ticking every second: what a deployment test
+    (separate Dagster processes, a project of a user's) relays."""
+    name = unique(label)
+    with pg_engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
+    return relay_config(services, {"src": pg_database}, [
+        {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 1000,
+         "sensor_interval_seconds": 1, "topic": f"{label}.{name}"}], spark_remote=True)
+
+
+@contextlib.contextmanager
+def dagster_database(pg_engine: Engine) -> Iterator[str]:
+    """A fresh database on the stack's PostgreSQL for a Dagster instance's storage; dropped afterwards."""
+    name = unique("dagster")
+    with contextlib.closing(pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT")) as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield name
+    finally:
+        with contextlib.closing(pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT")) as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def target(request: RunRequest) -> str:

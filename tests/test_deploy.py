@@ -26,8 +26,8 @@ from assets.identity import channel_for
 from orchestration.verify import verify_table
 from resources.exactly_once import read_committed_progress
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
-from tests.conftest import Services, unique
-from tests.pipeline import ROOT, relay_config
+from tests.conftest import Services
+from tests.pipeline import ROOT, dagster_database, id_table_config
 from tests.test_faults import DAGSTER_YAML, LAUNCHERS
 
 pytestmark = pytest.mark.integration
@@ -114,50 +114,45 @@ def a_project_with_the_component(venv: Path, tmp_path: Path, settings: dict, env
     return project
 
 
-def test_a_dagster_project_adopts_the_component_and_its_sensor_relays_rows(
-        venv: Path, tmp_path: Path, services: Services, pg_database: URL, pg_engine: Engine) -> None:
-    name = unique("adopt")
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
-    cfg = relay_config(services, {"src": pg_database}, [
-        {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 1000,
-         "sensor_interval_seconds": 1, "topic": f"adopt.{name}"}], spark_remote=True)
-    home = tmp_path / "home"
+def dagster_home(home: Path, services: Services, dagster_db: str) -> Path:
+    """A DAGSTER_HOME whose instance stores in `dagster_db` and launches runs with Dagster's DefaultRunLauncher."""
     home.mkdir()
-    dagster_db = unique("dagster")
-    with contextlib.closing(pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT")) as conn:
-        conn.execute(text(f'CREATE DATABASE "{dagster_db}"'))
     (home / "dagster.yaml").write_text(DAGSTER_YAML.format(
         storage=yaml.safe_dump({"storage": services.dagster_storage(dagster_db)}), launcher=LAUNCHERS["default"]))
-    env = {**clean_env(), "DAGSTER_HOME": str(home), "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
-    daemon = None
-    try:
+    return home
+
+
+def test_a_dagster_project_adopts_the_component_and_its_sensor_relays_rows(
+        venv: Path, tmp_path: Path, services: Services, pg_database: URL, pg_engine: Engine) -> None:
+    cfg = id_table_config(services, pg_database, pg_engine, "adopt")
+    table = cfg.tables[0]
+    with dagster_database(pg_engine) as dagster_db:
+        home = dagster_home(tmp_path / "home", services, dagster_db)
+        env = {**clean_env(), "DAGSTER_HOME": str(home), "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
         project = a_project_with_the_component(venv, tmp_path, cfg.model_dump(mode="json", exclude_none=True), env)
         checked = run_ok([str(venv / "bin" / "dg"), "check", "defs"], project, env)
         assert "loaded successfully" in checked, checked
         listed = run_ok([str(venv / "bin" / "dg"), "list", "defs", "--json"], project, env)
-        assert f'"src/public/{name}"' in listed.replace(" ", ""), listed[-3000:]
+        assert f'"src/public/{table.table_name}"' in listed.replace(" ", ""), listed[-3000:]
         with pg_engine.begin() as conn:
-            conn.execute(text(f"INSERT INTO {name} (v) SELECT 'r' || g FROM generate_series(1, 2500) g"))
+            conn.execute(text(f"INSERT INTO {table.table_name} (v) SELECT 'r' || g FROM generate_series(1, 2500) g"))
         log = open(home / "daemon.log", "ab")  # noqa: SIM115 - owned by the daemon
         daemon = subprocess.Popen([str(venv / "bin" / "dagster-daemon"), "run", "-m", "adopter.definitions"],
                                   cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        conf = {"bootstrap.servers": services.kafka_bootstrap}
-        channel = channel_for(cfg.tables[0], PREFIX)
-        deadline = time.monotonic() + 300
-        while (progress := read_committed_progress(conf, channel)) is None or progress.hi < 2500:
-            assert daemon.poll() is None and time.monotonic() < deadline, \
-                f"the component's sensor runs did not relay 2500 rows\n{(home / 'daemon.log').read_text()[-4000:]}"
-            time.sleep(2)
-        defs = project / "src" / "adopter" / "defs" / "relay" / "defs.yaml"
-        verified = run_ok([str(venv / "bin" / "rowrelay"), "--defs", str(defs), "verify"], project, env)
-        assert "2500" in verified, verified
-        report = verify_table(cfg, cfg.tables[0])
-        assert report.ok and report.source_rows == report.messages == 2500, report
-    finally:
-        if daemon is not None:
+        try:
+            conf = {"bootstrap.servers": services.kafka_bootstrap}
+            deadline = time.monotonic() + 300
+            while (progress := read_committed_progress(conf, channel_for(table, PREFIX))) is None or \
+                    progress.hi < 2500:
+                assert daemon.poll() is None and time.monotonic() < deadline, \
+                    f"the component's sensor runs did not relay 2500 rows\n{(home / 'daemon.log').read_text()[-4000:]}"
+                time.sleep(2)
+        finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(daemon.pid, signal.SIGKILL)
             daemon.wait(30)
-        with contextlib.closing(pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT")) as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{dagster_db}" WITH (FORCE)'))
+        defs = project / "src" / "adopter" / "defs" / "relay" / "defs.yaml"
+        verified = run_ok([str(venv / "bin" / "rowrelay"), "--defs", str(defs), "verify"], project, env)
+        assert "2500" in verified, verified
+        report = verify_table(cfg, table)
+        assert report.ok and report.source_rows == report.messages == 2500, report

@@ -32,8 +32,8 @@ from resources.keys import WARM_WORKER_TAG
 from resources.names import DEFAULT_TRANSACTIONAL_ID_PREFIX as PREFIX
 from resources.slices import SliceRange
 from stack.screenshot import graphql, wait_for_ui
-from tests.conftest import Services, unique
-from tests.pipeline import ROOT, relay_config
+from tests.conftest import Services
+from tests.pipeline import ROOT, dagster_database, id_table_config
 from tests.private_servers import free_ports
 from tests.test_faults import DAGSTER_YAML, LAUNCHERS
 
@@ -120,39 +120,30 @@ def deployment(services: Services, pg_database: URL, pg_engine: Engine, tmp_path
                ) -> Iterator[tuple[Layout, Any, RelayConfig, str]]:
     if not services.spark_remote:
         pytest.skip("the production layout runs on the stack's Spark Connect server")
-    name = unique("prod")
-    with pg_engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, v text)"))
-    cfg = relay_config(services, {"src": pg_database}, [
-        {"source": "src", "table": f"public.{name}", "watermark": "id", "slice_max_rows": 1000,
-         "sensor_interval_seconds": 1, "topic": f"prod.{name}"}], spark_remote=True)
-    dagster_db = unique("dagster")
-    with contextlib.closing(pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT")) as conn:
-        conn.execute(text(f'CREATE DATABASE "{dagster_db}"'))
-    config_file = tmp_path / "rowrelay.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
-    (tmp_path / "dagster.yaml").write_text(DAGSTER_YAML.format(
-        storage=yaml.safe_dump({"storage": services.dagster_storage(dagster_db)}), launcher=LAUNCHERS["default"]))
-    grpc_port, web_port = free_ports(2)
-    (tmp_path / "workspace.yaml").write_text(yaml.safe_dump({"load_from": [{"grpc_server": {
-        "host": "127.0.0.1", "port": grpc_port, "location_name": LOCATION}}]}))
-    env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "ROWRELAY_CONFIG": str(config_file),
-           "PYTHONPATH": str(ROOT)}
-    layout = Layout(tmp_path, env)
-    try:
-        layout.start("code-server", ["dagster", "code-server", "start", "-m", "orchestration.definitions",
-                                     "-h", "127.0.0.1", "-p", str(grpc_port), "--location-name", LOCATION])
-        wait_for_code_server(grpc_port, layout)
-        layout.start("webserver", ["dagster_webserver", "-h", "127.0.0.1", "-p", str(web_port), "-w",
-                                   str(tmp_path / "workspace.yaml")])
-        base = f"http://127.0.0.1:{web_port}"
-        wait_for_ui(base, timeout=120)
-        with DagsterInstance.from_config(str(tmp_path)) as instance:
-            yield layout, instance, cfg, base
-    finally:
-        layout.stop()
-        with contextlib.closing(pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT")) as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{dagster_db}" WITH (FORCE)'))
+    cfg = id_table_config(services, pg_database, pg_engine, "prod")
+    with dagster_database(pg_engine) as dagster_db:
+        config_file = tmp_path / "rowrelay.yaml"
+        config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+        (tmp_path / "dagster.yaml").write_text(DAGSTER_YAML.format(
+            storage=yaml.safe_dump({"storage": services.dagster_storage(dagster_db)}), launcher=LAUNCHERS["default"]))
+        grpc_port, web_port = free_ports(2)
+        (tmp_path / "workspace.yaml").write_text(yaml.safe_dump({"load_from": [{"grpc_server": {
+            "host": "127.0.0.1", "port": grpc_port, "location_name": LOCATION}}]}))
+        env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "ROWRELAY_CONFIG": str(config_file),
+               "PYTHONPATH": str(ROOT)}
+        layout = Layout(tmp_path, env)
+        try:
+            layout.start("code-server", ["dagster", "code-server", "start", "-m", "orchestration.definitions",
+                                         "-h", "127.0.0.1", "-p", str(grpc_port), "--location-name", LOCATION])
+            wait_for_code_server(grpc_port, layout)
+            layout.start("webserver", ["dagster_webserver", "-h", "127.0.0.1", "-p", str(web_port), "-w",
+                                       str(tmp_path / "workspace.yaml")])
+            base = f"http://127.0.0.1:{web_port}"
+            wait_for_ui(base, timeout=120)
+            with DagsterInstance.from_config(str(tmp_path)) as instance:
+                yield layout, instance, cfg, base
+        finally:
+            layout.stop()
 
 
 def test_a_run_launched_through_graphql_and_one_by_the_sensor_each_relay_their_rows(
