@@ -1,17 +1,24 @@
-"""The one-slice run on a two-worker Spark standalone cluster, beside the same slice on the stack's `local[2]`
-Connect server (the memory part's run): rows per second and how many executors ran the read's tasks, as Spark's
-REST API counts them.
+"""rowrelay's runs on clusters, beside the same runs on the stack's single box:
+- the one-slice run on a two-worker Spark standalone cluster, beside the same slice on the stack's `local[2]`
+  Connect server (the memory part's run): rows per second and how many executors ran the read's tasks, as Spark's
+  REST API counts them;
+- the 1M-row backfill in 1M-row slices to a private three-node Kafka cluster with a production cluster's settings
+  (replication 3, `min.insync.replicas=2`), beside the single broker's (the rowrelay part's median).
 
-On one two-core machine the cluster's executors share the cores that `local[2]` has to itself, plus a second
-Connect JVM's: the figure says what the cluster path costs here, not what a cluster of real machines gains.
+On one two-core machine the cluster's executors or brokers share the cores the single box has to itself: the
+figures say what the cluster path costs here, not what a cluster of real machines gains.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from pathlib import Path
 from typing import Any
 
 from bench.run import Stack, load_table, log, run_rowrelay
+from stack.kafka_cluster import start_cluster
+from stack.local import free_ports
 from stack.spark_cluster import attached_cluster
 
 WORKERS = 2
@@ -34,4 +41,20 @@ def cluster_slice(stack: Stack, table: str, rows: int, workdir: Path) -> dict[st
         run["workers"] = WORKERS
     with stack.connect() as conn:
         conn.execute(f"DROP TABLE IF EXISTS {warm}")
+    return run
+
+
+def kafka_cluster_backfill(stack: Stack, table: str, rows: int, slice_rows: int, workdir: Path) -> dict[str, Any]:
+    """`table`'s backfill (`rows`, in `slice_rows` slices) to a private three-node Kafka cluster."""
+    ports = free_ports(6)
+    base = workdir / "kafka-cluster"
+    shutil.rmtree(base, ignore_errors=True)  # a fresh cluster each run: its nodes are formatted anew
+    cluster = start_cluster(base, ports[:3], ports[3:])
+    try:
+        log(f"kafka cluster: {rows:,} rows in {slice_rows:,}-row slices to {cluster.bootstrap}")
+        run = run_rowrelay(dataclasses.replace(stack, bootstrap=cluster.bootstrap), table, rows, slice_rows, workdir,
+                           "kcluster")
+        run["brokers"] = len(cluster.nodes)
+    finally:
+        cluster.kill_all()
     return run

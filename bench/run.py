@@ -18,6 +18,8 @@ TCP (sslmode=disable) and produces lz4 to the same broker:
   memory    peak RSS of the run worker (the backfill process) for the largest slice
   cluster   that slice again, read on a private two-worker Spark standalone cluster (bench/cluster.py): rows/s,
             executors used, and its ratio to the memory run's local[2]
+  kafka_cluster  the 1M-row backfill in 1M-row slices to a private three-node Kafka cluster (replication 3,
+            min.insync.replicas 2), and its ratio to the single broker's (the rowrelay part's median)
 The 1M-row runs (raw, ceiling, rowrelay, dpone, Debezium) go in `--repeats` rounds (3), every tool once per round;
 each figure is the median of its rounds, and every sample is kept in results.json. The ceiling, ceiling + Kafka and
 rowrelay runs also record the CPU-seconds of each process of the stack over the run (`cpu_s`).
@@ -326,7 +328,7 @@ def write_config(stack: Stack, path: Path, tables: list[dict[str, Any]], warm_sp
     remote = spark_remote or (stack.spark_remote if warm_spark else "")
     spark = {"remote": remote} if remote else {"master": "local[2]"}
     path.write_text(yaml.safe_dump({"sources": sources, "tables": tables, "spark": spark,
-                                    "kafka": {"bootstrap_servers": "${ROWRELAY_KAFKA_BOOTSTRAP}"}}))
+                                    "kafka": {"bootstrap_servers": stack.bootstrap}}))
     return path
 
 
@@ -693,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launchers", nargs="+", choices=sorted(LAUNCHERS), default=["warm"],
                         help="run launchers to measure freshness and run overhead with (the first gives the "
                              "unsuffixed keys)")
-    parts = ["raw", "ceiling", "rowrelay", "dpone", "debezium", "idle", "scale", "freshness", "memory", "cluster"]
+    parts = ["raw", "ceiling", "rowrelay", "dpone", "debezium", "idle", "scale", "freshness", "memory", "cluster",
+             "kafka_cluster"]
     parser.add_argument("--only", choices=parts, nargs="*")
     args = parser.parse_args(argv)
     only = set(args.only or parts)
@@ -838,6 +841,16 @@ def main(argv: list[str] | None = None) -> int:
             results["freshness_cold_samples_s"] = [round(x.freshness_s, 2) for x in cold]
             results["freshness_cold_p50_s"] = round(percentile([x.freshness_s for x in cold], 0.5), 2)
 
+    if "kafka_cluster" in only:
+        from bench.cluster import kafka_cluster_backfill  # it builds on this module: imported where used
+
+        k = kafka_cluster_backfill(stack, table, args.rows, 1_000_000, workdir)
+        results["kafka_cluster"] = k
+        results["kafka_cluster_rows_per_s"] = k["rows_per_s"]
+        if single := results.get("rowrelay_1m_slice_rows_per_s"):  # the rowrelay part's median, same slices
+            results["ratio_kafka_cluster_vs_single_broker"] = round(k["rows_per_s"] / single, 2)
+        log(f"kafka cluster: {k['rows_per_s']:,} rows/s on {k['brokers']} brokers, exactly once: {k['exactly_once']}")
+
     if "memory" in only and args.rss_rows:
         big = f"bench_big_{run_id}"
         log(f"memory: loading {args.rss_rows:,} rows for one slice")
@@ -882,7 +895,8 @@ def main(argv: list[str] | None = None) -> int:
     # rowrelay's publisher, the memory run's): each topic read to its end, every watermark once.
     promised = [*results.get("rowrelay_runs", []), *results.get("kafka_path_runs", []),
                 *([results["memory"]] if "memory" in results else []),
-                *([results["cluster"]] if "cluster" in results else [])]
+                *([results["cluster"]] if "cluster" in results else []),
+                *([results["kafka_cluster"]] if "kafka_cluster" in results else [])]
     broken = [r for r in promised if not r.get("exactly_once")]
     results["exactly_once_every_run"] = not broken if promised else None
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
@@ -989,7 +1003,10 @@ def print_table(r: dict[str, Any]) -> None:
              ("  for a one-slice run of rows", r["peak_rss_rows"]),
              *((("the same slice on a two-worker Spark cluster, rows/s", r["cluster_slice_rows_per_s"]),
                 ("  executors that ran its tasks", r["cluster_executors_used"]),
-                ("  ratio to local[2]", r["ratio_cluster_vs_local"])) if r.get("cluster_slice_rows_per_s") else ())]
+                ("  ratio to local[2]", r["ratio_cluster_vs_local"])) if r.get("cluster_slice_rows_per_s") else ()),
+             *((("rowrelay 1M slice to a three-broker Kafka cluster, rows/s", r["kafka_cluster_rows_per_s"]),
+                ("  ratio to the single broker", r.get("ratio_kafka_cluster_vs_single_broker")))
+               if r.get("kafka_cluster_rows_per_s") else ())]
     width = max(len(k) for k, _ in rows)
     print()
     for k, v in rows:
