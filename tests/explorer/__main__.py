@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         results["fault_records"] = [r.as_dict() for r in w.records]
         ok = not w.problems
     print("explorer result " + json.dumps({"seed": seed, "ok": ok, **results}), flush=True)
-    print(f"explorer seed {seed}: {'OK' if ok else 'FAILED'} (replay: make explore SEED={seed})", flush=True)
+    flags = "".join(f" {name}=1" for name, on in (("BROKER_FAULTS", args.broker_faults),
+                                                   ("SPARK_FAULTS", args.spark_faults),
+                                                   ("DAEMON_FAULTS", args.daemon_faults)) if on)
+    print(f"explorer seed {seed}: {'OK' if ok else 'FAILED'} (replay: make explore SEED={seed}{flags})", flush=True)
     return 0 if ok else 1
 
 
